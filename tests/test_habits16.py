@@ -9,8 +9,11 @@ held to one device's plain PyTorch (or a raise naming the fix), on simulated ran
 3. ``nn.init.normal_`` on Zero3's shards over tensor parallelism raised (FSDP's gave one
    device's draw): now one device's draw too (``_wb_draw_store``, laid_out._one_draw).
 """
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 import workbench as wb
 
@@ -80,3 +83,31 @@ def test_normal_init_of_the_optimizers_parameters_is_one_devices_draw(kind):
     opt.step()
     ro.step()
     assert_same_model(wr, ref)
+
+
+def test_ddp_over_disttensors_of_one_whole_replica_gives_torchs_views():
+    """DDP over a module's DistTensors on a one-rank mesh (``parallelize(m, mesh, {})``;
+    under torchrun each process's replica is the same ``(1, *shape)`` storage): the storage
+    holds one whole replica, so ``p.flatten()`` / ``p.T`` / ``p.grad.flatten()`` are the
+    views torch's DDP gives.  Was: refused ("no view of it exists here"), which also broke
+    test_fixlist2's torchrun DDP script (``p.grad.flatten()``)."""
+    torch.manual_seed(0)
+    mesh = wb.Mesh.grid(1, ["dp"])
+    m = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).double()
+    ref = copy.deepcopy(m)
+    ddp = wb.DistributedDataParallel(wb.parallelize(m, mesh, {}), mesh)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    ddp(wb.shard_tensor(x, mesh, [wb.Replicate()])).sum().backward()
+    ddp.finish_gradient_synchronization()
+    ref(x).sum().backward()
+    for p, r in zip(ddp.parameters(), ref.parameters()):
+        assert torch.equal(p.flatten().detach(), r.detach().flatten())
+        g = p.grad.flatten()
+        assert type(g) is torch.Tensor and g.shape == (r.numel(),)
+        torch.testing.assert_close(g, r.grad.flatten(), rtol=0, atol=1e-15)
+        if r.dim() == 2:
+            assert torch.equal(p.T.detach(), r.detach().T)
+    two = wb.Mesh.grid(2, ["dp"])                      # two replicas: still refused
+    d2 = wb.DistributedDataParallel(wb.parallelize(copy.deepcopy(ref), two, {}), two)
+    with pytest.raises(NotImplementedError, match="no view of it exists here"):
+        next(iter(d2.parameters())).flatten()

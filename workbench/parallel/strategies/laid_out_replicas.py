@@ -72,6 +72,10 @@ class ReplicaStorage(torch.Tensor):
                     raise TypeError("len() of a 0-d tensor")
                 return shape[0]
             if (func in VIEWS or _is(func, _PROPS)) and users_call(True, depth=-1):
+                whole = _one_whole_replica(t, shape)
+                if whole is not None:               # the module's tensor is this storage
+                    with torch._C.DisableTorchFunctionSubclass():
+                        return func(whole, *args[1:], **kwargs)
                 raise NotImplementedError(view_refusal(
                     getattr(func, '__name__', 'a view'), tuple(t.as_subclass(_T).shape),
                     tuple(shape), getattr(t, "_wb_distributed", False)))
@@ -82,6 +86,18 @@ class ReplicaStorage(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         return _keep(func, args, kwargs, out)
+
+
+def _one_whole_replica(t, shape):
+    """The storage ``t`` viewed in the module's ``shape`` where it holds exactly one whole
+    replica (leading mesh dims of size 1, nothing split over tp: a process's own replica
+    of a parameter replicated over its mesh, as torch's DDP holds it), so a view of it is
+    the view torch's DDP gives; else None (the view is refused)."""
+    stored = tuple(t.as_subclass(_T).shape)
+    lead = len(stored) - len(shape)
+    if lead < 0 or stored[lead:] != tuple(shape) or any(d != 1 for d in stored[:lead]):
+        return None
+    return t.as_subclass(_T).view(tuple(shape))
 
 
 def view_refusal(what: str, stored: tuple, shape: tuple, distributed: bool) -> str:

@@ -282,6 +282,11 @@ def _users_module_read(t, func, args, what: str):
             raise TypeError("len() of a 0-d tensor")
         return True, shape[0]
     if (func in VIEWS or any(func == f for f in _PROPS)) and users_call(True):
+        from .laid_out_replicas import _one_whole_replica
+        whole = _one_whole_replica(t, shape)
+        if whole is not None:                   # one whole replica: torch DDP's view
+            with torch._C.DisableTorchFunctionSubclass():
+                return True, func(whole, *args[1:])
         raise NotImplementedError(
             f"{getattr(func, '__name__', 'a view')} of the gradient of {what}: its storage "
             f"(shape {tuple(t.as_subclass(torch.Tensor).shape)}) holds shards, and the "
