@@ -50,3 +50,49 @@ def test_layer_norm_per_rank_weights_allowed_mix_still_matches_torch():
     want = ref(X)
     assert y.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(y.full(), want.detach(), rtol=0, atol=0)
+
+
+# ---- 2. the head's tp-partial gradient under SP with ONE pipeline stage ----------------------
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_one_stage_sp_sums_the_replicated_heads_gradient_with_the_norms(m):
+    """The tiny Llama (untied; vocabulary 75, which tp 2 does not divide: the head is
+    replicated over tp and reads the final norm's sequence shards), Hybrid(tp=2, sp=True)
+    with one pipeline stage. Was: the head weight's partial gradient (19,200 B) all-reduced
+    over tp by autograd's replica sum in every micro-batch's backward, apart from the
+    norms' once-per-step all-reduce (fixlist13's fix required more than one stage).
+    Megatron-LM sums sequence-parallel gradients once per step (finalize_model_grads).
+    Now one all-reduce per step holding the head and the norms; parameters after the step
+    are one device's."""
+    from workbench.models.config import build_model, get_config
+    from workbench.models.data import get_batch
+    from workbench.ops.adamw import AdamW
+    from workbench.parallel.module import dist_parameters
+    from workbench.recipes.hybrid import Hybrid
+    cfg = get_config("tiny")
+    torch.manual_seed(0)
+    ref = build_model(cfg, seed=0).train()
+    opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    x, y = get_batch(cfg, 8, 0, 0)
+    ref(x, y)[1].backward()
+    opt.step()
+    torch.manual_seed(0)
+    s = Hybrid(tp=2, sp=True, microbatches=m)
+    s.check(cfg, 8)
+    model = s.build_model(cfg, 0)
+    opts = s.build_optimizer(model, 1e-2, 0.1)
+    with wb.trace("a100") as tr:
+        s.forward_backward(model, x, y)
+        s.optimizer_step(opts)
+    grads = [(e.label, e.args["buffer_bytes"]) for e in tr.events
+             if e.name == "all_reduce" and not e.label.startswith("P(sum)->R")]
+    head = cfg.vocab_size * cfg.d_model * 4
+    norms = (2 * cfg.n_layer + 1) * cfg.d_model * 4          # every layer's two, the final
+    assert grads == [("sequence-parallel norm grads", head + norms)], grads
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    got = {n: p.full().detach() for n, p in dist_parameters(model)}
+    assert set(got) == set(want)
+    for name, w in want.items():
+        tight = name == "lm_head.weight" or "norm" in name
+        torch.testing.assert_close(got[name], w, rtol=2e-5, atol=5e-6 if tight else 1e-4,
+                                   msg=name)
