@@ -317,14 +317,15 @@ class Hybrid:
                                  sequence_parallel_norms(model.get_submodule(name), mesh,
                                                          model.norm_classes())] \
                 if self.sp and self.zero != 3 else []
-            if self.sp and self.zero != 3 and len(self.stages) > 1 and \
+            if self.sp and self.zero != 3 and \
                     "lm_head" in stage["modules"] and "lm_head" not in plan:
                 # SP, a head replicated over tp (a vocabulary tp does not divide) after the
                 # final norm's sequence shards: its weight's gradient is a partial sum over
                 # tp, as a norm's. Megatron-LM all-reduces such sequence-parallel gradients
                 # once per step after the flush (finalize_model_grads), not per
                 # micro-batch as autograd's replica sum did here (gpt-tiny, tp 2, pp 2:
-                # 2 all-reduces of the head's gradient at 2 micro-batches, 4 at 4)
+                # 2 all-reduces of the head's gradient at 2 micro-batches, 4 at 4; one
+                # stage too: apart from the norms' once-per-step one, fixlist15)
                 self._sp_norms[s] += sequence_parallel_params(model.lm_head, mesh)
             if self.sp and self.tp > 1 and "norm" in stage["modules"] and "tok_emb" in plan:
                 # SP, vocabulary-parallel head: Megatron's output layer is a

@@ -173,6 +173,23 @@ class _PerRankAffine(torch.autograd.Function):
 _LOW = (torch.bfloat16, torch.float16)
 
 
+def _check_dtypes(x, w, b, ns, eps):
+    """The per-rank views' path composes the norm from pieces that would accept any dtype
+    mix; torch's kernel refuses some (CPU: a float32 x with bfloat16 weights, 'mixed dtype
+    (CPU): expect parameter to have scalar type of Float'). Ask torch's own kernel on empty
+    tensors of the same dtypes and device (no rows: no work) and raise as it does."""
+    def empty(t, shape):
+        return None if t is None else torch.empty(shape, dtype=t.dtype, device=x.device)
+    try:
+        F.layer_norm(empty(x, (0, *ns)), ns, empty(w, ns), empty(b, ns), eps)
+    except RuntimeError as e:
+        got = ", ".join(f"{n} {t.dtype}" for n, t in (("input", x), ("weight", w), ("bias", b))
+                        if t is not None)
+        raise RuntimeError(f"layer_norm: {e} (got {got}); torch's kernel refuses this dtype "
+                           f"mix: cast the input or the weight and bias to one dtype (a "
+                           f"bfloat16 / float16 input may keep float32 weight and bias)") from e
+
+
 def _layer_norm_local(nd, ctx, x, w=None, b=None, *, normalized_shape, eps):
     ns = tuple(normalized_shape)
     wc, bc = _compact(w, nd, ns), _compact(b, nd, ns)
@@ -180,6 +197,7 @@ def _layer_norm_local(nd, ctx, x, w=None, b=None, *, normalized_shape, eps):
         wc, bc = (None if t is None else t[(0,) * nd].reshape(ns) for t in (w, b))
     if (w is None or wc is not None) and (b is None or bc is not None):
         return F.layer_norm(x, ns, wc, bc, eps)                 # fused: one rank's view
+    _check_dtypes(x, w, b, ns, eps)
     wa = None if w is None else _align(nd, x, w)[1]
     ba = None if b is None else _align(nd, x, b)[1]
     shape = torch.broadcast_shapes(x.shape, *(t.shape for t in (wa, ba) if t is not None))
