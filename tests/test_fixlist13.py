@@ -265,6 +265,22 @@ def test_gpt_cp_activation_bytes_are_a_torchrun_runs(torchrun_cp):  # noqa: F811
         assert d["activation_bytes"] - s["activation_bytes"] == S * 8 * 3 // 4, (d, s)
 
 
+def one_adamw_step(cfg, batch):
+    """The course model of ``cfg`` (seed 0) after one AdamW step (lr 1e-2, weight decay
+    0.1) on one device, and the batch (``batch`` sequences) it stepped on: the reference
+    the recipes' one step is held to."""
+    from workbench.models.config import build_model
+    from workbench.models.data import get_batch
+    from workbench.ops.adamw import AdamW
+    torch.manual_seed(0)
+    ref = build_model(cfg, seed=0).train()
+    opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    x, y = get_batch(cfg, batch, 0, 0)
+    ref(x, y)[1].backward()
+    opt.step()
+    return ref, x, y
+
+
 # ---- 5. the head's tp-partial gradient under SP with a pipeline: once per step --------------
 
 @pytest.mark.parametrize("m", [2, 4])
@@ -276,18 +292,11 @@ def test_pipeline_sp_sums_the_replicated_heads_gradient_once_per_step(m):
     19,200 B each); Megatron-LM sums sequence-parallel gradients once per step after the
     flush (finalize_model_grads). Now one all-reduce per stage and step, the head's
     gradient in the norms' buffer; parameters after the step are one device's."""
-    from workbench.models.config import build_model, get_config
-    from workbench.models.data import get_batch
-    from workbench.ops.adamw import AdamW
+    from workbench.models.config import get_config
     from workbench.parallel.module import dist_parameters
     from workbench.recipes.hybrid import Hybrid
     cfg = get_config("tiny")
-    torch.manual_seed(0)
-    ref = build_model(cfg, seed=0).train()
-    opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    x, y = get_batch(cfg, 8, 0, 0)
-    ref(x, y)[1].backward()
-    opt.step()
+    ref, x, y = one_adamw_step(cfg, 8)
     torch.manual_seed(0)
     s = Hybrid(tp=2, pp=2, sp=True, microbatches=m)
     s.check(cfg, 8)

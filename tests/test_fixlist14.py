@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import workbench as wb
+from tests.test_fixlist13 import one_adamw_step
 
 R, S = wb.Replicate, wb.Shard
 PROFILE = "a100"
@@ -69,18 +70,11 @@ def _cp_step(vocab):
     """tiny at ``vocab`` (75: tp 2 does not divide it, the head replicated over tp; 76: the
     head vocabulary-parallel), one AdamW step on one device and under ContextParallel(cp=2,
     tp=2, sp=True): the trace, and the parameters after the step of both."""
-    from workbench.models.config import build_model, get_config
-    from workbench.models.data import get_batch
-    from workbench.ops.adamw import AdamW
+    from workbench.models.config import get_config
     from workbench.parallel.module import dist_parameters
     from workbench.recipes.context_parallel import ContextParallel
     cfg = get_config("tiny").replace(vocab_size=vocab)
-    torch.manual_seed(0)
-    ref = build_model(cfg, seed=0).train()
-    opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    x, y = get_batch(cfg, 4, 0, 0)
-    ref(x, y)[1].backward()
-    opt.step()
+    ref, x, y = one_adamw_step(cfg, 4)
     torch.manual_seed(0)
     s = ContextParallel(cp=2, tp=2, sp=True)
     s.check(cfg, 4)

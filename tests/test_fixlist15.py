@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import workbench as wb
+from tests.test_fixlist13 import one_adamw_step
 
 R, S = wb.Replicate, wb.Shard
 
@@ -64,18 +65,11 @@ def test_one_stage_sp_sums_the_replicated_heads_gradient_with_the_norms(m):
     Megatron-LM sums sequence-parallel gradients once per step (finalize_model_grads).
     Now one all-reduce per step holding the head and the norms; parameters after the step
     are one device's."""
-    from workbench.models.config import build_model, get_config
-    from workbench.models.data import get_batch
-    from workbench.ops.adamw import AdamW
+    from workbench.models.config import get_config
     from workbench.parallel.module import dist_parameters
     from workbench.recipes.hybrid import Hybrid
     cfg = get_config("tiny")
-    torch.manual_seed(0)
-    ref = build_model(cfg, seed=0).train()
-    opt = AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
-    x, y = get_batch(cfg, 8, 0, 0)
-    ref(x, y)[1].backward()
-    opt.step()
+    ref, x, y = one_adamw_step(cfg, 8)
     torch.manual_seed(0)
     s = Hybrid(tp=2, sp=True, microbatches=m)
     s.check(cfg, 8)

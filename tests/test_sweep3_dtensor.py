@@ -47,14 +47,16 @@ OPS = {  # name -> (fn, input shapes)
 MESHES = [(2,), (3,), (2, 2)]
 
 
-def _cases(n=48, seed=3):
+def dtensor_cases(ops, n, seed):
+    """``n`` cases cycling through ``ops`` (name -> (fn, input shapes)): a mesh of
+    ``MESHES`` and, per input and mesh dim, Replicate / Shard / Partial drawn from ``seed``."""
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        name = sorted(OPS)[i % len(OPS)]
+        name = sorted(ops)[i % len(ops)]
         mesh = rng.choice(MESHES)
         ins = []
-        for shape in OPS[name][1]:
+        for shape in ops[name][1]:
             ps = []
             for _ in mesh:
                 k = rng.random()
@@ -65,11 +67,17 @@ def _cases(n=48, seed=3):
     return out
 
 
-@pytest.mark.parametrize("name,mesh_shape,ins,seed", _cases())
-def test_locals_equal_dtensors(oracle, name, mesh_shape, ins, seed):  # noqa: F811
+def hold_case(oracle, fn, mesh_shape, ins, seed):
+    """One case of :func:`dtensor_cases`: small integers as float64 inputs, ``fn`` on our
+    DistTensors against DTensor's, rank by rank."""
     g = torch.Generator().manual_seed(seed)
     xs = [(torch.randint(-4, 5, shape, generator=g).to(torch.float64), ps) for shape, ps in ins]
-    hold_to_dtensor(oracle, OPS[name][0], mesh_shape, xs)
+    hold_to_dtensor(oracle, fn, mesh_shape, xs)
+
+
+@pytest.mark.parametrize("name,mesh_shape,ins,seed", dtensor_cases(OPS, 48, 3))
+def test_locals_equal_dtensors(oracle, name, mesh_shape, ins, seed):  # noqa: F811
+    hold_case(oracle, OPS[name][0], mesh_shape, ins, seed)
 
 
 def hold_to_dtensor(oracle, fn, mesh_shape, xs):  # noqa: F811

@@ -4,15 +4,13 @@ result is held to DTensor's redistributed to our output placements (tests/
 test_sweep3_dtensor.py's ``hold_to_dtensor``; cases DTensor cannot run are skipped)."""
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import workbench as wb
 from tests.dtensor_support import oracle  # noqa: F401
-from tests.test_sweep3_dtensor import hold_to_dtensor
+from tests.test_sweep3_dtensor import dtensor_cases, hold_case
 
 R, S, P = wb.Replicate, wb.Shard, wb.Partial
 
@@ -43,29 +41,6 @@ OPS = {  # name -> (fn, input shapes)
 # not held to DTensor: x[idx1, :, idx2] (refused here: one index tensor per call), and
 # v = x.clone(); v[1:].add_(y) with y Partial on a 2x2 mesh, where DTensor's locals under
 # LocalTensorMode are not the one-device value's chunks (ours are: tests/test_sweep4.py)
-MESHES = [(2,), (3,), (2, 2)]
-
-
-def _cases(n=40, seed=4):
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        name = sorted(OPS)[i % len(OPS)]
-        mesh = rng.choice(MESHES)
-        ins = []
-        for shape in OPS[name][1]:
-            ps = []
-            for _ in mesh:
-                k = rng.random()
-                ps.append(R() if k < 0.35 or not shape else
-                          S(rng.randrange(len(shape))) if k < 0.85 else P("sum"))
-            ins.append((shape, tuple(ps)))
-        out.append(pytest.param(name, mesh, ins, i, id=f"{name}-{'x'.join(map(str, mesh))}-{i}"))
-    return out
-
-
-@pytest.mark.parametrize("name,mesh_shape,ins,seed", _cases())
+@pytest.mark.parametrize("name,mesh_shape,ins,seed", dtensor_cases(OPS, 40, 4))
 def test_locals_equal_dtensors(oracle, name, mesh_shape, ins, seed):  # noqa: F811
-    g = torch.Generator().manual_seed(seed)
-    xs = [(torch.randint(-4, 5, shape, generator=g).to(torch.float64), ps) for shape, ps in ins]
-    hold_to_dtensor(oracle, OPS[name][0], mesh_shape, xs)
+    hold_case(oracle, OPS[name][0], mesh_shape, ins, seed)
