@@ -259,30 +259,7 @@ def test_tied_embedding_gradient_waits_in_autograd_measured():
     # in the leaf's input buffer until the embedding's backward adds its own, so during
     # the layers' backward V x h more bytes are live than when the head's gradient is
     # reduced and freed as it lands (an untied head under ZeRO-3's hook)
-    import weakref
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Live(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.live, self.seen = 0, set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    key, n = st.data_ptr(), st.nbytes()
-                    if key in self.seen or n == 0:
-                        continue
-                    self.seen.add(key)
-                    self.live += n
-
-                    def fin(k=key, n=n):
-                        self.live -= n
-                        self.seen.discard(k)
-                    weakref.finalize(st, fin)
-            return out
+    from tests.test_i21mem3 import _Live          # live bytes of a real autograd
 
     def live_in_layer_backward(tied, V=512, h=32, n=16):
         torch.manual_seed(0)
@@ -292,7 +269,7 @@ def test_tied_embedding_gradient_waits_in_autograd_measured():
             head.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
         mid = torch.nn.Linear(h, h)
         idx = torch.randint(0, V, (n,))
-        seen, mode = {}, Live()
+        seen, mode = {}, _Live(external=set())
 
         def hook(g):
             seen["bytes"] = mode.live
