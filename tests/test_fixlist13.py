@@ -281,6 +281,21 @@ def one_adamw_step(cfg, batch):
     return ref, x, y
 
 
+def assert_one_devices_step(ref, model):
+    """``model``'s parameters (DistTensors, gathered) after the recipe's step equal
+    ``ref``'s (:func:`one_adamw_step`): the head and the norms, whose gradients are summed
+    once per step, tight; the rest as AdamW magnifies float32 rounding of accumulated
+    micro-batch gradients (4.3e-5 at most, tiny's layers.1.mlp.w3)."""
+    from workbench.parallel.module import dist_parameters
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    got = {n: p.full().detach() for n, p in dist_parameters(model)}
+    assert set(got) == set(want)
+    for name, w in want.items():
+        tight = name == "lm_head.weight" or "norm" in name
+        torch.testing.assert_close(got[name], w, rtol=2e-5, atol=5e-6 if tight else 1e-4,
+                                   msg=name)
+
+
 # ---- 5. the head's tp-partial gradient under SP with a pipeline: once per step --------------
 
 @pytest.mark.parametrize("m", [2, 4])
@@ -293,7 +308,6 @@ def test_pipeline_sp_sums_the_replicated_heads_gradient_once_per_step(m):
     flush (finalize_model_grads). Now one all-reduce per stage and step, the head's
     gradient in the norms' buffer; parameters after the step are one device's."""
     from workbench.models.config import get_config
-    from workbench.parallel.module import dist_parameters
     from workbench.recipes.hybrid import Hybrid
     cfg = get_config("tiny")
     ref, x, y = one_adamw_step(cfg, 8)
@@ -311,13 +325,4 @@ def test_pipeline_sp_sums_the_replicated_heads_gradient_once_per_step(m):
     head = cfg.vocab_size * cfg.d_model * 4
     norms = 3 * cfg.d_model * 4                 # layer 1's two RMSNorms and the final one
     assert grads == [("sequence-parallel norm grads", head + norms)], grads
-    want = {n: p.detach() for n, p in ref.named_parameters()}
-    got = {n: p.full().detach() for n, p in dist_parameters(model)}
-    assert set(got) == set(want)
-    for name, w in want.items():
-        # the head and the norms (the gradients summed once per step) held tight; the rest
-        # as before this fix (AdamW magnifies float32 rounding of the micro-batches'
-        # accumulated gradients: 4.3e-5 at most, layers.1.mlp.w3, with and without it)
-        tight = name == "lm_head.weight" or "norm" in name
-        torch.testing.assert_close(got[name], w, rtol=2e-5, atol=5e-6 if tight else 1e-4,
-                                   msg=name)
+    assert_one_devices_step(ref, model)
