@@ -113,7 +113,7 @@ def breakdown(row) -> dict:
     s = _stream(cfg, lay, prof, ly, hd, edge)
     fwd_x, bwd_x = Z.zero_exposed(s["blocks"], 3, s["gather"], s["reduce"],
                                   prefetch_numel=F.FSDP_PREFETCH_UNITS,
-                                  rate=overlap_rate(prof), stay=s["stay"])
+                                  rate=overlap_rate(prof, s["ranks"]), stay=s["stay"])
     blk = next(b for b in s["blocks"][1:] if b.numel)    # a transformer block
     root = s["blocks"][0]
     p, gb = len(s["ranks"]), s["grad_bytes"]

@@ -60,23 +60,23 @@ def breakdown(row) -> dict:
                         Z.partition_activation_seconds(cfg, lay.micro_batch, prof),
                         lay.recompute_num_layers)
     sim = Z.simulate(trace, p, price("all_gather"), price("reduce_scatter"),
-                     prof.memory_bandwidth, overlap_rate(prof))
+                     prof.memory_bandwidth, overlap_rate(prof, ranks))
     post, _ = Z.post_step_gather(trace, p, lambda n: C.group_price(
         "all_gather", 2 * n, ranks, prof))
     late = {}
     quiet = tuple((lambda n, k=kind: C.group_price(k, 2 * n, ranks, prof))
                   for kind in ("all_gather", "reduce_scatter"))   # not counted in moved
     for first in (True, False):      # the step's first micro-batch, the others
-        a, b = (Z.simulate(trace, p, *quiet, prof.memory_bandwidth, overlap_rate(prof),
+        a, b = (Z.simulate(trace, p, *quiet, prof.memory_bandwidth, overlap_rate(prof, ranks),
                            persistent_gathered=first, step=k)["seconds"]
                 for k in (Z.COUNTER_STEP, 10_000))
         late[first] = a - b
     saved = late[True] + (lay.m - 1) * late[False]
     other = {}
     for v in ("0.3.14", "0.3.16"):
-        d = [Z.simulate(trace, p, *quiet, prof.memory_bandwidth, overlap_rate(prof),
+        d = [Z.simulate(trace, p, *quiet, prof.memory_bandwidth, overlap_rate(prof, ranks),
                         persistent_gathered=first, version=v)["seconds"]
-             - Z.simulate(trace, p, *quiet, prof.memory_bandwidth, overlap_rate(prof),
+             - Z.simulate(trace, p, *quiet, prof.memory_bandwidth, overlap_rate(prof, ranks),
                           persistent_gathered=first)["seconds"] for first in (True, False)]
         other[v] = est.step_time + d[0] + (lay.m - 1) * d[1]
     w = sim["work"]

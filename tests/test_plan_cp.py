@@ -39,9 +39,10 @@ def test_ring_step_is_max_of_half_block_and_hop():
         compute_time(6 * nq, 3 * e * nq + 3 * lse, A100, "bfloat16", "elementwise")
     hop = group_price("send_recv", kv_block_bytes(CFG, lay), (0, 1), A100)
     assert r.steps == 3 and r.half_forward == half and r.hop == hop
-    # each step: the half block beside the hop, stretched by the copy's SMs (cost.overlap)
-    attn = half - r.merge
-    run, out = overlap(attn, hop, A100)
+    # each step: the half block beside the hop, stretched by the copy's SMs (cost.overlap:
+    # the ring's group, ranks 0 .. 3 inside one node, 24 SMs)
+    attn, ring = half - r.merge, (0, 1, 2, 3)
+    run, out = overlap(attn, hop, A100, ranks=ring)
     assert r.forward == 3 * (run + r.merge + out)
     assert 3 * max(half, hop) <= r.forward < 3 * (half + hop)   # about max(half, hop)
     acc = r.half_backward - compute_time(10 * pairs * d, e * (4 * nq + 4 * nk) + lse, A100,
@@ -55,8 +56,8 @@ def test_ring_step_is_max_of_half_block_and_hop():
                                         "bfloat16", "elementwise")
     grad = group_price("send_recv", 2 * kv_block_bytes(CFG, lay), (0, 1), A100)
     assert r.hop_grad == grad
-    run_b, out_b = overlap(r.half_backward - acc, grad + hop, A100)
-    run_l, out_l = overlap(r.half_backward - acc, grad, A100)
+    run_b, out_b = overlap(r.half_backward - acc, grad + hop, A100, ranks=ring)
+    run_l, out_l = overlap(r.half_backward - acc, grad, A100, ranks=ring)
     assert r.backward == pytest.approx(2 * (run_b + acc + out_b) + run_l + acc + out_l
                                        + acc + grad, rel=1e-12)
     assert r.backward_exposed_comm == pytest.approx(2 * out_b + out_l + grad, rel=1e-12)
@@ -188,5 +189,6 @@ def test_ring_step_and_hop_are_the_cp_runtimes_clock(dtype):
         assert e.args.get("alone", e.duration) == pytest.approx(r.half_forward - r.merge,
                                                                 rel=1e-6)
     # beside a send the clock stretches the block on the SMs the copy leaves: as planned
-    run, _ = overlap(r.half_forward - r.merge, r.hop, A100)
+    # (the ring's group, one node: 24 SMs)
+    run, _ = overlap(r.half_forward - r.merge, r.hop, A100, ranks=(0, 1, 2, 3))
     assert all(e.duration == pytest.approx(run, rel=1e-6) for e in steps[:-1])

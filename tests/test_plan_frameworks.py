@@ -161,7 +161,7 @@ def test_fsdp_prices_fully_shard_per_block():
         + cp["gather_extra"](n),
         lambda n: C.group_price("reduce_scatter", 4 * n, ranks, cl.profile)
         + cp["reduce_extra"](n),
-        prefetch_numel=1, rate=overlap_rate(cl.profile), stay=stay)
+        prefetch_numel=1, rate=overlap_rate(cl.profile, ranks), stay=stay)
     assert est.details["dp_sync"] == pytest.approx(lay.m * (fwd + bwd), rel=1e-12)
     psi = stage_params(cfg, 8, 1, 0)
     kept = blocks[0].numel + blocks[9].numel
@@ -175,7 +175,7 @@ def test_fsdp_prices_fully_shard_per_block():
         + cp["gather_extra"](n),
         lambda n: C.group_price("reduce_scatter", 4 * n, ranks, cl.profile)
         + cp["reduce_extra"](n),
-        rate=overlap_rate(cl.profile), stay=stay)
+        rate=overlap_rate(cl.profile, ranks), stay=stay)
     assert sum(wide) <= fwd + bwd
 
 

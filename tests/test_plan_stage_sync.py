@@ -58,7 +58,7 @@ def test_megatron_core_gathers_one_bucket_ahead():
                             edge_times(cfg, 1, 8, True, prof))
     gather = lambda n: C.group_price("all_gather", 2 * n, ranks, prof)  # noqa: E731
     g32 = lambda n: C.group_price("reduce_scatter", 4 * n, ranks, prof)  # noqa: E731
-    r = overlap_rate(prof)
+    r = overlap_rate(prof, ranks)
     fwd1, _ = Z.zero_exposed(blocks, 3, gather, lambda n: 0.0, prefetch_numel=1, rate=r)
     fwd_all, _ = Z.zero_exposed(blocks, 3, gather, lambda n: 0.0,
                                 prefetch_numel=float("inf"), rate=r)

@@ -183,12 +183,16 @@ def ring_times(cfg, lay, prof) -> RingTimes:
     k = cp - 1
     hf, hb = fwd + merge, bwd + acc
     # the block beside its transfer: stretched by the SMs the copy leaves it, the transfer's
-    # rest exposed (cost.overlap, as the clock runs a kernel beside a collective)
-    f_run, f_out = _cost.overlap(fwd, hop, prof)
+    # rest exposed (cost.overlap, as the clock runs a kernel beside a collective), the
+    # copy holding the SMs of a collective over the ring's ranks (the clock records each
+    # step's sends as one send_recv over the cp group, ``context_parallel_comm._record``;
+    # ASSUMPTION: NCCL's p2p channels for a ring step are as many as its collective
+    # channels for that group, no log of them found)
+    f_run, f_out = _cost.overlap(fwd, hop, prof, ranks=ranks)
     # backward: steps 1 .. k-1 beside the previous dK/dV and this step's K/V, step k beside
     # the last dK/dV but one; the owner then waits for its own block's dK/dV
-    b_run, b_out = _cost.overlap(bwd, hop_g + hop, prof)
-    l_run, l_out = _cost.overlap(bwd, hop_g, prof)
+    b_run, b_out = _cost.overlap(bwd, hop_g + hop, prof, ranks=ranks)
+    l_run, l_out = _cost.overlap(bwd, hop_g, prof, ranks=ranks)
     if k:
         b_exposed = (k - 1) * b_out + l_out + hop_g
         backward = (k - 1) * (b_run + acc + b_out) + (l_run + acc + l_out) + acc + hop_g

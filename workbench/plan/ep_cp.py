@@ -425,8 +425,9 @@ def _op_sac_ring(lay, ring, prof) -> list:
     if lay.recompute != "op" or lay.framework != "workbench" or not ring.steps:
         return []
     c0 = ring.casts / 2
-    run0, out0 = _cost.overlap(c0, ring.hop, prof)
-    run_m, out_m = _cost.overlap(ring.merge, ring.hop, prof)
+    ranks = X.ring_ranks(lay)          # the hop's SMs: its group's (ring_times)
+    run0, out0 = _cost.overlap(c0, ring.hop, prof, ranks=ranks)
+    run_m, out_m = _cost.overlap(ring.merge, ring.hop, prof, ranks=ranks)
     k = ring.steps
     return [("cp_ring_merge_recompute", "recompute", "elementwise",
              run0 + (k - 1) * run_m + ring.merge + c0, 0, False),

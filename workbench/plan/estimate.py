@@ -330,7 +330,7 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     rs, ag = wire_bytes("reduce_scatter", g, dp), wire_bytes("all_gather", w, dp)
     if lay.zero <= 1 and overlap_grad_reduce:
         kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
-        r = overlap_rate(prof)
+        r = overlap_rate(prof, ranks)    # the SMs NCCL holds for this group
         _, bwd = Z.zero_exposed(blocks, 2, gather, lambda n: p(kind, grad_bytes * n), rate=r)
         if lay.zero == 0:
             return bwd, wire_bytes("all_reduce", g, dp)
@@ -365,7 +365,7 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
         and overlap
     fwd, bwd = Z.zero_exposed(blocks, lay.zero, gather,
                               lambda n: p("reduce_scatter", grad_bytes * n) + rs_x(n),
-                              rate=overlap_rate(prof) if overlap else 1.0, bucket=bucket,
+                              rate=overlap_rate(prof, ranks) if overlap else 1.0, bucket=bucket,
                               prefetch_numel=ahead, loss_waits=waits,
                               stay=stay, regather=lay.engine == "workbench"
                               and lay.recompute in ("full", "op"),

@@ -25,8 +25,9 @@ Narayanan et al.'s code) and as Megatron-DeepSpeed runs it (microsoft acc3e9b5 o
 input through ``copy_to_tensor_model_parallel_region``, whose backward all-reduces the
 input gradient once autograd has run the linear's backward (both GEMMs), on the
 critical path (``plan.megatron_2021``). While they overlap, the
-collective's kernel holds some of the SMs (``cost.overlap``: NCCL's 16 of the
-A100's 108), so the GEMM is stretched and the pair costs more than
+collective's kernel holds some of the SMs (``cost.overlap`` with the tensor-parallel
+group's ranks: NCCL's 24 of the A100's 108 for a group inside one node, 16 for one
+spanning nodes, ``cost.collective_sms``), so the GEMM is stretched and the pair costs more than
 max(GEMM, collective). Every other collective is on the critical path.  The rule is per
 linear: the row-parallel linear's weight gradient runs before the collective is issued
 and hides none of it, and the LayerNorm backward after it waits for it (as the
@@ -490,7 +491,7 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
                 if beside:   # the GEMM runs on the SMs the collective leaves it
                     i = where[beside]
                     gemm, exposed = _cost.overlap(out[i].seconds, pick.seconds, prof,
-                                                  shapes[beside])
+                                                  shapes[beside], ranks)
                     out[i] = replace(out[i], seconds=gemm, exposed=gemm)
                 out.append(OpCost(name, phase, kind, 0.0, nbytes, 0, pick.seconds,
                                   exposed, pick.algorithm, beside))

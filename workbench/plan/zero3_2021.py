@@ -678,7 +678,7 @@ def dp_sync_parts(cfg, lay, prof, layer, head, edge) -> dict:
     trace = gpt_trace(cfg, layer, head, edge, lay.recompute,
                       partition_activation_seconds(cfg, lay.micro_batch, prof),
                       lay.recompute_num_layers)
-    p, bw, rate = len(ranks), prof.memory_bandwidth, overlap_rate(prof)
+    p, bw, rate = len(ranks), prof.memory_bandwidth, overlap_rate(prof, ranks)
     first = simulate(trace, p, ag, rs, bw, rate)
     rest = simulate(trace, p, ag, rs, bw, rate, persistent_gathered=False) \
         if lay.m > 1 else first

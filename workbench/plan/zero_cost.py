@@ -29,7 +29,8 @@ comm stream for the rank's dp group (as ``sim_mesh.trace``, one per process grou
 collective starts when the stream is free and its data is ready (a gather when issued, a
 reduce-scatter when the gradient is complete), in issue order, and a module computes once
 its gather has ended.  While a collective is in flight a module computes at ``rate``
-(``sim_mesh.cost.overlap_rate``: NCCL's kernels hold 16 of the A100's 108 SMs, as
+(``sim_mesh.cost.overlap_rate`` of the dp group, which the caller gives: NCCL's kernels
+hold 16 of the A100's 108 SMs for a group spanning nodes, 24 for one inside a node, as
 ``layer_cost`` prices the tensor-parallel overlap), so hiding a collective still costs
 compute time.
 """

@@ -294,14 +294,16 @@ def collective_sms(profile, ranks=None) -> int:
         group = list(ranks)
     except TypeError:
         group = None
-    if not group or any(isinstance(r, bool) or not isinstance(r, int) or r < 0
-                        for r in group):
+    # (the planner asks once per layout and stage: plain ints checked at C speed first)
+    if not group or not (set(map(type, group)) == {int} and min(group) >= 0) \
+            and any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in group):
         raise ValueError(f"ranks={ranks!r} must be the group's global ranks (ints >= 0, at "
                          f"least one), or None when the group is not known")
-    if len(set(group)) == 1:
+    lo, hi = min(group), max(group)
+    if lo == hi:
         return 0
     d = prof.devices_per_node
-    if t.collective_sms_intra and len({r // d for r in group}) == 1:
+    if t.collective_sms_intra and lo // d == hi // d:     # every rank in lo's node
         return t.collective_sms_intra
     return t.collective_sms
 
@@ -319,10 +321,28 @@ def overlap_rate(profile, ranks=None) -> float:
     return (t.sm_count - sms) / t.sm_count
 
 
-def finish_beside(t: float, work: float, rate: float, busy) -> float:
+def finish_beside(t: float, work: float, rate: "float | None", busy) -> float:
     """When ``work`` seconds of compute started at ``t`` end, running at full speed
     except inside the ``busy`` intervals ((start, end) pairs, any order, overlapping
-    allowed: collectives in flight), where it runs at ``rate`` (``overlap_rate``)."""
+    allowed: collectives in flight), where it runs at ``rate`` (``overlap_rate``).
+
+    ``rate=None``: each interval is a (start, end, rate) triple carrying its own
+    collective's rate (``overlap_rate(profile, ranks)`` of its group: a tensor-parallel
+    group inside a node holds more SMs than a data-parallel group across nodes).  Where
+    several are in flight at once the compute runs at the lowest of their rates: the
+    SMs of the collective holding the most.  ASSUMPTION: not their sum.  Collectives of
+    two communicators do run side by side (NVIDIA/nccl issue #574, S. Jeaugey: "You could
+    create two communicators and that could effectively allow you to run both operations
+    in parallel"), each kernel with its own CTAs, but whether the second kernel's CTAs
+    take SMs of their own or share the first's (an SM holds several 512-thread CTAs)
+    is not measured in any source found; and the clock records a rank's ring send and
+    receive as two pairs (``parallel.reshard``), which NCCL runs as one grouped kernel
+    (ncclGroupStart / ncclGroupEnd), so a sum would count that kernel's SMs twice.  The
+    planner prices one group's collectives beside a kernel at a time (``plan.layer_cost``:
+    tensor-parallel; ``plan.zero_cost``: data-parallel), as this clock does where one
+    group is in flight."""
+    if rate is None:
+        return _finish_groups(t, work, busy)
     if rate == 1.0 or work <= 0:
         return t + work
     merged = []
@@ -339,6 +359,23 @@ def finish_beside(t: float, work: float, rate: float, busy) -> float:
         if t + work / rate <= end:             # ends while the collective runs
             return t + work / rate
         work, t = work - (end - t) * rate, end
+    return t + work
+
+
+def _finish_groups(t: float, work: float, busy) -> float:
+    """``finish_beside`` with (start, end, rate) triples: the lowest rate in flight."""
+    live = [iv for iv in busy if iv[1] > t and iv[2] < 1.0]
+    if work <= 0 or not live:
+        return t + work
+    rates = {iv[2] for iv in live}
+    if len(rates) == 1:                        # one figure in flight: as before
+        return finish_beside(t, work, rates.pop(), [iv[:2] for iv in live])
+    for p in sorted({x for iv in live for x in iv[:2] if x > t}):
+        # [t, p] lies wholly inside or outside each interval: its breakpoints are all p
+        r = min((iv[2] for iv in live if iv[0] <= t and iv[1] >= p), default=1.0)
+        if work <= (p - t) * r:
+            return t + work / r
+        work, t = work - (p - t) * r, p
     return t + work
 
 

@@ -27,7 +27,9 @@ Clock semantics (the modeled clock, in seconds on the chosen profile):
   that stream.  :meth:`Trace.wait` makes the compute stream wait for it, which is
   where communication hides behind computation;
 * a compute op that runs while async collectives of its rank are in flight progresses
-  at ``cost.overlap_rate`` (NCCL's kernels hold some SMs: 16 of the A100's 108), so its
+  at ``cost.overlap_rate(profile, ranks)`` of the collective's group (NCCL's kernels hold
+  some SMs: on an A100, 24 of 108 for a group inside one node, 16 for one across nodes;
+  with several groups in flight, the lowest of their rates: ``cost.finish_beside``), so its
   event lasts longer than the op alone (``args["alone"]``: the seconds it takes alone),
   also when the collective is recorded after the op (an input gradient's, whose data
   was ``ready`` before the wgrad recorded beside it, as ``plan.layer_cost`` prices
@@ -98,9 +100,9 @@ class Trace:
         self._clock: dict[tuple[int, str], float] = defaultdict(float)
         self._chan: dict[tuple[int, tuple], float] = defaultdict(float)  # (rank, group)
         self._deferred: list = []      # (ready, record) of deferred async collectives
-        self._async: dict[int, list] = defaultdict(list)   # rank -> (start, end) in flight
+        self._async: dict[int, list] = defaultdict(list)   # rank -> (start, end, rate)
         self._last: dict[int, int] = {}       # rank -> index of its last compute event
-        self._rate = overlap_rate(self.profile)
+        self._rates: dict[tuple, float] = {}  # group -> overlap_rate(profile, group)
         self.notes: list[str] = []            # what the clock leaves out, said once each
 
     def note(self, text: str) -> None:
@@ -180,12 +182,19 @@ class Trace:
                     self._clock[(r, "compute")] = new.end
 
     def _beside(self, rank: int, t: float, work: float) -> float:
-        """When ``work`` seconds of compute started at ``t`` on ``rank`` end, at
-        ``self._rate`` while the rank's async collectives are in flight (module doc)."""
+        """When ``work`` seconds of compute started at ``t`` on ``rank`` end, at the
+        rate of each of the rank's async collectives in flight (module doc)."""
         if rank not in self._async:
             return t + work
         live = self._async[rank] = [iv for iv in self._async[rank] if iv[1] > t]
-        return finish_beside(t, work, self._rate, live)
+        return finish_beside(t, work, None, live)
+
+    def _rate(self, group: tuple) -> float:
+        """``overlap_rate`` of a collective over ``group`` (sorted ranks) on this profile."""
+        r = self._rates.get(group)
+        if r is None:
+            r = self._rates[group] = overlap_rate(self.profile, group)
+        return r
 
     def record_collective(self, ranks: Sequence[int], name: str, duration: float,
                           bytes: int = 0, label: str = "", args=None,
@@ -200,13 +209,14 @@ class Trace:
         start = max(max(self._chan[(r, g)], c[(r, "compute")] if ready is None or not overlap
                         else ready) for r in ranks)
         end = start + duration
+        rate = self._rate(g) if overlap else 1.0
         for r in ranks:
             self._stream_end(r, g, end)
             if not overlap:
                 c[(r, "compute")] = end
             elif end > start:
-                self._async[r].append((start, end))
-        if overlap and ready is not None and self._rate < 1.0:
+                self._async[r].append((start, end, rate))
+        if overlap and ready is not None and rate < 1.0:
             self._restretch(ranks)
         self._events.append(Event(name, "comm", start, duration, ranks, bytes, 0, label,
                                   args or {}))
