@@ -112,8 +112,10 @@ def assumptions(model, lay) -> tuple:
                    "after the all-to-all assumed free")
     elif lay.cp > 1:
         out.append("CP: ring attention's K/V exchange double-buffered behind each half "
-                   "block, which the copy's SMs stretch (plan/context_cost.py); routing "
-                   "of the sequence into 2 cp chunks (causal balancing) assumed free")
+                   "block, which the copy's SMs stretch (plan/context_cost.py: those of "
+                   "a collective over the cp group, ASSUMPTION, NCCL's p2p channels not "
+                   "logged); routing of the sequence into 2 cp chunks (causal balancing) "
+                   "assumed free")
     return tuple(out)
 
 

@@ -36,6 +36,11 @@ component measurements found say beyond that:
 - NCCL's channels for a group with fewer ranks per node than the node's GPUs (a
   data-parallel group beside tensor parallelism 8 has one per node): no log found;
   ``collective_sms`` gives it the all-ranks figure (the profiles' citations: ASSUMPTION).
+- Collectives of several groups in flight beside one kernel (a tensor-parallel
+  all-reduce beside a data-parallel reduce-scatter): the kernel runs at the lowest of
+  their rates, not at their summed SMs (``finish_beside``: ASSUMPTION, no measurement).
+- A ring's send / recv (context parallelism): the SMs of a collective over its group
+  (``plan.context_cost``: ASSUMPTION, NCCL's p2p channels for it not logged).
 """
 from __future__ import annotations
 
@@ -334,13 +339,15 @@ def finish_beside(t: float, work: float, rate: "float | None", busy) -> float:
     two communicators do run side by side (NVIDIA/nccl issue #574, S. Jeaugey: "You could
     create two communicators and that could effectively allow you to run both operations
     in parallel"), each kernel with its own CTAs, but whether the second kernel's CTAs
-    take SMs of their own or share the first's (an SM holds several 512-thread CTAs)
-    is not measured in any source found; and the clock records a rank's ring send and
-    receive as two pairs (``parallel.reshard``), which NCCL runs as one grouped kernel
-    (ncclGroupStart / ncclGroupEnd), so a sum would count that kernel's SMs twice.  The
-    planner prices one group's collectives beside a kernel at a time (``plan.layer_cost``:
-    tensor-parallel; ``plan.zero_cost``: data-parallel), as this clock does where one
-    group is in flight."""
+    take SMs of their own or share the first's (an sm_80 / sm_90 SM holds up to 2,048
+    threads, four of NCCL's 512-thread CTAs: CUDA C++ Programming Guide, "Technical
+    Specifications per Compute Capability") is not measured in any source found; the
+    lowest rate is what the clock gave before the groups' figures, when every group had
+    the same one.  The planner prices each group beside the kernels on its own:
+    ``plan.layer_cost`` a GEMM beside its tensor-parallel collective, ``plan.zero_cost``
+    a block (those GEMMs already stretched) beside the data-parallel ones, so where both
+    are in flight it takes the product of the two rates, this clock the lower (a
+    difference older than the groups' figures)."""
     if rate is None:
         return _finish_groups(t, work, busy)
     if rate == 1.0 or work <= 0:
