@@ -142,3 +142,36 @@ def test_estimate_full_recompute_stops_where_the_framework_stops(framework, earl
     whole = C.layer_cost(cfg, 1, 1, False, "full", prof, "flash", **kw)
     assert whole.bwd_compute > stopped.bwd_compute * 1.05     # w2's GEMM is 1/9 of it
     assert layer.bwd_compute == pytest.approx((stopped if early else whole).bwd_compute)
+
+
+def test_breakdown_pairs_read_the_rows_and_their_terms():
+    """``torchtitan_breakdown.pairs``: the ratios are the rows' TPS/GPU (published and
+    predicted) and the terms' deltas are per 1,000 tokens of a GPU, row less reference."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "benchmarks"))
+    import torchtitan_breakdown as TB
+    out = [TB.breakdown(r) for r in TB.rows()]
+    res = TB.pairs(out)
+    assert [p["row"] for p in res] == [a for a, _ in TB.PAIRS]
+    by = {TB._key(x): x for x in out}
+    tps = {k: x["mbs"] * x["m"] * x["seq"] / x["published"] for k, x in by.items()}
+    # the published TPS/GPU of the rows (benchmarks/published_torchtitan.py)
+    assert tps[("Llama 2 70B", 64, "op", 1)] == pytest.approx(355.0)
+    assert tps[("Llama 3.1 8B", 128, "op", 2)] == pytest.approx(5605.0)
+    p70, p13, p8 = res
+    assert p70["measured"] == pytest.approx(355 / 353)
+    assert p13["measured"] == pytest.approx(1904 / 2162)
+    assert p8["measured"] == pytest.approx(5605 / 5762)
+    x, y = by[p70["row"]], by[p70["reference"]]
+    assert p70["predicted"] == pytest.approx(
+        (4096 / x["predicted"]) / (8192 / y["predicted"]))
+    assert p70["delta"]["copies"] == pytest.approx(
+        1e6 * (x["copies"] / 4096 - y["copies"] / 8192))
+    # the 13B pair differs in its blocks only (the recompute); the 8B pair not in them
+    d13, d8 = p13["delta"], p8["delta"]
+    assert d13["blocks"] > 0 and abs(d13["copies"]) < 1e-9 and abs(d13["optimizer"]) < 1e-9
+    assert d13["predicted"] == pytest.approx(d13["blocks"] + d13["head_loss"]
+                                             + d13["exposed"], abs=1e-6)
+    assert abs(d8["blocks"]) < 1e-9 and d8["optimizer"] < 0     # 1/128 of the optimizer
