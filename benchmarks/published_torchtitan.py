@@ -121,6 +121,13 @@ What the comparison says (measured when this module was written; the band in
   cap of the cluster (Touvron et al. 2023, "Llama 2", sec. 2.2.1: 400 W on RSC, 350 W in
   production; which ran these rows is not stated; the MAMF table's A100 PCIe, a 300 W
   part, reads 0.93 .. 0.96 of the 400 W SXM's best burst), FSDP2's eager host overhead.
+- Full AC's recompute, read from the pairs of rows that differ only in recompute and
+  local batch (``benchmarks/torchtitan_breakdown.py``, "The pairs' relative errors",
+  2026-11-28): torchtitan's non-reentrant checkpoint stops its recompute before w2's GEMM
+  (early stop), which the planner had priced for the course's recipe only; priced for
+  ``framework="fsdp"`` too, the Llama 2 70B pair (op at local batch 1 over full at 2)
+  reads 1.008 against the measured 1.006 (was 1.068), the full rows 1.129 / 1.136 (were
+  1.066 / 1.076): the A100 rows 1.129 .. 1.191, whatever their recompute.
 
 Left out, for want of what the planner prices or of a pinned configuration:
 

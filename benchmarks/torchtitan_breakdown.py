@@ -45,6 +45,57 @@ bandwidth measured by NVIDIA; the H100 hosts: 400 Gb/s per GPU), and with no ove
 all the 8B rows would still be optimistic and the 70B rows pessimistic.  The FSDP2
 kernels around the collectives (copy-in, copy-out, chunk-cat, AVG instead of divides)
 are those of the rows' releases (``plan.fsdp2_cost``) and priced.
+
+The pairs' relative errors (``PAIRS``, the table before the bandwidths; 2026-11-28).  Three
+pairs of rows share GPUs, network and code and differ in one knob, so what the planner
+gets wrong in their ratio is a component that scales with that knob, not the network:
+
+1. Llama 2 70B on 64 A100s, op-level SAC at local batch 1 (355 TPS/GPU) over full AC at
+   local batch 2 (353): measured 1.006, predicted 1.068 before this reading (401.8 over
+   376.4).  Per 1,000 tokens (as priced now) the op row's blocks are 171 ms cheaper (k, o
+   and w3 re-run against the forward but w2) and its per-step costs weigh double at half
+   the tokens
+   (FSDP2's copies +87 ms, exposed collectives +57, optimizer +7).  The term that was
+   wrong: full AC re-ran w2's GEMM.  torchtitan wraps each block with
+   ``ptd_checkpoint_wrapper(..., checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+   checkpoint_fn=checkpoint, use_reentrant=False)`` (pytorch/torchtitan eb6aa6389
+   ``torchtitan/parallelisms/parallelize_llama.py``:73-80, the A100 rows' commit; the same
+   at 9dec370ad2), PyTorch's non-reentrant checkpoint, whose recompute stops once every
+   tensor the forward saved is back (``torch.utils.checkpoint``: the module default
+   ``_enable_checkpoint_early_stop = True`` of the releases since 2023, ``early_stop=True``
+   in 2.13); autograd saves mm's inputs before its kernel runs, so the last saved tensors are
+   w2's inputs and w2 never re-runs (``llama_layer.full_recompute``).  The planner applied
+   that early stop to the course's recipe only (``framework="workbench"``) and re-ran the
+   whole forward for ``"fsdp"`` as for Megatron-LM's ``CheckpointFunction``.  Counted on
+   torchtitan's eager block (``tests/test_i21rel.py``): its backward runs 14 GEMMs, 20 under
+   the full-AC wrapper (6 re-run; 7 with early stop off), 17 under op-level SAC (k, o, w3).
+   Priced so (``estimate.layer_for``: early stop for "fsdp" too): 1.008 (401.8 / 398.6).
+   The full rows move 1.066 -> 1.129 (Llama 2 70B) and 1.076 -> 1.136 (Llama 3 70B): the
+   A100 rows now read 1.129 .. 1.191, the recompute kinds alike.
+2. Llama 2 13B on 64 A100s at local batch 2, op-level SAC (1,904) over none (2,162):
+   measured 0.881, predicted 0.892.  Only the recompute differs: measured 0.514 s a step
+   (62.7 ms per 1,000 tokens), priced 0.391 (47.7: k, o, w3 at 255-258 TFLOP/s, 7.9 ms a
+   block, the norms, RoPE, silu and product 1.2 ms, the eager kernels 0.75).  Not found:
+   the save list and the every-second-mm count are as priced (``tests/test_op_sac.py``,
+   here 17 GEMMs), the attention kernel is saved, the early stop cuts only the closing
+   add.  A uniform GEMM shortfall does not fit it alone (the re-run GEMMs would have to
+   run at 59% of peak while the none row's whole step reads 61.1% MFU).  Unpriced and
+   candidates: HBM contention of the recompute with the backward's reduce-scatter and
+   all-gather (the recompute opens each block's backward, when the previous block's
+   reduce-scatter runs; ``overlap_rate`` prices SMs only), the SAC dispatch mode's host
+   time per op.  No change.
+3. Llama 3.1 8B on 128 over 8 H100s, both local batch 2: measured 0.973, predicted 1.016.
+   The per-GPU work is the same; the planner's only terms that differ are the optimizer
+   step (foreach AdamW and clipping over the rank's shard, 1/8 against 1/128 of the
+   parameters: 51 against 3 ms a step) and the exposed collectives (+7 ms at 16 nodes), so
+   128 GPUs come out faster.  Nothing priced grows with the group that much: the root
+   unit's gather and reduce (+2 ms), the block's collectives stay hidden (onset 24 GB/s
+   against 306 priced).  What grows with the group is the slowest device pacing a
+   synchronous step (``plan.variability``): with the A100 spread it holds (PAL, SC'24)
+   the expected slowest of 8 is x1.034, of 128 x1.071, which on these steps
+   (``variability.stretch``) gives 128 GPUs a TPS/GPU 1.9% lower (measured 2.7%); the
+   module applies it to the A100 profiles' range only and has no H100 distribution, so
+   it is a reading, not priced.  No change.
 """
 from __future__ import annotations
 
@@ -128,7 +179,7 @@ def breakdown(row) -> dict:
     grp = group_of(s["ranks"], prof)
     wire = (p - 1) / p * (2 + gb) * blk.numel        # a backward's gather + reduce-scatter
     return dict(
-        name=row["name"], gpus=row["devices"], profile=row["profile"],
+        name=row["name"], gpus=row["devices"], profile=row["profile"], seq=cfg.seq_len,
         recompute=lay.recompute, mbs=lay.micro_batch, m=m, ratio=r["ratio"],
         published=published, predicted=est.step_time,
         compute=m * st["compute"],
@@ -152,6 +203,37 @@ def breakdown(row) -> dict:
         busbw_priced=bus_bandwidth("reduce_scatter", gb * blk.numel, p, rs_b),
         busbw_onset=wire / blk.bwd,
         link="inter_node" if grp.nodes > 1 else "intra_node")
+
+
+# the pairs of rows that differ in one knob on the same hardware, network and code (module
+# docstring, "The pairs' relative errors"): (name, devices, recompute, local batch) of the
+# row over that of its reference
+PAIRS = ((("Llama 2 70B", 64, "op", 1), ("Llama 2 70B", 64, "full", 2)),
+         (("Llama 2 13B", 64, "op", 2), ("Llama 2 13B", 64, "none", 2)),
+         (("Llama 3.1 8B", 128, "op", 2), ("Llama 3.1 8B", 8, "op", 2)))
+
+
+def _key(x) -> tuple:
+    return x["name"], x["gpus"], x["recompute"], x["mbs"]
+
+
+def pairs(out=None) -> list[dict]:
+    """Each of ``PAIRS``: the published and the predicted TPS/GPU of the row over its
+    reference's (``measured``, ``predicted``), and the step's terms (``breakdown``) in
+    seconds per 1,000 tokens of a GPU, the row's less the reference's (``delta``)."""
+    by = {_key(x): x for x in (out if out is not None else [breakdown(r) for r in rows()])}
+    res = []
+    for a, b in PAIRS:
+        x, y = by[a], by[b]
+        tok_x, tok_y = x["mbs"] * x["m"] * x["seq"], y["mbs"] * y["m"] * y["seq"]
+        delta = {k: 1e6 * (x[k] / tok_x - y[k] / tok_y)
+                 for k in ("predicted", "published", "blocks", "eager", "head_loss",
+                           "copies", "exposed", "optimizer")}
+        res.append(dict(row=a, reference=b,
+                        measured=(tok_x / x["published"]) / (tok_y / y["published"]),
+                        predicted=(tok_x / x["predicted"]) / (tok_y / y["predicted"]),
+                        delta=delta))
+    return res
 
 
 def _scaled(profile, link: str, x: float):
@@ -227,6 +309,17 @@ def main(argv=None):
               f"{1e3 * x['block_fwd']:>7.1f}{1e3 * x['block_bwd']:>7.1f}"
               f"{x['root_params'] / 1e6:>6.0f}M{1e3 * x['root_all_gather']:>8.2f}"
               f"{1e3 * x['root_reduce_scatter']:>8.2f}")
+    print("  pairs (same GPUs, network and code): TPS/GPU of the row over its reference's, "
+          "and the step's terms, row less reference, ms per 1,000 tokens of a GPU (d publ, "
+          "d pred: the published and the predicted step's)")
+    print(f"  {'row':<24}{'reference':<24}{'publ.':>7}{'pred.':>7}{'d publ':>7}{'d pred':>7}{'blocks':>7}"
+          f"{'eager':>7}{'copies':>7}{'exposed':>8}{'opt':>6}")
+    for p in pairs(out):
+        d = p["delta"]
+        print(f"  {' '.join(map(str, p['row'])):<24}{' '.join(map(str, p['reference'])):<24}"
+              f"{p['measured']:>7.3f}{p['predicted']:>7.3f}{d['published']:>7.1f}{d['predicted']:>7.1f}"
+              f"{d['blocks']:>7.1f}{d['eager']:>7.1f}{d['copies']:>7.1f}{d['exposed']:>8.1f}"
+              f"{d['optimizer']:>6.1f}")
     print("  bus bandwidth of the FSDP group (GB/s, nccl-tests' busbw): the clock's, and "
           "the least that hides a block's backward collectives"
           + ("; gap: what would make the estimate the published step" if args.needed else ""))

@@ -414,7 +414,9 @@ def layer_for(cfg, lay: Layout, prof, attention: str, fp8: bool = False,
     return C.layer_cost(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute, prof, attention,
                         fp8, tp_comm_overlap and lay.tp > 1, async_allreduce or lay.tp == 1,
                         lay.engine != "workbench",   # the recipe: 16-bit param.grad,
-                        lay.engine == "workbench",   # torch.utils.checkpoint's early stop,
+                        # torch.utils.checkpoint's early stop: the recipe's and torchtitan's
+                        # (non-reentrant; torchtitan_breakdown's "relative errors")
+                        lay.engine in ("workbench", "fsdp"),
                         split_qkv=lay.engine == "workbench",    # the GPT's wq, wk, wv;
                         # torchtitan's DTensor TP keeps the gathered input: no re-gather
                         regather=_regather(cfg, lay), transformer_engine=transformer_engine)

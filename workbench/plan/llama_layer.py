@@ -229,10 +229,13 @@ def op_sac_recompute(fwd_ops) -> list:
 def full_recompute(fwd_ops) -> list:
     """The forward ops a full recompute by PyTorch's non-reentrant checkpoint re-runs
     (this library's recipe: ``models.llama``'s block under ``torch.utils.checkpoint``,
-    ``use_reentrant=False``): all, in order, up to the last whose output the backward
-    needs, w2's input (the SwiGLU product) without dropout, the residual dropout's mask
-    with it (early stop, as :func:`op_sac_recompute`); the dry run's trace re-runs no w2
-    GEMM.  Megatron-LM's ``CheckpointFunction`` re-runs the whole forward."""
+    ``use_reentrant=False``; torchtitan's full AC, ``ptd_checkpoint_wrapper`` with
+    ``CheckpointImpl.NO_REENTRANT``, pytorch/torchtitan eb6aa6389
+    ``parallelize_llama.py``:73-80): all, in order, up to the last whose output the
+    backward needs, w2's input (the SwiGLU product) without dropout, the residual
+    dropout's mask with it (early stop, as :func:`op_sac_recompute`); the dry run's trace
+    re-runs no w2 GEMM, nor does torchtitan's block (``tests/test_i21rel.py`` counts its
+    backward's GEMMs).  Megatron-LM's ``CheckpointFunction`` re-runs the whole forward."""
     last = "residual_add_2_dropout" if any(op[0] == "residual_add_2_dropout"
                                            for op in fwd_ops) else "swiglu_mul"
     end = next(i for i, op in enumerate(fwd_ops) if op[0] == last)
