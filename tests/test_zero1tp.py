@@ -243,6 +243,30 @@ def test_hybrid_sp_grad_reads_before_the_sum_are_what_the_step_applies(zero):
               opt.clip_grad_norm_(1e9))
 
 
+@pytest.mark.parametrize("zero", [0, 1])
+def test_context_parallel_grad_reads_before_the_sum_are_one_devices(zero):
+    """``ContextParallel(cp=2, dp=2)`` (replicas on dp and cp, summed over both by one
+    collective: ``flat_dims``), after ``forward_backward``: every ``p.grad.full()`` is
+    one device's gradient, Partial over dp and cp.  Before: 12 of 12 read one rank's
+    share (``tok_emb.weight`` off by 0.10)."""
+    from workbench.models.config import build_model, get_config
+    from workbench.models.data import get_batch
+    from workbench.recipes.context_parallel import ContextParallel
+    cfg = get_config("tiny", seq_len=16, n_layer=1, d_model=32, n_head=4, d_ff=64)
+    ref = build_model(cfg, seed=0).train()
+    x, y = get_batch(cfg, 4, 0, 0)
+    ref(x, y)[1].backward()
+    want = dict(ref.named_parameters())
+    st = ContextParallel(cp=2, dp=2, zero=zero)
+    model = st.build_model(cfg, 0)
+    st.build_optimizer(model, 1e-2, 0.1)
+    st.forward_backward(model, x, y)
+    for name, p in wb.dist_parameters(model):
+        g = p.grad
+        assert list(g.placements) == [wb.Partial("sum")] * 2, name
+        close(g.full(), want[name].grad)
+
+
 # ---- ZeRO-1/2 over tensor parallelism under torch.distributed (gloo, 2 x 2) -------------------
 @pytest.mark.slow
 def test_zero_over_tp_grad_reads_on_gloo_are_one_devices(tmp_path_factory):

@@ -171,7 +171,17 @@ class GradReplicas:
         (``full()``, ``norm()``, ``sum()``) reduce the shares: one device's gradient, the
         one ``step()`` will apply.  Before (zero1tp: ZeRO-1 over dp 2 x tp 2), it said
         ``Replicate`` and read dp rank 0's share: ``p.grad.full().norm()`` 0.2533 where one
-        device's is 0.3791."""
+        device's is 0.3791.
+
+        Why Partial and not a refusal (as torch's clip over the replicas gets, below): it is
+        what the gradient is (DTensor's name for an unreduced value; ``{U_dp}``), exact for
+        every read (the dispatcher reduces a Partial before any op that is not linear) and
+        every in-place write (a linear one scales each share; another is reduced and
+        written back as one share, so the step's sum is still the written value:
+        ``test_zero1tp``), and it leaves the habits that touch ``p.grad`` before the sum
+        working (``p.grad is not None``, ``zero_()``).  The step's collectives are
+        untouched: it sums the storage's gradients, never ``p.grad``; a read's reduction
+        is its own all-reduce, on the trace where the user reads."""
         axes = tuple(a for a, pl in enumerate(p.placements) if not pl.is_shard())
         refuse = None
         sharded = [self.mesh.dim_names[a] for a, pl in enumerate(p.placements)
