@@ -229,13 +229,26 @@ class DistTensor:
     def grad(self) -> "DistTensor | None":
         ts = storage.tensors(self._local)
         of = _grad_source(ts)
-        if of is not None:          # a ZeRO-3 / FSDP parameter: its shard's gradient
-            return of.get()         # (strategies/fsdp_dist_views.GradOf)
+        # a ZeRO-3 / FSDP parameter: its shard's gradient (strategies/fsdp_dist_views.
+        # GradOf); a ZeRO-1/2 replica's: zero_optimizer_dist.GradInShard
+        if of is not None:
+            return of.get()
+        return self._storage_grad()
+
+    def _storage_grad(self) -> "DistTensor | None":
+        """The gradient autograd accumulated into this DistTensor's storage, as a
+        DistTensor (``grad``'s answer where no wrapper keeps it elsewhere)."""
+        ts = storage.tensors(self._local)
         if all(t.grad is None for t in ts):
             return None
         g = storage.map_tensors(self._local,
                                 lambda t: torch.zeros_like(t) if t.grad is None else t.grad)
-        return DistTensor(g, self.mesh, self._grad_placements(), self.shape)
+        # a data-parallel wrapper's replicas before it sums their gradients (ZeRO-1/2's
+        # step, DDP's no_sync, DataParallel before finish_gradient_synchronization): each
+        # copy is its rank's share, Partial("sum") on those axes (GradReplicas._replica_grad)
+        unsummed = {a for t in ts if t.grad is not None
+                    for a in getattr(t.grad, "_wb_unsummed", ())}
+        return DistTensor(g, self.mesh, self._grad_placements(unsummed), self.shape)
 
     @grad.setter
     def grad(self, value) -> None:
@@ -248,14 +261,15 @@ class DistTensor:
         for t in storage.tensors(self._local):
             t.grad = None
 
-    def _grad_placements(self):
+    def _grad_placements(self, unsummed=()):
         # The gradient of a Partial("sum") value is the same on every rank: Replicate.
         # Of a Partial avg / max / min value, each rank's local gradient is its share of
         # the global one (1/n of it for avg; all of it on the rank holding the max): the
         # shares sum to it, Partial("sum") (DTensor reduces them to Replicate; held as the
         # shares, ``x.grad`` stays the local tensors' own .grad, so x.grad.zero_() works)
-        return tuple(Replicate() if p.is_partial() and p.reduce_op == "sum" else
-                     _SUM if p.is_partial() else p for p in self.placements)
+        return tuple(_SUM if a in unsummed else
+                     Replicate() if p.is_partial() and p.reduce_op == "sum" else
+                     _SUM if p.is_partial() else p for a, p in enumerate(self.placements))
 
     def detach(self) -> "DistTensor":
         """A new DistTensor on the same storage, with no history (as ``Tensor.detach``):

@@ -159,7 +159,29 @@ class GradReplicas:
         return self._replica_grad(p, out, True)
 
     # ---- gradients torch's clip_grad_norm_ reads as one device (rank_grads.ReplicaGrad) ----
-    def _replica_grad(self, p, g, synced: bool):
+    def _replica_grad(self, p, g, synced: bool, partial_summed: bool = False):
+        """``g`` as ``p``'s replica gradient (:func:`.rank_grads.as_replica_grad`).  Not
+        ``synced``: each rank's copy is its share of the model's gradient (the loss's
+        gradient through this rank's part of the batch: the shares sum to it, and the sum
+        is what :meth:`reduce` and ZeRO's reduce-scatter take), so ``_wb_unsummed`` names
+        the mesh axes to sum them over, the data-parallel ones (and ``partial_dim`` for a
+        partial gradient not yet summed there, ``partial_summed`` False), each where the
+        copies are real (one per rank: simulated ranks' full axis, or a process).  A user's
+        ``p.grad`` (``DistTensor.grad``) is then ``Partial("sum")`` there, so its reads
+        (``full()``, ``norm()``, ``sum()``) reduce the shares: one device's gradient, the
+        one ``step()`` will apply.  Before (zero1tp: ZeRO-1 over dp 2 x tp 2), it said
+        ``Replicate`` and read dp rank 0's share: ``p.grad.full().norm()`` 0.2533 where one
+        device's is 0.3791.
+
+        Why Partial and not a refusal (as torch's clip over the replicas gets, below): it is
+        what the gradient is (DTensor's name for an unreduced value; ``{U_dp}``), exact for
+        every read (the dispatcher reduces a Partial before any op that is not linear) and
+        every in-place write (a linear one scales each share; another is reduced and
+        written back as one share, so the step's sum is still the written value:
+        ``test_zero1tp``), and it leaves the habits that touch ``p.grad`` before the sum
+        working (``p.grad is not None``, ``zero_()``).  The step's collectives are
+        untouched: it sums the storage's gradients, never ``p.grad``; a read's reduction
+        is its own all-reduce, on the trace where the user reads."""
         axes = tuple(a for a, pl in enumerate(p.placements) if not pl.is_shard())
         refuse = None
         sharded = [self.mesh.dim_names[a] for a, pl in enumerate(p.placements)
@@ -170,7 +192,13 @@ class GradReplicas:
                       "so this process's gradient is a shard and its norm not the model's; "
                       "call wb.clip_grad_norm_(model.parameters(), max_norm) (the "
                       "DistTensors: it combines the shards' norms)")
-        return as_replica_grad(g, axes, synced, self.unsynced_hint, refuse, p._local)
+        out = as_replica_grad(g, axes, synced, self.unsynced_hint, refuse, p._local)
+        if out is not None:
+            over = () if synced else self.axes + (
+                (self.partial_axis,) if id(p) in self._partial and not partial_summed else ())
+            out._wb_unsummed = tuple(a for a in over
+                                     if self.distributed or out.shape[a] == self.mesh.shape[a])
+        return out
 
     def _before_grad(self, p):
         """Before backward adds to a gradient already summed (every copy the sum G): keep
@@ -193,6 +221,8 @@ class GradReplicas:
                 keep[tuple(idx)] = True
                 g.masked_fill_(~keep, 0)
             g._wb_synced = False
+            g._wb_unsummed = tuple(a for a in axes
+                                   if self.distributed or g.shape[a] == self.mesh.shape[a])
             return None
         return hook
 
@@ -340,7 +370,7 @@ class GradReplicas:
             # (the expanded copies are equal, and so are their sums)
             keep = tuple(slice(0, 1) if n == 1 else slice(None)
                          for n in p._local.grad.shape[:nd])
-            p._local.grad = self._replica_grad(p, piece[keep].contiguous(), False)
+            p._local.grad = self._replica_grad(p, piece[keep].contiguous(), False, True)
 
     def _sum(self, t, label):
         """``t`` summed over the data-parallel dim(s): one all-reduce per group."""

@@ -56,7 +56,7 @@ from .optim_layout import check_state_shapes
 from .torch_kwargs import zero_torch_kwargs
 from .zero_optimizer import ZeroRedundancyOptimizer, run_closure
 
-__all__ = ["ChunkedZeroOptimizer", "defer_reduce_scatter", "ELEMENTWISE"]
+__all__ = ["ChunkedZeroOptimizer", "GradInShard", "defer_reduce_scatter", "ELEMENTWISE"]
 
 # Optimizers whose update of an element reads only that element's parameter, gradient and
 # states (torch 2.13 torch/optim/*.py; workbench.ops.AdamW is AdamW's): on the flat chunks
@@ -75,6 +75,40 @@ _CLIP_REFUSE = (
     "clipping now would not clip the model's.  Clip with the optimizer: "
     "opt.clip_grad_norm_(max_norm) (DataParallel: dp.clip_grad_norm_(max_norm)) after "
     "backward, before step()")
+
+
+_SHARD_REFUSE = (
+    "p.grad of a ZeroRedundancyOptimizer(partition='chunks') parameter whose gradient is "
+    "already reduce-scattered (ZeRO-2, overlap_comm=True: in backward; ZeRO-1: by "
+    "opt.clip_grad_norm_ / opt.grad_norm / opt.reduce_grads_): each rank keeps only its "
+    "shard of the summed gradient and the replica's .grad is freed (as DeepSpeed's ZeRO-2 "
+    "frees it), so no one-device gradient is held to read.  Read the norm with "
+    "opt.grad_norm(), or clip with the optimizer: opt.clip_grad_norm_(max_norm) after "
+    "backward, before step()")
+
+
+class GradInShard:
+    """``p.grad`` of replica ``i`` (``DistTensor.grad`` reads it through the storage's
+    ``_wb_grad_of``, as FSDP's ``GradOf``).  Before its gradient is summed: the replica's
+    own, ``Partial("sum")`` over dp (:meth:`.grad_replicas.GradReplicas._replica_grad`),
+    whose reads reduce the ranks' shares, exact.  Once it is reduce-scattered into the
+    optimizer's shard (``_gshard``): a raise naming the optimizer's norm and clip.  It was
+    None there (zero1tp), so a gradient-norm log (``[p.grad for p in model.parameters()]``,
+    ``if p.grad is not None``) read nothing, silently.  Not a view of the shards: they are
+    flat padded chunks, one per rank, of which no DistTensor placement is a view.
+    ``p.grad = None`` drops both, as ``model.zero_grad()`` does."""
+
+    def __init__(self, opt, i: int):
+        self.opt, self.i = opt, i
+
+    def get(self):
+        if self.i in self.opt._gshard:
+            raise RuntimeError(_SHARD_REFUSE)
+        return self.opt.params[self.i]._storage_grad()
+
+    def clear(self) -> None:
+        self.opt._gshard.pop(self.i, None)
+        self.opt.params[self.i]._local.grad = None
 
 
 def defer_reduce_scatter(tr, mesh, axis: int, nbytes: int, label: str, pending: list) -> None:
@@ -169,6 +203,7 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
             # model.zero_grad() reaches the shard that replaced the gradient (ZeRO-2's in
             # backward; ZeRO-1's too once clip_grad_norm_ / reduce_grads_ made it)
             p._local._wb_zero_grad_hook = self._zero_shard_hook(i)
+            p._local._wb_grad_of = GradInShard(self, i)     # p.grad: exact, or it raises
 
     def add_param_group(self, param_group) -> None:
         if getattr(self, "_built", False):  # torch.optim.Optimizer.__init__ calls it first
