@@ -235,7 +235,7 @@ class DistTensor:
             return None
         g = storage.map_tensors(self._local,
                                 lambda t: torch.zeros_like(t) if t.grad is None else t.grad)
-        return DistTensor(g, self.mesh, self._grad_placements(), self.shape)
+        return DistTensor(g, self.mesh, self._grad_placements(_unsummed_axes(ts)), self.shape)
 
     @grad.setter
     def grad(self, value) -> None:
@@ -248,14 +248,19 @@ class DistTensor:
         for t in storage.tensors(self._local):
             t.grad = None
 
-    def _grad_placements(self):
+    def _grad_placements(self, unsummed=()):
         # The gradient of a Partial("sum") value is the same on every rank: Replicate.
         # Of a Partial avg / max / min value, each rank's local gradient is its share of
         # the global one (1/n of it for avg; all of it on the rank holding the max): the
         # shares sum to it, Partial("sum") (DTensor reduces them to Replicate; held as the
-        # shares, ``x.grad`` stays the local tensors' own .grad, so x.grad.zero_() works)
-        return tuple(Replicate() if p.is_partial() and p.reduce_op == "sum" else
-                     _SUM if p.is_partial() else p for p in self.placements)
+        # shares, ``x.grad`` stays the local tensors' own .grad, so x.grad.zero_() works).
+        # ``unsummed``: mesh axes whose copies hold each data-parallel rank's own share,
+        # not yet summed by the wrapper (ZeRO-1/2's replicas before step, DDP's under
+        # no_sync): Partial("sum") there too (was Replicate: p.grad.sum() read dp rank 0's
+        # share, p.grad.mul_(c) wrote rank 0's share over every rank's, habits18)
+        return tuple(_SUM if a in unsummed or (p.is_partial() and p.reduce_op != "sum") else
+                     Replicate() if p.is_partial() else p
+                     for a, p in enumerate(self.placements))
 
     def detach(self) -> "DistTensor":
         """A new DistTensor on the same storage, with no history (as ``Tensor.detach``):
@@ -359,6 +364,18 @@ class DistTensor:
 
 
 # ---- construction -------------------------------------------------------------------------
+
+def _unsummed_axes(ts) -> set:
+    """Mesh axes over which the gradients of ``ts`` (a parameter's local tensors) are the
+    data-parallel ranks' own shares, not yet summed: a replica's gradient a wrapper marked
+    unsynced (``_wb_synced`` False, ``_wb_sum_axes``: ``strategies/grad_replicas``)."""
+    out = set()
+    for t in ts:
+        g = t.grad
+        if g is not None and getattr(g, "_wb_synced", True) is False:
+            out.update(getattr(g, "_wb_sum_axes", ()))
+    return out
+
 
 def _grad_source(ts):
     """Where a wrapper keeps this parameter's gradient (``GradOf`` of

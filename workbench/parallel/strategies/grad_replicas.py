@@ -170,7 +170,10 @@ class GradReplicas:
                       "so this process's gradient is a shard and its norm not the model's; "
                       "call wb.clip_grad_norm_(model.parameters(), max_norm) (the "
                       "DistTensors: it combines the shards' norms)")
-        return as_replica_grad(g, axes, synced, self.unsynced_hint, refuse, p._local)
+        out = as_replica_grad(g, axes, synced, self.unsynced_hint, refuse, p._local)
+        if out is not None:     # unsynced: each dp rank's share (DistTensor.grad: Partial)
+            out._wb_sum_axes = tuple(self.axes)
+        return out
 
     def _before_grad(self, p):
         """Before backward adds to a gradient already summed (every copy the sum G): keep

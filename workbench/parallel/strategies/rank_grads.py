@@ -235,7 +235,7 @@ def as_chunk_rows(t, numel: int, shape=None):
 # the attributes a kept alias / copy carries (ShardGrad's: its group, how it gathers)
 _KEPT = ("_wb_numel", "_wb_shape", "_wb_pg", "_wb_norm_skip", "_wb_full", "_wb_gathers",
          "_wb_layout", "_wb_param_full", "_wb_pshape", "_wb_axes", "_wb_synced", "_wb_hint",
-         "_wb_refuse")
+         "_wb_refuse", "_wb_sum_axes")
 
 
 class ReplicaGrad(_NormedGrad):
