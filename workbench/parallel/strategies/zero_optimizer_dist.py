@@ -426,7 +426,10 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
     @torch.no_grad()
     def reduce_grads_(self) -> dict:
         """The gradients reduce-scattered now (what :meth:`step` would do first) into
-        each rank's shard, kept for ``step``: ``{parameter index: its gradient shard}``."""
+        each rank's shard, kept for ``step``: ``{parameter index: its gradient shard}``.
+        Each shard is its optimizer shard's ``.grad`` too: ZeRO-1 with
+        ``torch.amp.GradScaler`` calls this before ``scaler.unscale_(opt)``, which unscales
+        the gradients of ``opt.param_groups`` (ZeRO-2's are reduced in backward already)."""
         live = self.live()
         for i, gs in zip(live, self._reduce_grads(live)):
             self._keep_shard(i, gs)             # step() takes them from here
