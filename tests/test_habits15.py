@@ -91,15 +91,18 @@ class Wrapped:
             return [p for _, p in wb.dist_parameters(self.m)]
         return list(self.w.parameters())
 
-    def optimizer(self, params=None):
+    def optimizer(self, params=None, cls=torch.optim.AdamW, **kw):
+        """``cls(params, lr=1e-2, **kw)`` as this wrapper's user builds it (AdamW unless
+        told)."""
         params = self.params() if params is None else params
+        kw = {"lr": 1e-2, **kw}
         if self.kind == "zero":
-            return wb.ZeroRedundancyOptimizer(params, torch.optim.AdamW, self.mesh, lr=1e-2)
+            return wb.ZeroRedundancyOptimizer(params, cls, self.mesh, **kw)
         if self.kind in ("zero_tp", "zero2_tp"):       # ZeRO-1, ZeRO-2 (overlap_comm)
-            return wb.ZeroRedundancyOptimizer(params, torch.optim.AdamW, self.mesh, "dp",
-                                              partition="chunks", lr=1e-2,
-                                              overlap_comm=self.kind == "zero2_tp")
-        return torch.optim.AdamW(params, lr=1e-2)
+            return wb.ZeroRedundancyOptimizer(params, cls, self.mesh, "dp",
+                                              partition="chunks",
+                                              overlap_comm=self.kind == "zero2_tp", **kw)
+        return cls(params, **kw)
 
     def inp(self, x):
         if self.kind in OVER_TP:

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..sim_mesh.mesh import Mesh
 from .dist_tensor import DistTensor, shard_tensor
-from .module_state import adopt
+from .module_state import adopt, refuse_backward_hooks
 from .placement import Replicate, Shard, parse_placements
 
 __all__ = ["parallelize", "dist_parameters", "STYLES"]
@@ -96,6 +96,7 @@ def parallelize(module: nn.Module, mesh: Mesh, plan: dict | None = None,
     alone (``"colwise"``) applies to ``module``'s own parameters, e.g. one nn.Linear."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh={mesh!r}: expected a workbench Mesh")
+    refuse_backward_hooks(module, "parallelize")
     plan = _plan_dict(module, plan)
     for key, val in plan.items():
         _check_plan_value(key, val)

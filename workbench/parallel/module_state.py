@@ -42,7 +42,55 @@ def clear_grad(t: torch.Tensor, set_to_none: bool) -> None:
         g.requires_grad_(False)
     g.zero_()
 
-__all__ = ["adopt", "check_state_dict", "load_dist_"]
+__all__ = ["adopt", "check_state_dict", "load_dist_", "refuse_backward_hook",
+           "refuse_backward_hooks", "BackwardHookRefusal"]
+
+
+def refuse_backward_hook(module: nn.Module, how: str) -> None:
+    """``module.<how>(hook)`` (``register_full_backward_hook`` / ``_pre_hook`` /
+    ``register_backward_hook``) on a module whose inputs and outputs are DistTensors
+    (a ``parallelize``d module, a wrapper over one): torch's backward hooks hold only
+    ``torch.Tensor`` outputs (``nn.Module._call_impl`` warns "module output should be a
+    Tensor" and never calls the hook), so a hook that scales or logs a gradient was
+    dropped (habits18: the gradients one device's without the hook's change)."""
+    raise NotImplementedError(
+        f"{type(module).__name__}.{how}(hook): this module's inputs and outputs are "
+        "DistTensors (tensor parallelism), which torch's module backward hooks do not see: "
+        "the hook would never run (torch only warns).  Read or change gradients after "
+        "backward through the parameters (p.grad; a step's "
+        "register_post_accumulate_grad_hook), or register the hook on a module run "
+        "without tensor parallelism (DDP / FSDP / fully_shard of a plain module call it)")
+
+
+def refuse_backward_hooks(module: nn.Module, what: str) -> None:
+    """Before ``what`` (parallelize / parallelize_module) lays ``module`` out: a backward
+    hook registered on it or a submodule would stop running (:func:`refuse_backward_hook`);
+    raise, nothing changed."""
+    if not isinstance(module, nn.Module):
+        return                          # (the caller's own type check names it)
+    for name, m in module.named_modules():
+        if m._backward_hooks or m._backward_pre_hooks:
+            raise NotImplementedError(
+                f"{what}: module {name or type(module).__name__!r} has a backward hook "
+                "(register_full_backward_hook / register_full_backward_pre_hook / "
+                "register_backward_hook); its inputs and outputs become DistTensors, which "
+                "torch's module backward hooks do not see, so it would never run.  Remove "
+                "it (handle.remove()) and read gradients through the parameters after "
+                "backward (p.grad), or keep this module off tensor parallelism")
+
+
+class BackwardHookRefusal:
+    """Mixed into a module whose inputs and outputs are DistTensors: its backward hook
+    registrations raise (:func:`refuse_backward_hook`); forward hooks stay torch's."""
+
+    def register_full_backward_hook(self, hook, prepend: bool = False):
+        refuse_backward_hook(self, "register_full_backward_hook")
+
+    def register_full_backward_pre_hook(self, hook, prepend: bool = False):
+        refuse_backward_hook(self, "register_full_backward_pre_hook")
+
+    def register_backward_hook(self, hook):
+        refuse_backward_hook(self, "register_backward_hook")
 
 _CLASSES: dict = {}
 
@@ -124,7 +172,7 @@ def _params_or_shards(m):
     return [(k, sh.get(k, v)) for k, v in m._parameters.items()]
 
 
-class ParallelModule:
+class ParallelModule(BackwardHookRefusal):
     """Mixed into the class of a module that ``parallelize`` sharded."""
 
     def _get_name(self):
@@ -195,8 +243,9 @@ class ParallelModule:
         if sharded:
             raise NotImplementedError(
                 f"{self._get_name()}.to() / .double() / .half() ...: its parameters live in "
-                "FullyShardedDataParallel's (Zero3's) shards, which a conversion of the "
-                "module would miss; convert the module before wrapping it")
+                "the flat shards of fully_shard / FullyShardedDataParallel / Zero3 over "
+                "tensor parallelism, which a conversion of the module would miss; convert "
+                "the module before wrapping it")
         with _without_dist(self.modules() if recurse else [self]) as held:
             super()._apply(fn, recurse)
         for v in _unique(held):                 # a tied weight: converted once

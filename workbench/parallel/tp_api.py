@@ -9,7 +9,7 @@ from torch import nn
 
 from ..sim_mesh.mesh import Mesh
 from . import storage
-from .module_state import adopt
+from .module_state import adopt, refuse_backward_hooks
 from .tp_from_torch import from_torch_style, is_torch_style
 from .tp_styles import ParallelStyle
 
@@ -74,6 +74,7 @@ def parallelize_module(module: nn.Module, device_mesh: Mesh, parallelize_plan=No
     md = _tp_dim(device_mesh, mesh_dim)
     if not isinstance(module, nn.Module):
         raise TypeError(f"module={module!r:.60}: expected an nn.Module instance")
+    refuse_backward_hooks(module, "parallelize_module")
     if src_data_rank not in (0, None) or isinstance(src_data_rank, bool):
         raise ValueError(f"src_data_rank={src_data_rank!r}: the simulated module's parameters "
                          "are one copy, laid out from it; give 0 (the default) or None")

@@ -66,6 +66,7 @@ from torch import nn
 
 from ..dist_tensor import DistTensor
 from ..module import dist_parameters
+from ..module_state import BackwardHookRefusal
 from .ddp import DistributedDataParallel, check_broadcast_buffers
 from .ddp_buckets import torch_policy
 from .ddp_dist_habits import check_written_replicas, install as install_habits, replicas_equal
@@ -81,7 +82,7 @@ def has_dist_parameters(module) -> bool:
     return isinstance(module, nn.Module) and next(dist_parameters(module), None) is not None
 
 
-class DistTensorDDP(DistributedDataParallel):
+class DistTensorDDP(BackwardHookRefusal, DistributedDataParallel):
     """``DistributedDataParallel`` of a module with DistTensor parameters (module
     docstring); ``wb.DistributedDataParallel(module, ...)`` builds one for such a module.
 

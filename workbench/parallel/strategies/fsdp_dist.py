@@ -63,10 +63,11 @@ from ...sim_mesh import collectives as C
 from .. import step_clock, storage
 from ..dist_tensor import DistTensor
 from ..module import dist_parameters
+from ..module_state import BackwardHookRefusal
 from .flat_dims import flatten_dims
 from .flat_shards import flat_padded, tensor_places, unflat
 from .replaced_params import check_dist_places
-from .fsdp_dist_views import dp_minor, view_template
+from .fsdp_dist_views import dp_minor, view_template, wrapper_names
 from .fsdp_dist_habits import install_habits, users_read_the_module
 from .laid_out import laid_out
 from .fsdp import FullyShardedDataParallel
@@ -80,7 +81,7 @@ __all__ = ["DistTensorFSDP", "PREFETCH_NUMEL"]
 PREFETCH_NUMEL = 50_000_000
 
 
-class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
+class DistTensorFSDP(BackwardHookRefusal, Zero3Clock, FullyShardedDataParallel):
     """ZeRO-3 over the ``dim`` dim of ``mesh`` for a module parallelized with
     :func:`workbench.parallelize` (its DistTensor parameters replicated on that dim);
     ``prefetch``: True (DeepSpeed's default budget), False, or elements to gather ahead.
@@ -448,9 +449,9 @@ class DistTensorFSDP(Zero3Clock, FullyShardedDataParallel):
         return self.module.load_state_dict(state_dict, strict, assign)
 
     def _apply(self, fn, recurse=True):
-        raise NotImplementedError("FullyShardedDataParallel over DistTensor parameters: "
-                                  ".to() / .float() / .cuda() would miss the shards; move or "
-                                  "cast the module before wb.parallelize")
+        raise NotImplementedError(f"{wrapper_names(self)[0]} over DistTensor parameters: "
+                                  ".to() / .double() / .half() / .float() / .cuda() would miss "
+                                  "the shards; move or cast the module before wb.parallelize")
 
     def full_parameters(self):
         """(qualified name, global tensor) of every parameter, as ``named_parameters``

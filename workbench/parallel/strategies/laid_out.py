@@ -357,8 +357,9 @@ def _module_shaped_operands(func, args):
     for i, a in enumerate(args[1:], 1):
         if not isinstance(a, torch.Tensor) or tuple(a.shape) != shape:
             continue
-        if getattr(func, "__name__", "") == "copy_" and i == 1:
-            out[i] = p._wb_store(a)
+        store = _draw_store(p)      # (Zero3's shards: their _wb_draw_store, habits18)
+        if getattr(func, "__name__", "") == "copy_" and i == 1 and store is not None:
+            out[i] = store(a)
             continue
         raise RuntimeError(
             f"{func.__name__} of a parameter after wrapping with a tensor of the module's "

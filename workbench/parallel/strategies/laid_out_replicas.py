@@ -71,7 +71,11 @@ class ReplicaStorage(torch.Tensor):
                 if not shape:
                     raise TypeError("len() of a 0-d tensor")
                 return shape[0]
-            if (func in VIEWS or _is(func, _PROPS)) and users_call(True, depth=-1):
+            if func is _T.copy_ and len(args) > 1 and users_call(True, depth=-1):
+                args = (t, _module_shaped_source(t, args[1], shape)) + tuple(args[2:])
+            if (func in VIEWS or _is(func, _PROPS)) and (
+                    users_call(True, depth=-1) or
+                    (_flat_view(func, args, shape) and users_call(depth=-1))):
                 whole = _one_whole_replica(t, shape)
                 if whole is not None:               # the module's tensor is this storage
                     with torch._C.DisableTorchFunctionSubclass():
@@ -86,6 +90,29 @@ class ReplicaStorage(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         return _keep(func, args, kwargs, out)
+
+
+def _module_shaped_source(t, src, shape):
+    """A user's ``p.copy_(src)`` (``p.data.copy_``: a manual weight load) with ``src`` of
+    the module parameter's shape: ``src`` laid out as the storage (every replica's shards
+    of it), as a write through the module's DistTensor gives (habits18: torch's broadcast
+    error, "size of tensor a (3) must match the size of tensor b (6)"); else ``src``."""
+    store = getattr(t, "_wb_store", None)
+    if store is None or not isinstance(src, torch.Tensor) or isinstance(src, ReplicaStorage) \
+            or tuple(src.shape) != tuple(shape) or tuple(t.as_subclass(_T).shape) == tuple(shape):
+        return src
+    return store(src)
+
+
+def _flat_view(func, args, shape) -> bool:
+    """``p.view(-1)`` / ``p.view(numel)``: the module's flat parameter, which torch's
+    ``parameters_to_vector`` takes inside torch's code (a user's call all the same: it
+    read the storage, or raised torch's stride error, habits18)."""
+    if func is not _T.view or len(args) != 2:
+        return False
+    size = args[1]
+    size = tuple(size) if isinstance(size, (tuple, list, torch.Size)) else (size,)
+    return size in ((-1,), (math.prod(shape),))
 
 
 def _one_whole_replica(t, shape):
@@ -137,6 +164,8 @@ def _keep(func, args, kwargs, out):
         v = out.as_subclass(ReplicaStorage)
     v._wb_shape, v._wb_full = src._wb_shape, src._wb_full
     v._wb_distributed = getattr(src, "_wb_distributed", False)
+    if getattr(src, "_wb_store", None) is not None and func is not _T.clone:
+        v._wb_store = src._wb_store     # p.data.copy_(w): laid out into p's storage
     return v
 
 

@@ -304,7 +304,7 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
             with suspend(), torch.no_grad():     # the math; recorded below as async
                 gs = self._reduce_scatter(self._flat(g))
             gs = self._unpack(gs, [self.shards[i]])[0]
-            self._gshard[i] = gs if i not in self._gshard else self._gshard[i] + gs
+            self._keep_shard(i, gs if i not in self._gshard else self._gshard[i] + gs)
             nb = math.prod(self._flat(g).shape[self.mesh.ndim:]) * g.element_size()
             tr = current_trace()
             leaf.grad = None
@@ -341,6 +341,7 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                 return
             if set_to_none:
                 del self._gshard[i]
+                self.shards[i].grad = None
             else:
                 gs.zero_()
         return hook
@@ -460,12 +461,29 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
     @torch.no_grad()
     def reduce_grads_(self) -> dict:
         """The gradients reduce-scattered now (what :meth:`step` would do first) into
-        each rank's shard, kept for ``step``: ``{parameter index: its gradient shard}``."""
+        each rank's shard, kept for ``step``: ``{parameter index: its gradient shard}``.
+        Each shard is its optimizer shard's ``.grad`` too: ZeRO-1 with
+        ``torch.amp.GradScaler`` calls this before ``scaler.unscale_(opt)``, which unscales
+        the gradients of ``opt.param_groups`` (ZeRO-2's are reduced in backward already)."""
         live = self.live()
         for i, gs in zip(live, self._reduce_grads(live)):
-            self._gshard[i] = gs                # step() takes them from here
+            self._keep_shard(i, gs)             # step() takes them from here
             self.params[i]._local.grad = None
         return {i: self._gshard[i] for i in live}
+
+    def _keep_shard(self, i, gs) -> None:
+        """Parameter ``i``'s reduced gradient shard, kept for ``step`` and held as its
+        shard's ``.grad`` (the same tensor): ``torch.amp.GradScaler.unscale_(opt)`` unscales
+        and inf-checks the gradients of ``opt.param_groups`` (the shards), so ZeRO-2's
+        (reduced in backward) and ZeRO-1's after :meth:`reduce_grads_` are unscaled in
+        place before ``clip_grad_norm_`` and ``step`` read them.  Before (habits18) no
+        shard held one: ``unscale_`` unscaled nothing, ``opt.clip_grad_norm_`` returned the
+        scaled norm (1024x at scale 2**10) and ``scaler.step`` raised torch's "No inf
+        checks were recorded for this optimizer"."""
+        gs = _fit(gs, self.shards[i]).contiguous()
+        self._gshard[i] = gs
+        if gs.dtype == self.shards[i].dtype:   # (else step() raises naming the conversion)
+            self.shards[i].grad = gs
 
     @torch.no_grad()
     def scale_grads_(self, coef) -> None:
