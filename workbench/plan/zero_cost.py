@@ -79,6 +79,9 @@ class Block:
     after_fwd: tuple = ()
     after_bwd: tuple = ()
     shared: tuple = (0.0, 0.0)
+    # what runs on ZeRO's stream after its re-run in a recomputed layer's backward
+    # (``regather``): the recomputed attention's exchange after the value projection
+    after_remat: tuple = ()
 
 
 class _Stream:
@@ -192,6 +195,8 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
                     stream.issue(j, gb[j].numel, t)
                     t = max(t, stream.ends.get(j, 0.0))
                     t = stream.compute(t, blocks[j].remat, rate)
+                    if blocks[j].after_remat:
+                        t = run_program(stream, blocks[j].after_remat, t, rate, ("r", pos, j))
             t = stream.compute(t, blocks[i].bwd - blocks[i].remat, rate)
         elif gather:
             stream.issue(i, gb[i].numel, t)
@@ -380,7 +385,10 @@ def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0,
     programs and the seconds of ``layer`` they stand for), run where the runtime runs it,
     between the value projection and the output projection (the forward after v's
     module, the backward after o's and its reduce-scatters), on ZeRO's stream; the
-    layer's other seconds shared among the modules as above."""
+    layer's other seconds shared among the modules as above.  With recompute, the
+    exchange's re-run (``ring["remat"]``) after v's re-run where ``remat`` re-gathers
+    the layer (ZeRO-3 "full" / "op": ``Block.after_remat``), else before the backward's
+    program (ZeRO-2; ZeRO-3 "selective")."""
     from .memory import stage_params
     h, V, s, tp, pp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp, lay.pp
     llama = cfg.arch == "llama"
@@ -403,16 +411,26 @@ def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0,
     rtot = sum(sum(p) for p in mods[:rerun])
     fc, fw, bc, bw = layer.fwd_compute, layer.fwd_comm, layer.bwd_compute, layer.bwd_comm
     if ring is not None:
-        if remat:
-            raise ValueError("recipe_blocks: ring= with recompute is not modeled (the "
-                             "recompute's ring on ZeRO's stream); give remat=0")
+        # the recomputed attention's exchange (``ring["remat"]``): with ZeRO-3's
+        # re-gathered layer (``remat``) after the value projection's re-run, as the
+        # runtime re-runs the block's forward module by module; else (ZeRO-2: no
+        # re-gather) before the backward's program, on the same stream
+        rc, rf, rb = ring.get("remat", ()), ring.get("remat_compute", 0.0), \
+            ring.get("remat_comm", 0.0)
         fc, fw = fc - ring["fwd_compute"], fw - ring["fwd_comm"]
-        bc, bw = bc - ring["bwd_compute"], bw - ring["bwd_comm"]
+        bc, bw = bc - ring["bwd_compute"] - rf, bw - ring["bwd_comm"] - rb
         # q, k, v, o are modules 1-4 of both models (_recipe_modules)
-        prog = {3: dict(after_fwd=ring["fwd"],
-                        shared=(ring["fwd_compute"] + ring["fwd_comm"], 0.0)),
-                4: dict(after_bwd=ring["bwd"],
-                        shared=(0.0, ring["bwd_compute"] + ring["bwd_comm"]))}
+        if remat:
+            remat -= rf
+            prog = {3: dict(after_fwd=ring["fwd"], after_remat=tuple(rc),
+                            shared=(ring["fwd_compute"] + ring["fwd_comm"], rf + rb)),
+                    4: dict(after_bwd=ring["bwd"],
+                            shared=(0.0, ring["bwd_compute"] + ring["bwd_comm"]))}
+        else:
+            prog = {3: dict(after_fwd=ring["fwd"],
+                            shared=(ring["fwd_compute"] + ring["fwd_comm"], 0.0)),
+                    4: dict(after_bwd=tuple(rc) + tuple(ring["bwd"]),
+                            shared=(0.0, ring["bwd_compute"] + ring["bwd_comm"] + rf + rb))}
     else:
         prog = {}
     for k in range(nl):
