@@ -404,10 +404,12 @@ def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0,
     mods = _recipe_modules(cfg, tp)
     tot = sum(sum(p) for p in mods)
     # PyTorch's non-reentrant checkpoint stops re-running once every tensor the backward
-    # needs is back (``llama_layer.op_sac_recompute``): a Llama block without dropout
-    # re-runs up to w2's input, so w2 is gathered for its backward as any module, with
-    # prefetch; a GPT block's fc2 re-runs (its dropout mask follows it)
-    rerun = len(mods) - 1 if cfg.arch == "llama" and not cfg.dropout > 0 else len(mods)
+    # needs is back (``llama_layer.op_sac_recompute``): a block without dropout re-runs
+    # up to w2's (GPT: fc2's) input, so w2 / fc2 is gathered for its backward as any
+    # module, with prefetch, and its backward runs before the recompute (the dry run's
+    # trace, GPT dp 2 cp 4 "full": fc2's two GEMMs, then the re-run up to the GeLU;
+    # tests/test_zerocp5.py); with dropout the mask follows it, so it re-runs
+    rerun = len(mods) - 1 if not cfg.dropout > 0 else len(mods)
     rtot = sum(sum(p) for p in mods[:rerun])
     fc, fw, bc, bw = layer.fwd_compute, layer.fwd_comm, layer.bwd_compute, layer.bwd_comm
     if ring is not None:
@@ -434,7 +436,13 @@ def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0,
     else:
         prog = {}
     for k in range(nl):
-        out += [Block(sum(p), fc * sum(p) / tot, bc * sum(p) / tot, p, k if j < rerun else -1,
+        # the backward's own seconds by parameters, the re-run's over the modules that
+        # re-run (was: all of ``bc`` by parameters, so w2 / fc2, which do not re-run,
+        # carried a share of the re-run before it in their backward)
+        out += [Block(sum(p), fc * sum(p) / tot,
+                      (bc - remat) * sum(p) / tot + (remat * sum(p) / rtot if j < rerun
+                                                     else 0.0),
+                      p, k if j < rerun else -1,
                       remat * sum(p) / rtot if j < rerun else 0.0,
                       fw * sum(p) / tot, bw * sum(p) / tot, **prog.get(j, {}))
                 for j, p in enumerate(mods)]
