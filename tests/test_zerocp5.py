@@ -11,12 +11,16 @@ run holds the estimate to within 5% (``plan/ep_cp.py`` ``check_zero_cp``).
   of a unit already unsharded (``FSDPState._pre_forward`` in PRE_BACKWARD); so does the
   runtime now (``strategies/zero3_clock.py`` ``_holds_backward_copy``), every backward
   as the later ones were, which is what ``zero_cost``'s ``regather`` prices (w2
-  gathered with prefetch).  ZeRO-3 "op" dp 2: 0.984-1.002; dp 1: 0.977-0.992.
+  gathered with prefetch).  ZeRO-3 "op" dp 2: 0.984-1.003; dp 1: 0.975-0.992.
 - dp = 1 (ZeRO's group the cp group) with "op": the recomputed ring's sends and merges
   (Ulysses: its four all-to-alls) on ZeRO's stream, the kernels' outputs saved
   (``ep_cp._recomputed``); ZeRO-3 "full" at dp = 1: the recomputed exchange after the
   value projection's re-run in the re-gathered layer (``zero_cost.Block.after_remat``).
-  ZeRO-2 "op" 1.007-1.032, ZeRO-3 "full" 0.948-0.987.
+  ZeRO-2 "op" 1.007-1.032, ZeRO-3 "full" 0.967-0.990.
+- full recompute's early stop (PyTorch's non-reentrant checkpoint) was priced for a
+  Llama block without cp only: now for a GPT block without dropout (up to fc2's input)
+  and with cp too (``ep_cp._layer``); a module that does not re-run carries none of the
+  re-run's seconds (``zero_cost.recipe_blocks``).
 - GPT (tied head) ZeRO-3 at dp 2 with cp read 0.948-0.986: the head's GEMM belongs to
   the embedding module, so the backward's prefetch is issued as the final norm ends and
   the GEMM runs beside it (dry run's trace, dp 2 cp 4: the prefetch from 968 us, the
@@ -24,7 +28,11 @@ run holds the estimate to within 5% (``plan/ep_cp.py`` ``check_zero_cp``).
   (``estimate._loss_lead``): now 0.978-1.022.
 
 The sweep measured (Llama and GPT x ZeRO 2 / 3 x cp 2 / 4 x tp 1 / 2 / 2 + sp x ring /
-a2a x dp 1 / 2; GPT has no "op"): every layout within 5%; below, a spread of it."""
+a2a x dp 1 / 2; GPT has no "op"; 156 layouts, "op", "full" and GPT ZeRO-3 without
+recompute): every layout within 5% but one priced before, GPT dp 2 cp 4 tp 1 ring ZeRO-3
+"full" at 0.946 (0.938 after the runtime's fix, before the early stop); below, a spread.
+Memory total 0.9988-1.0003 (recompute "op" below 1: its activations with cp, 0.975 at
+ZeRO-0 as well, not ZeRO's)."""
 import pytest
 import torch
 
@@ -38,14 +46,14 @@ GPT = get_config("gpt3-175b", n_layer=2, d_model=1024, n_head=16, seq_len=1024, 
 
 # measured dry run / estimate, step (before: refused, or the ratio named)
 CASES = [
-    (LLAMA, dict(zero=3, dp=2, cp=2, recompute="op")),                   # 0.993 (1.048)
+    (LLAMA, dict(zero=3, dp=2, cp=2, recompute="op")),                   # 0.995 (1.048)
     (LLAMA, dict(zero=3, dp=2, cp=4, tp=2, sp=True, recompute="op")),    # 0.985
-    (LLAMA, dict(zero=3, dp=1, cp=2, cp_comm="a2a", recompute="op")),    # 0.992
-    (LLAMA, dict(zero=3, dp=1, cp=4, tp=2, recompute="op")),             # 0.987
+    (LLAMA, dict(zero=3, dp=1, cp=2, cp_comm="a2a", recompute="op")),    # 0.989
+    (LLAMA, dict(zero=3, dp=1, cp=4, tp=2, recompute="op")),             # 0.986
     (LLAMA, dict(zero=2, dp=1, cp=2, tp=2, cp_comm="a2a", recompute="op")),  # 1.022
     (LLAMA, dict(zero=2, dp=1, cp=4, recompute="op")),                   # 1.020
-    (LLAMA, dict(zero=3, dp=1, cp=4, recompute="full")),                 # 0.984
-    (GPT, dict(zero=3, dp=1, cp=2, tp=2, sp=True, recompute="full")),    # 0.963
+    (LLAMA, dict(zero=3, dp=1, cp=4, recompute="full")),                 # 0.988
+    (GPT, dict(zero=3, dp=1, cp=2, tp=2, sp=True, recompute="full")),    # 0.976
     (GPT, dict(zero=3, dp=2, cp=4)),                                     # 0.982 (0.948)
     (GPT, dict(zero=3, dp=2, cp=4, tp=2, sp=True, cp_comm="a2a")),       # 0.982 (0.968)
 ]
@@ -158,3 +166,34 @@ def test_ring_program_with_recompute_op_reruns_the_exchange_without_kernels():
     assert full["remat"] == op["fwd"] == full["fwd"]
     assert op["remat_compute"] > 0 and op["remat_comm"] >= 0
     assert full["remat_compute"] > op["remat_compute"]
+
+
+# ---- full recompute's early stop ---------------------------------------------------------
+
+@pytest.mark.parametrize("kw", [dict(zero=0, dp=2), dict(zero=3, dp=2)], ids=_id)
+def test_a_gpt_without_dropout_recomputes_up_to_fc2s_input(kw):
+    """PyTorch's non-reentrant checkpoint stops once fc2's input (the GeLU's output) is
+    back: the dry run's trace re-runs no fc2 GEMM (with dropout the residual's mask
+    follows fc2, which re-runs).  Was: the whole forward priced, dry run / estimate 0.986
+    (ZeRO-0), 0.997 (ZeRO-3); now 1.001 both; with dropout 1.0006 before and after."""
+    lay = Layout(framework="workbench", global_batch=4, recompute="full", **kw)
+    cl = Cluster("a100", lay.world)
+    for cfg in (GPT, GPT.replace(dropout=0.1)):
+        ratio = dry_run(cfg, lay, cl).step_time / estimate(cfg, lay, cl,
+                                                           attention="flash").step_time
+        assert ratio == pytest.approx(1.0, abs=0.005), cfg.dropout
+
+
+def test_the_layer_with_cp_stops_its_recompute_early_too():
+    """``ep_cp``'s layer (cp > 1) priced the whole forward's re-run on this library's
+    runtime, where ``estimate.layer_for`` without cp stopped early: the recompute rows are
+    now those of the early stop (Llama: no w2 GEMM; GPT without dropout: no fc2 GEMM),
+    and Megatron-LM's (whose checkpoint re-runs the whole forward) keep every GEMM."""
+    from workbench.plan.ep_cp import _layer, _mini
+    prof = Cluster("a100", 4).profile
+    for cfg, last in ((LLAMA, "w2_gemm"), (GPT, "fc2_gemm")):
+        for fw, rerun in (("workbench", False), ("megatron", True)):
+            lay = Layout(dp=2, cp=2, recompute="full", framework=fw, global_batch=4)
+            rows, _ = _layer(cfg, _mini(lay), prof, "flash", False, True)
+            names = [r[0] for r in rows if r[1] == "recompute"]
+            assert (last in names) == rerun, (cfg.arch, fw)

@@ -82,7 +82,7 @@ def check_zero_cp(lay) -> None:
     it (``zero_cost.recipe_blocks`` over the dp x cp ranks; the loss beside the
     backward's prefetch, ``loss_waits``), ZeRO-2 likewise.  At dp >= 2 without
     recompute, "full" or "selective": measured dry run / estimate on
-    tests/test_zero3cp.py's blocks, tests/test_cprecomp.py: step 0.938-0.993 (full;
+    tests/test_zero3cp.py's blocks, tests/test_cprecomp.py: step 0.946-0.995 (full;
     1.005-1.059 before the runtime's first backward stopped re-gathering w2 / fc2),
     0.961-1.034 (selective), memory total 1.000, activations 1.000-1.017.  At dp = 1
     ZeRO's group is the cp group itself, so the ring's K/V exchange (a collective on the
@@ -101,13 +101,17 @@ def check_zero_cp(lay) -> None:
       runtime's first backward: a recompute reaching w2 after w2's backward began gathered
       it a second time, queued behind the head's reduce-scatter (~139 us at dp 2 cp 2),
       in the first backward only (``strategies/zero3_clock.py``
-      ``_holds_backward_copy``; the dry run runs one micro-batch).  Now 0.984-1.002 at
-      dp 2, 0.977-0.992 at dp 1.
+      ``_holds_backward_copy``; the dry run runs one micro-batch).  Now 0.984-1.003 at
+      dp 2, 0.975-0.992 at dp 1.
     - dp = 1 with "op" (ZeRO-2 and 3; the ring's sends and merges or Ulysses'
       all-to-alls again, the kernels' outputs saved: ``_recomputed``'s ``saved``), and
       ZeRO-3 "full" at dp = 1 (its re-gathered layer runs the recomputed exchange after
       the value projection's re-run: ``zero_cost.recipe_blocks``' ``after_remat``):
-      ZeRO-2 op 1.007-1.032, ZeRO-3 op 0.977-0.992, ZeRO-3 full 0.948-0.987.
+      ZeRO-2 op 1.007-1.032, ZeRO-3 op 0.975-0.992, ZeRO-3 full 0.967-0.990 (with full
+      recompute's early stop priced with cp, ``_layer``).
+
+    Below 5% still, priced before: GPT dp 2 cp 4 tp 1 ring ZeRO-3 "full" 0.946 (ZeRO-2
+    0.954; without recompute 0.982).
 
     (Full recompute in chunks of k > 1 layers: ``Layout`` refuses it with
     framework='workbench'.)  ``search`` still tries ZeRO-2/3 with cp at dp = 1 without

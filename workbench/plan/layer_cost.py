@@ -382,7 +382,8 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     ``fp8``: the linears' GEMMs in FP8 with Transformer Engine's casts (``plan.fp8``).
     ``kv_heads``: a Llama block (``plan.llama_layer``) with that many key/value heads
     (fused attention only; ``dropout``: with dropout on its residual branches); None:
-    Megatron's GPT layer (``dropout``: with dropout, read only by ``early_stop``).  ``tp_comm_overlap``: the TP collectives overlapped as
+    Megatron's GPT layer (``dropout``: with dropout, read only by ``early_stop``).
+    ``tp_comm_overlap``: the TP collectives overlapped as
     Megatron-LM's ``--tp-comm-overlap`` runs them (``plan.tp_overlap``; sp required).
     ``async_allreduce=False``: the backward all-reduce of a column-parallel layer's input
     gradient on the critical path, as Megatron-LM before 2021-09 and Megatron-DeepSpeed
