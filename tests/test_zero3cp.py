@@ -63,27 +63,10 @@ def test_the_states_and_gathers_are_over_dp_x_cp():
 
 
 def test_what_is_not_priced_is_refused_with_the_fix():
-    # dp = 1 with recompute: ZeRO's group is the cp group, whose stream the recomputed
-    # attention's exchange waits on (without recompute priced: tests/test_zerocp3.py):
-    # refused by estimate, the layout stands and the dry run runs it
-    lay = Layout(dp=1, cp=2, zero=3, recompute="full", framework="workbench",
-                 global_batch=2)
-    with pytest.raises(ValueError, match=r"zero=3 with cp=2, dp=1 and recompute='full' is "
-                                         r"not modeled.*use recompute='none', dp >= 2"):
-        estimate(LLAMA, lay, Cluster("a100", 2), attention="flash")
-    assert dry_run(LLAMA, lay, Cluster("a100", 2)).step_time > 0
-    with pytest.raises(ValueError, match=r"zero=3 with cp=4, dp=1 and recompute='op'"):
-        estimate(LLAMA, Layout(dp=1, cp=4, zero=3, recompute="op",
-                               framework="workbench", global_batch=1),
-                 Cluster("a100", 4), attention="flash")
-    # (dp = 1 ZeRO-2 with "full" / "selective", ZeRO-3 with "selective": priced since,
-    # tests/test_zerocp4.py)
-    # recompute "op": the dry run runs it, the estimate measured up to 1.10x off (sp);
-    # recompute "full" / "selective" are priced and held to the dry run (test_cprecomp.py)
-    lay = Layout(dp=2, cp=2, zero=3, recompute="op", framework="workbench", global_batch=4)
-    with pytest.raises(ValueError, match=r"recompute='op' is not modeled.*'selective'"):
-        estimate(LLAMA, lay, Cluster("a100", 4), attention="flash")
-    assert dry_run(LLAMA, lay, Cluster("a100", 4)).step_time > 0
+    # (dp = 1 with recompute, where ZeRO's group is the cp group whose stream the
+    # recomputed attention's exchange waits on, and recompute "op": refused here once,
+    # priced since: ZeRO-2 "full" / "selective" and ZeRO-3 "selective" in
+    # tests/test_zerocp4.py, "op" and ZeRO-3 "full" at dp = 1 in tests/test_zerocp5.py)
     # another framework: still Megatron-LM's ZeRO-1 only
     with pytest.raises(ValueError, match=r"zero=3 with ep=1, cp=2.*framework='workbench'"):
         Layout(dp=2, cp=2, zero=3, global_batch=4)

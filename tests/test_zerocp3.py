@@ -58,15 +58,6 @@ def test_dp1_estimate_agrees_with_the_dry_run(cfg, kw):
         assert dr.memory[k] == pytest.approx(est.memory[k], rel=0.05, abs=1), k
 
 
-def test_dp1_with_recompute_is_still_refused_with_the_fix():
-    # (ZeRO-2 with "full" / "selective" and ZeRO-3 with "selective": priced since,
-    # tests/test_zerocp4.py)
-    lay = Layout(dp=1, cp=2, zero=3, recompute="full", framework="workbench", global_batch=2)
-    with pytest.raises(ValueError, match=r"zero=3 with cp=2, dp=1 and recompute='full' is "
-                                         r"not modeled.*use recompute='none'"):
-        estimate(LLAMA, lay, Cluster("a100", 2), attention="flash")
-
-
 def test_search_tries_zero_over_the_cp_group_at_dp1():
     """Before, no candidate with cp > 1 and ZeRO-2/3 had dp = 1."""
     cfg = get_config("llama3-8b", n_layer=2, seq_len=32768, vocab_size=32000)
@@ -177,9 +168,5 @@ def test_recompute_op_reruns_the_rings_sends_and_merges(kw):
     if kw.get("cp_comm", "p2p") == "p2p":           # the forward's and the recompute's
         assert len(sends) == 2 * LLAMA.n_layer * (lay.cp - 1)
 
-
-def test_zero3_with_recompute_op_stays_refused_with_the_fix():
-    lay = Layout(dp=2, cp=2, zero=3, recompute="op", framework="workbench", global_batch=4)
-    with pytest.raises(ValueError, match=r"recompute='op' is not modeled.*1.07x.*"
-                                         r"use recompute='full' or 'selective'"):
-        estimate(LLAMA, lay, Cluster("a100", 4), attention="flash")
+# (dp = 1 with recompute, and ZeRO-3 with "op": refused here once, priced since:
+# tests/test_zerocp4.py, tests/test_zerocp5.py)

@@ -16,7 +16,8 @@ source): step ratios dry run / estimate across small GPT / Llama layouts.
 - dp = 1 ZeRO-2/3 + cp with recompute was refused: the recomputed attention's exchange
   now runs again on ZeRO's stream before the block's backward (``ep_cp._recomputed``);
   ZeRO-2 "full" / "selective" and ZeRO-3 "selective" lifted (0.965-1.017 on
-  tests/test_zerocp3.py's 12 layouts each), ZeRO-3 "full" and "op" still refused."""
+  tests/test_zerocp3.py's 12 layouts each), ZeRO-3 "full" and "op" refused (lifted
+  since: tests/test_zerocp5.py)."""
 import pytest
 
 from workbench.models.config import get_config
@@ -87,8 +88,4 @@ def test_dp1_zero_cp_with_recompute_agrees_with_the_dry_run(cfg, kw):
     for k in ("params", "grads", "optimizer", "buffers", "activations", "total"):
         assert dr.memory[k] == pytest.approx(est.memory[k], rel=0.05, abs=1), k
 
-
-def test_dp1_zero3_cp_full_recompute_is_still_refused():
-    lay = Layout(dp=1, cp=2, zero=3, recompute="full", framework="workbench", global_batch=2)
-    with pytest.raises(ValueError, match=r"recompute='full' is not modeled"):
-        estimate(LLAMA, lay, Cluster("a100", 2), attention="flash")
+# (ZeRO-3 "full" at dp = 1, refused here once: priced since, tests/test_zerocp5.py)

@@ -21,8 +21,7 @@ or across nodes as the ranks fall), plus ring attention beyond the causal block
 distributed optimizer on its data-parallel group with context parallel), and so does this
 library's runtime (``recipes/context_parallel.py``), which also runs ZeRO-2 over dp x cp:
 ``framework="workbench"`` prices it; and ZeRO-3 over dp x cp (FSDP over the flattened
-group, as torchtitan), with dp >= 2, without recompute or with recompute "full" /
-"selective", and ZeRO-2 with dp >= 2 (``check_zero_cp``).  Not modeled,
+group, as torchtitan), any dp and recompute (``check_zero_cp``).  Not modeled,
 refused with the fix: ZeRO-2/3 with EP, ZeRO-2/3 with CP on another framework
 (Megatron-LM's distributed optimizer is ZeRO-1), FP8 or ``overlap_grad_reduce`` with a
 MoE, EP over the context-parallel ranks (Megatron-Core's "MoE parallel folding").
@@ -77,50 +76,47 @@ def check_fields(lay) -> None:
 
 def check_zero_cp(lay) -> None:
     """What ``estimate`` refuses of ZeRO-2/3 with cp (the layout itself stands: ``dry_run``
-    runs it).  ZeRO-3 over dp x cp (this library's runtime: ``ContextParallel(zero=3)``,
-    FSDP over the flattened dp x cp group as torchtitan's "fsdp" mesh) is priced as the
-    runtime runs it (``zero_cost.recipe_blocks`` over the dp x cp ranks; the loss beside
-    the backward's prefetch, ``loss_waits``) where the dry run holds the estimate to it:
-    dp >= 2, without recompute or with recompute "full" / "selective" (measured dry run
-    / estimate on tests/test_zero3cp.py's blocks, tests/test_cprecomp.py: step 1.005-1.059
-    (full), 0.961-1.034 (selective), memory total 1.000, activations 1.000-1.017); ZeRO-2
-    likewise at dp >= 2.  At dp = 1 ZeRO's group is the cp group itself, so the ring's
-    K/V exchange (a collective on the cp group, ``parallel/strategies/
-    context_parallel_comm.py`` ``_record``; Ulysses' all-to-alls alike) queues behind
-    ZeRO's collectives on that group's one stream: priced as the runtime orders them
-    (``ring_program``, ``zero_cost.run_program``; refused before, measured 1.04-1.35x;
-    now dry run / estimate step 0.969-1.025 on tests/test_zerocp3.py's 44 Llama and GPT
-    layouts, ZeRO-2 and 3, cp 2 and 4, tp 1 and 2, sp, ring and a2a; memory within
-    0.04%).  With recompute at dp = 1 the recomputed attention's exchange runs again
-    before the block's backward on that stream (``_recomputed``): ZeRO-2 with "full" or
-    "selective", ZeRO-3 with "selective", dry run / estimate 0.965-1.017 on those 24
-    layouts (tests/test_zerocp4.py).  Refused: dp = 1 with "op", and ZeRO-3 with "full"
-    (its re-gathered blocks, ``zero_cost.recipe_blocks``, do not take the ring program);
-    ZeRO-3 with the Llama's recompute "op"
-    (torchtitan's op-level checkpointing), where the dry run runs it but the estimate is
-    not within 5% of it on every block: with the recomputed ring's sends and merges (or
-    Ulysses' all-to-alls) priced (``_op_sac_ring``, ``_a2a_rows``: 1.031-1.103 -> 1.031-
-    1.069) what is left is ZeRO-3's order in the block's backward: the dry run gathers w2
-    after the recompute, queued behind the head's reduce-scatter (~139 us exposed at dp 2
-    cp 2 on tests/test_zero3cp.py's Llama), where ``zero_cost``'s ``regather`` gathers w2
-    before the recompute.  (Full
-    recompute in chunks of k > 1 layers: ``Layout`` refuses it with framework='workbench'.)
-    (ZeRO-3 with any recompute was refused until the dry run ran it: the recomputed
-    attention ran off the ring on meta tensors, ``context_parallel_autograd``.)"""
-    if lay.cp == 1 or lay.zero < 2:
-        return
-    if lay.dp == 1 and (lay.recompute == "op" or (lay.recompute == "full" and lay.zero == 3)):
-        raise ValueError(f"estimate: zero={lay.zero} with cp={lay.cp}, dp=1 and recompute="
-                         f"{lay.recompute!r} is not modeled (ZeRO's group is then the cp "
-                         f"group, whose one stream the recomputed attention's exchange waits "
-                         f"on behind ZeRO's collectives: plan/ep_cp.py check_zero_cp); use "
-                         f"recompute='none', dp >= 2 or zero<=1 (or recompute='selective')")
-    if lay.zero == 3 and lay.recompute == "op":
-        raise ValueError(f"estimate: zero=3 with cp={lay.cp} and recompute='op' is not "
-                         f"modeled (the dry run of this library's runtime measured up to "
-                         f"1.07x the estimate's step: plan/ep_cp.py check_zero_cp); use "
-                         f"recompute='full' or 'selective', or zero<=2")
+    runs it): nothing now; each was refused until the dry run held the estimate to it.
+    ZeRO-3 over dp x cp (this library's runtime: ``ContextParallel(zero=3)``, FSDP over
+    the flattened dp x cp group as torchtitan's "fsdp" mesh) is priced as the runtime runs
+    it (``zero_cost.recipe_blocks`` over the dp x cp ranks; the loss beside the
+    backward's prefetch, ``loss_waits``), ZeRO-2 likewise.  At dp >= 2 without
+    recompute, "full" or "selective": measured dry run / estimate on
+    tests/test_zero3cp.py's blocks, tests/test_cprecomp.py: step 0.946-0.995 (full;
+    1.005-1.059 before the runtime's first backward stopped re-gathering w2 / fc2),
+    0.961-1.034 (selective), memory total 1.000, activations 1.000-1.017.  At dp = 1
+    ZeRO's group is the cp group itself, so the ring's K/V exchange (a collective on the
+    cp group, ``parallel/strategies/context_parallel_comm.py`` ``_record``; Ulysses'
+    all-to-alls alike) queues behind ZeRO's collectives on that group's one stream:
+    priced as the runtime orders them (``ring_program``, ``zero_cost.run_program``;
+    0.969-1.025 on tests/test_zerocp3.py's 44 layouts), with recompute its re-run of the
+    exchange too (``_recomputed``: ZeRO-2 "full" / "selective", ZeRO-3 "selective"
+    0.965-1.017, tests/test_zerocp4.py).
 
+    Lifted last (tests/test_zerocp5.py, a sweep of Llama / GPT x ZeRO 2 / 3 x cp 2 / 4 x
+    tp 1 / 2 / 2 + sp x ring / a2a x dp 1 / 2):
+
+    - ZeRO-3 with the Llama's recompute "op" (torchtitan's op-level checkpointing), any
+      dp: refused at 1.031-1.069.  What was left was no order of the estimate's but the
+      runtime's first backward: a recompute reaching w2 after w2's backward began gathered
+      it a second time, queued behind the head's reduce-scatter (~139 us at dp 2 cp 2),
+      in the first backward only (``strategies/zero3_clock.py``
+      ``_holds_backward_copy``; the dry run runs one micro-batch).  Now 0.984-1.003 at
+      dp 2, 0.975-0.992 at dp 1.
+    - dp = 1 with "op" (ZeRO-2 and 3; the ring's sends and merges or Ulysses'
+      all-to-alls again, the kernels' outputs saved: ``_recomputed``'s ``saved``), and
+      ZeRO-3 "full" at dp = 1 (its re-gathered layer runs the recomputed exchange after
+      the value projection's re-run: ``zero_cost.recipe_blocks``' ``after_remat``):
+      ZeRO-2 op 1.007-1.032, ZeRO-3 op 0.975-0.992, ZeRO-3 full 0.967-0.990 (with full
+      recompute's early stop priced with cp, ``_layer``).
+
+    Below 5% still, priced before: GPT dp 2 cp 4 tp 1 ring ZeRO-3 "full" 0.946 (ZeRO-2
+    0.954; without recompute 0.982).
+
+    (Full recompute in chunks of k > 1 layers: ``Layout`` refuses it with
+    framework='workbench'.)  ``search`` still tries ZeRO-2/3 with cp at dp = 1 without
+    recompute only and ZeRO-3 without "op" (``ep_cp_search.candidates``)."""
+    return None
 
 
 def check_layout(model, lay) -> None:
@@ -228,8 +224,10 @@ def ring_program(model, lay, prof, attention, fp8=False):
     on the stream it shares with ZeRO (``shares_zero_stream``), for
     ``zero_cost.recipe_blocks(ring=)``: a dict of the forward and backward programs
     (``zero_cost.run_program``) and the seconds of ``layer_cost`` they stand for
-    (``fwd_compute``, ``fwd_comm``, ``bwd_compute``, ``bwd_comm``); None where the
-    stream is not shared.
+    (``fwd_compute``, ``fwd_comm``, ``bwd_compute``, ``bwd_comm``), with recompute the
+    program its re-run of the attention runs and its seconds (``remat``,
+    ``remat_compute``, ``remat_comm``: ``_recomputed``); None where the stream is not
+    shared.
 
     Ring ("p2p", ``strategies.context_parallel._ring_forward``): at each step but the
     last the next K/V block is sent (async) before the step's block is computed, the
@@ -246,10 +244,6 @@ def ring_program(model, lay, prof, attention, fp8=False):
     tests/test_zerocp3.py)."""
     if not shares_zero_stream(lay) or lay.engine != "workbench":
         return None
-    if lay.recompute not in ("none", "full", "selective"):
-        raise ValueError(f"ring_program: recompute={lay.recompute!r} re-runs the exchange on "
-                         f"ZeRO's stream in backward, which is not modeled; use "
-                         f"recompute='none' (check_zero_cp refuses it with the fix)")
     rows, _ = _layer(model, _mini(lay), prof, attention, fp8, _regathers(model, lay))
 
     def row(name, phase):
@@ -270,22 +264,26 @@ def ring_program(model, lay, prof, attention, fp8=False):
                       for n in X.a2a_times(model, lay, prof).blocks)
         fwd = (("sync", q), ("sync", k), ("sync", v), ("compute", fa), ("sync", o))
         bwd = (("sync", o), ("compute", fg), ("sync", q), ("sync", k), ("sync", v))
+        # recompute "op": the kernel's output saved, its four all-to-alls again
+        saved = (("sync", q), ("sync", k), ("sync", v), ("sync", o))
         return _recomputed(rows, dict(fwd=fwd, bwd=bwd, input_grad=grad_in, fwd_compute=fa,
                     fwd_comm=row("cp_a2a_qkv_o", "forward"), bwd_compute=fg,
                     bwd_comm=row("cp_a2a_qkv_o_grad", "backward")),
-                    ("flash_attention",), ("cp_a2a_qkv_o",))
+                    ("flash_attention",), ("cp_a2a_qkv_o",), saved)
     rt = X.ring_times(model, _mini(lay), prof)
     half_f, merge = rt.half_forward - rt.merge, rt.merge
     half_b, acc = rt.half_backward - rt.accumulate, rt.accumulate
-    fwd, bwd = [], []
+    # recompute "op" (``_op_sac_ring``): the steps' outputs saved, the sends, casts and
+    # merges around them run again (``saved``)
+    fwd, bwd, saved = [], [], []
     for t in range(cp):
-        if t < cp - 1:
-            fwd.append(("async", ("kv", t), rt.hop))
-        fwd += [("compute", fa), ("compute", rt.casts / 2)] if t == 0 else \
-            [("compute", half_f), ("compute", merge)]
-        if t < cp - 1:
-            fwd.append(("wait", ("kv", t)))
+        send = [("async", ("kv", t), rt.hop)] if t < cp - 1 else []
+        kernel, rest = (fa, rt.casts / 2) if t == 0 else (half_f, merge)
+        wait = [("wait", ("kv", t))] if t < cp - 1 else []
+        fwd += send + [("compute", kernel), ("compute", rest)] + wait
+        saved += send + [("compute", rest)] + wait
     fwd.append(("compute", rt.casts / 2))          # the merged output cast back
+    saved.append(("compute", rt.casts / 2))
     for t in range(cp):
         if t > 0:
             bwd.append(("wait", ("kv", t - 1)))
@@ -301,19 +299,25 @@ def ring_program(model, lay, prof, attention, fp8=False):
                 fwd_comm=row("cp_ring_kv_exposed", "forward"),
                 bwd_compute=fg + row("cp_ring_attention_grad", "backward"),
                 bwd_comm=row("cp_ring_kv_grad_exposed", "backward")),
-                ("flash_attention", "cp_ring_attention"), ("cp_ring_kv_exposed",))
+                ("flash_attention", "cp_ring_attention", "cp_ring_merge_recompute"),
+                ("cp_ring_kv_exposed", "cp_ring_kv_recompute_exposed"), saved)
 
 
-def _recomputed(rows, prog, compute, comm):
+def _recomputed(rows, prog, compute, comm, saved):
     """``ring_program``'s program with recompute: where the layer's cost re-runs the
-    attention (its rows of phase "recompute"), the forward program runs again before the
-    backward's, on the same stream."""
+    attention's exchange (its rows of phase "recompute" named in ``compute`` / ``comm``),
+    ``remat``: the program the recompute runs on the same stream (the forward's, or with
+    recompute "op", ``saved``: the forward's without the attention kernels, whose outputs
+    the policy keeps), and the seconds of those rows (``remat_compute``, ``remat_comm``);
+    ``zero_cost.recipe_blocks`` runs it where the recompute runs (ZeRO-3's re-gathered
+    layer: after the value projection's re-run) or before the backward's program."""
     rc = [r for r in rows if r[1] == "recompute" and r[0] in compute + comm]
     if not rc:
-        return prog
-    return dict(prog, bwd=tuple(prog["fwd"]) + tuple(prog["bwd"]),
-                bwd_compute=prog["bwd_compute"] + sum(r[3] for r in rc if r[0] in compute),
-                bwd_comm=prog["bwd_comm"] + sum(r[3] for r in rc if r[0] in comm))
+        return dict(prog, remat=(), remat_compute=0.0, remat_comm=0.0)
+    kernel = any(r[0] in ("flash_attention", "cp_ring_attention") for r in rc)
+    return dict(prog, remat=tuple(prog["fwd"]) if kernel else tuple(saved),
+                remat_compute=sum(r[3] for r in rc if r[0] in compute),
+                remat_comm=sum(r[3] for r in rc if r[0] in comm))
 
 
 def _cost_itemsize(model) -> int:
@@ -375,7 +379,14 @@ def _layer(model, lay, prof, attention, fp8, regather=True):
     tcfg = token_cfg(model, lay)
     moe = M.moe_of(model)
     llama = model.arch == "llama"
-    extra = dict(kv_heads=model.n_kv_head, dropout=model.dropout > 0) if llama else {}
+    extra = dict(kv_heads=model.n_kv_head, dropout=model.dropout > 0) if llama else \
+        dict(dropout=model.dropout > 0)
+    # this library's recompute by PyTorch's non-reentrant checkpoint stops early
+    # (``layer_cost.layer_ops``), as ``estimate.layer_for`` prices it without cp; was
+    # left out here: the whole forward re-run (GPT dp 2 cp 4 ZeRO-3 "full": dry run /
+    # estimate 0.938, tests/test_zerocp5.py)
+    if lay.engine == "workbench" and not moe:
+        extra["early_stop"] = True
     ops = layer_ops(model.d_model, model.n_head, tcfg.seq_len, lay.micro_batch, lay.tp,
                     lay.sp, lay.recompute, model.d_ff, model.dtype, prof,
                     list(range(lay.tp)), attention, fp8, regather=regather, **extra)

@@ -38,8 +38,8 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
     every ep dividing its dp and the experts; ZeRO <= 1 with either (ZeRO-2 and ZeRO-3
     over dp x cp with framework='workbench', as its runtime shards, at dp = 1 without
     recompute; ZeRO-3 without recompute or with "full" / "selective" one layer per
-    checkpoint:
-    ``ep_cp.check_zero_cp``), sequence parallelism with a MoE's TP."""
+    checkpoint: what ``ep_cp.check_zero_cp`` priced when the search's rows were set;
+    it prices the rest since, not tried here yet), sequence parallelism with a MoE's TP."""
     from .layout import Cluster
     moe = M.moe_of(model)
     n, s = cluster.devices, model.seq_len
@@ -63,7 +63,8 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
             if lay.zero >= 2 and cp > 1:    # what plan.ep_cp accepts: this library's
                 # runtime's ZeRO-2 and ZeRO-3 over dp x cp (recipes.context_parallel; dp =
                 # 1 without recompute, ZeRO-3 without recompute or with "full" /
-                # "selective" one layer per checkpoint: ep_cp.check_zero_cp), the only
+                # "selective" one layer per checkpoint: what ep_cp.check_zero_cp priced
+                # when these rows were set; the rest priced since, not tried yet), the only
                 # framework priced running them
                 # with cp: tried as framework="workbench" (table_notes says so; chunks
                 # of k > 1 layers it refuses: Layout); with ep, refused there

@@ -265,10 +265,15 @@ def _loss_lead(cfg, lay: Layout, head, edge) -> tuple:
     starts as it ends); the cross-entropy and the cast's backward then run before the
     head's backward (its pre-backward hook prefetches on), measured on the dry run's
     trace (tests/test_zerocp3.py).  Returns (lead, beside) for ``zero_exposed``."""
+    # a tied head's GEMM beside the prefetch wherever the loss runs beside it too (dp >= 2
+    # with cp >= 2: the count's groups are not ZeRO's dp x cp one); was left before the
+    # prefetch, measured on the dry run's trace (GPT dp 2 cp 4 ZeRO-3: the final norm ends
+    # and the prefetch starts at 968 us, the head's 133 us GEMM beside it; the estimate
+    # started it 146 us later, dry run / estimate 0.948, tests/test_zerocp5.py)
+    head_f = head.fwd_compute if cfg.tie_embeddings and lay.pp == 1 else 0.0
     if _loss_queues(lay, cfg.tie_embeddings):
-        head_f = head.fwd_compute if cfg.tie_embeddings and lay.pp == 1 else 0.0
         return (edge["loss"][0] + head_f, edge["loss"][1]), edge["cast"][0] + head_f
-    return edge["loss"], None
+    return (edge["loss"][0] + head_f, edge["loss"][1]), None
 
 
 def _loss_queues(lay: Layout, tied: bool) -> bool:
@@ -348,7 +353,7 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
     if not overlap:
         blocks = [dataclasses.replace(b, fwd=0.0, bwd=0.0, remat=0.0, wait_fwd=0.0,
                                       wait_bwd=0.0, after_fwd=(), after_bwd=(),
-                                      shared=(0.0, 0.0)) for b in blocks]
+                                      after_remat=(), shared=(0.0, 0.0)) for b in blocks]
     bucket = Z.REDUCE_BUCKET_NUMEL if lay.engine == "deepspeed" else None
     # FSDP2: one block ahead (a budget of one element: ``_prefetch`` issues one block)
     ahead = F.FSDP_PREFETCH_UNITS if lay.engine == "fsdp" else Z.PREFETCH_NUMEL

@@ -80,6 +80,9 @@ class Block:
     after_fwd: tuple = ()
     after_bwd: tuple = ()
     shared: tuple = (0.0, 0.0)
+    # what runs on ZeRO's stream after its re-run in a recomputed layer's backward
+    # (``regather``): the recomputed attention's exchange after the value projection
+    after_remat: tuple = ()
 
 
 class _Stream:
@@ -193,6 +196,8 @@ def _run(stream, blocks, order, backward: bool, gather: bool, budget: float,
                     stream.issue(j, gb[j].numel, t)
                     t = max(t, stream.ends.get(j, 0.0))
                     t = stream.compute(t, blocks[j].remat, rate)
+                    if blocks[j].after_remat:
+                        t = run_program(stream, blocks[j].after_remat, t, rate, ("r", pos, j))
             t = stream.compute(t, blocks[i].bwd - blocks[i].remat, rate)
         elif gather:
             stream.issue(i, gb[i].numel, t)
@@ -381,7 +386,10 @@ def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0,
     programs and the seconds of ``layer`` they stand for), run where the runtime runs it,
     between the value projection and the output projection (the forward after v's
     module, the backward after o's and its reduce-scatters), on ZeRO's stream; the
-    layer's other seconds shared among the modules as above."""
+    layer's other seconds shared among the modules as above.  With recompute, the
+    exchange's re-run (``ring["remat"]``) after v's re-run where ``remat`` re-gathers
+    the layer (ZeRO-3 "full" / "op": ``Block.after_remat``), else before the backward's
+    program (ZeRO-2; ZeRO-3 "selective")."""
     from .memory import stage_params
     h, V, s, tp, pp = cfg.d_model, cfg.vocab_size, cfg.seq_len, lay.tp, lay.pp
     llama = cfg.arch == "llama"
@@ -397,27 +405,45 @@ def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0,
     mods = _recipe_modules(cfg, tp)
     tot = sum(sum(p) for p in mods)
     # PyTorch's non-reentrant checkpoint stops re-running once every tensor the backward
-    # needs is back (``llama_layer.op_sac_recompute``): a Llama block without dropout
-    # re-runs up to w2's input, so w2 is gathered for its backward as any module, with
-    # prefetch; a GPT block's fc2 re-runs (its dropout mask follows it)
-    rerun = len(mods) - 1 if cfg.arch == "llama" and not cfg.dropout > 0 else len(mods)
+    # needs is back (``llama_layer.op_sac_recompute``): a block without dropout re-runs
+    # up to w2's (GPT: fc2's) input, so w2 / fc2 is gathered for its backward as any
+    # module, with prefetch, and its backward runs before the recompute (the dry run's
+    # trace, GPT dp 2 cp 4 "full": fc2's two GEMMs, then the re-run up to the GeLU;
+    # tests/test_zerocp5.py); with dropout the mask follows it, so it re-runs
+    rerun = len(mods) - 1 if not cfg.dropout > 0 else len(mods)
     rtot = sum(sum(p) for p in mods[:rerun])
     fc, fw, bc, bw = layer.fwd_compute, layer.fwd_comm, layer.bwd_compute, layer.bwd_comm
     if ring is not None:
-        if remat:
-            raise ValueError("recipe_blocks: ring= with recompute is not modeled (the "
-                             "recompute's ring on ZeRO's stream); give remat=0")
+        # the recomputed attention's exchange (``ring["remat"]``): with ZeRO-3's
+        # re-gathered layer (``remat``) after the value projection's re-run, as the
+        # runtime re-runs the block's forward module by module; else (ZeRO-2: no
+        # re-gather) before the backward's program, on the same stream
+        rc, rf, rb = ring.get("remat", ()), ring.get("remat_compute", 0.0), \
+            ring.get("remat_comm", 0.0)
         fc, fw = fc - ring["fwd_compute"], fw - ring["fwd_comm"]
-        bc, bw = bc - ring["bwd_compute"], bw - ring["bwd_comm"]
+        bc, bw = bc - ring["bwd_compute"] - rf, bw - ring["bwd_comm"] - rb
         # q, k, v, o are modules 1-4 of both models (_recipe_modules)
-        prog = {3: dict(after_fwd=ring["fwd"],
-                        shared=(ring["fwd_compute"] + ring["fwd_comm"], 0.0)),
-                4: dict(after_bwd=ring["bwd"],
-                        shared=(0.0, ring["bwd_compute"] + ring["bwd_comm"]))}
+        if remat:
+            remat -= rf
+            prog = {3: dict(after_fwd=ring["fwd"], after_remat=tuple(rc),
+                            shared=(ring["fwd_compute"] + ring["fwd_comm"], rf + rb)),
+                    4: dict(after_bwd=ring["bwd"],
+                            shared=(0.0, ring["bwd_compute"] + ring["bwd_comm"]))}
+        else:
+            prog = {3: dict(after_fwd=ring["fwd"],
+                            shared=(ring["fwd_compute"] + ring["fwd_comm"], 0.0)),
+                    4: dict(after_bwd=tuple(rc) + tuple(ring["bwd"]),
+                            shared=(0.0, ring["bwd_compute"] + ring["bwd_comm"] + rf + rb))}
     else:
         prog = {}
     for k in range(nl):
-        out += [Block(sum(p), fc * sum(p) / tot, bc * sum(p) / tot, p, k if j < rerun else -1,
+        # the backward's own seconds by parameters, the re-run's over the modules that
+        # re-run (was: all of ``bc`` by parameters, so w2 / fc2, which do not re-run,
+        # carried a share of the re-run before it in their backward)
+        out += [Block(sum(p), fc * sum(p) / tot,
+                      (bc - remat) * sum(p) / tot + (remat * sum(p) / rtot if j < rerun
+                                                     else 0.0),
+                      p, k if j < rerun else -1,
                       remat * sum(p) / rtot if j < rerun else 0.0,
                       fw * sum(p) / tot, bw * sum(p) / tot, **prog.get(j, {}))
                 for j, p in enumerate(mods)]
