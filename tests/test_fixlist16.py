@@ -52,3 +52,48 @@ def build_ref_grad(cfg, x, y):
     ref = build_model(cfg, seed=0).train()
     ref(x, y)[1].backward()
     return ref.tok_emb.weight.grad
+
+
+# ---- 3. a read only some processes make (torchrun): an error naming the fix, never a hang ---
+
+@pytest.mark.slow
+def test_a_read_on_rank_0_only_ends_in_an_error_naming_the_fix_and_the_job_goes_on():
+    """tests/dist_scripts/fixlist16_check.py (its own launch: init timeout_s=5), DDP over
+    tp 2 on 2 gloo processes. Was: rank 0's lone ``p.norm()`` (the logging habit ``if rank
+    == 0: print(p.norm())``) waited in the tp gather until gloo's timeout, then the job
+    died ('Application timeout caused pair closure'); two processes reading two
+    parameters of one shard shape (0.weight, 2.weight: 3 x 3 each) paired their gathers
+    and both got 1.1638 (one device: 1.2387 and 1.0687), silently. torch keeps
+    ``DTensor.norm()`` local (a Partial DTensor) and hangs as we did on its value's read
+    (``.item()``); here the read is the value, so each process first agrees to make it
+    (workbench/sim_mesh/agreed_reads.py): the lone reader gets an error naming the fix
+    after timeout_s, with no gather begun, and the job goes on; different reads raise at
+    once on both. ``wb.fully_shard``'s reads under torchrun (the chunks gathered) the
+    same."""
+    import os
+    import sys
+    from tests.torchrun_support import json_rows, run_job
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", os.path.join(root, "tests", "dist_scripts",
+                                              "fixlist16_check.py")]
+    out = run_job(cmd, timeout=240, cwd=root,
+                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {(r["rank"], r["case"]): r for r in json_rows(out.stdout)}
+    lone = rows[(0, "lone")]
+    assert "process(es) [1] did not make this read within init()'s timeout_s=5 s" in lone["out"]
+    assert "'0.weight' (6, 3)" in lone["out"] and "if rank == 0: print(p.norm())" in lone["out"]
+    assert 4.5 <= lone["s"] < 60
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(3, 6), torch.nn.GELU(), torch.nn.Linear(6, 3))
+    want = [float(p.detach().norm()) for p in ref.parameters()]
+    for rank in (0, 1):
+        assert rows[(rank, "step")]["out"] == pytest.approx(want, rel=1e-6)
+        assert rows[(rank, "after")]["out"] == pytest.approx(want[0], rel=1e-6)
+        mixed = rows[(rank, "mixed")]["out"]
+        assert isinstance(mixed, str) and f"process {1 - rank} made another read" in mixed
+        assert rows[(rank, "fs_both")]["out"] == pytest.approx(want, rel=1e-6)
+    fs = rows[(0, "fs_lone")]
+    assert "of shape (6, 3)" in fs["out"] and "process(es) [1] did not make" in fs["out"]
+    assert 4.5 <= fs["s"] < 60
