@@ -138,8 +138,14 @@ def runnable():
     return sorted(n for n, e in TABLE.items() if e.runs)
 
 
+# ops a sample of plain inputs cannot run: held to eager by their own tests
+ELSEWHERE = {"expert_parallel": "tests/test_fixlist16.py (an ExpertParallel dispatcher over "
+                                "an expert mesh, compiled against eager)"}
+
+
 def test_every_op_in_the_table_has_a_sample_and_everything():
-    assert set(SAMPLES) == set(runnable()), "add a sample for every op in the table"
+    assert set(SAMPLES) == set(runnable()) - set(ELSEWHERE), \
+        "add a sample for every op in the table"
     for name in runnable():
         e = TABLE[name]
         assert e.rule is not None and RULES[name] is e.rule, name

@@ -538,6 +538,10 @@ def _capture_trace(fn, args):
         raise CaptureError("the program returns a tensor it did not compute from its inputs "
                            "(a constant); return it outside the compiled function")
     g.output = _swap(out, lambda t: Ref(tracer.ids[id(t)]))
+    if any(n.op == "expert_parallel" for n in g.nodes):
+        g.notes.append("expert_parallel: its all-to-alls and expert GEMMs depend on the "
+                       "routing, so they are priced on the trace as they run, not in the "
+                       "modeled step (ASSUMPTION: the plan's placements ignore them)")
     return g, placements
 
 

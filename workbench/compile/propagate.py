@@ -317,12 +317,19 @@ def initial(graph, placements, mesh):
     """vid -> placements of the inputs, parameters and constants."""
     R = (Replicate(),) * mesh.ndim
     out = {}
+    read = {i for n in graph.nodes for i in n.inputs if i is not None} | \
+        set(graph.output_vids())
     for v in graph.values:
         if v.kind == "op":
             continue
         got = placements.get(v.vid)
         if isinstance(got, tuple):
             m, ps = got
+            if m != mesh and v.kind == "param" and v.vid not in read:
+                # read by no op of the graph: the experts' weights on the expert mesh,
+                # which the expert_parallel node's dispatcher reads itself (as eager)
+                out[v.vid] = R
+                continue
             if m != mesh:
                 raise ValueError(f"{v.kind} {v.name!r} lives on mesh {list(m.ranks)}, the "
                                  f"program on {list(mesh.ranks)}; compile a program on one "

@@ -543,7 +543,11 @@ def _fresh_gradients(cfg, lay, fusion: "bool | None" = None) -> bool:
       Communication.backward, ``wgrad_gemm_accum_fp32``), the tied output layer's
       included (2e90a342f5 returns ``grad_weight = None``; f2e5db402c hands autograd a
       dummy zeroed V h / t gradient for a tied head on the embedding's stage,
-      ``zero_out_wgrad``, ``plan.megatron_hook_add``: NOT counted, as there);
+      ``zero_out_wgrad``, ``plan.megatron_hook_add``: NOT counted, as there; Megatron
+      sets ``zero_out_wgrad`` only with pipeline size 1, ``megatron/core/models/common/
+      language_module/language_module.py`` ``setup_embeddings_and_output_layer``: a last
+      stage of a pipeline holds a real copy of the table instead, zeroed then
+      all-reduced from the first stage, counted with the parameters, fixlist16);
       without it (``fusion=False``, Narayanan et al.'s 2021 code): yes, autograd's
       16-bit gradient, which the DDP hook adds into ``main_grad`` and frees;
     - ZeRO-2/3 (DeepSpeed, this library's recipe) and FSDP2: yes, autograd's gradient,

@@ -327,6 +327,18 @@ class Hybrid:
                 # 2 all-reduces of the head's gradient at 2 micro-batches, 4 at 4; one
                 # stage too: apart from the norms' once-per-step one, fixlist15)
                 self._sp_norms[s] += sequence_parallel_params(model.lm_head, mesh)
+            if self.sp and self.zero != 3 and getattr(cfg, "tie_embeddings", False) and \
+                    "tok_emb" in stage["modules"] and "norm" in stage["modules"] and \
+                    "tok_emb" not in plan:
+                # the same, tied on one stage: the head reads the word embedding's table
+                # (replicated over tp), so its gradient is the head's partial sum over tp
+                # plus the lookup's (whole, on tp rank 0's copy: measured); one sum
+                # in the norms' buffer per step (was: a separate replica all-reduce of
+                # 19,200 B, gpt-tiny, m = 1 and 2; fixlist16). Megatron all-reduces its
+                # word embedding only between the first and last stages
+                # (_allreduce_word_embedding_grads, pp > 1) and pads the vocabulary so
+                # that tp divides it; a table replicated over tp is ours
+                self._sp_norms[s] += sequence_parallel_params(model.tok_emb, mesh)
             if self.sp and self.tp > 1 and "norm" in stage["modules"] and "tok_emb" in plan:
                 # SP, vocabulary-parallel head: Megatron's output layer is a
                 # ColumnParallelLinear with sequence_parallel (megatron/core/models/gpt/

@@ -24,12 +24,21 @@ Expert parallelism shards the E dim of the buffers and the experts' weights; GSh
 writes that step as an all-to-all resharding S(G) -> S(E), which the reshard planner
 would insert here, but real routers send uneven counts with no padding:
 ``workbench/parallel/strategies/expert_parallel.py`` does that on the local tensors.
+To a captured program (``wb.compile``) that dispatcher is one op, ``expert_parallel``:
+
+    expert_parallel(x (B, S, h), w, e, slot)
+                                       the batch sharded over the mesh's first dim "dp"
+                                       passes (x, w, e, slot S(0) -> S(0)), whole on the
+                                       others; its uneven all-to-alls, expert GEMMs and
+                                       their clock are the dispatcher's own (the experts'
+                                       weights live on the expert mesh: not inputs here)
 """
 from __future__ import annotations
 
 import math
 
 import torch
+from torch.overrides import handle_torch_function, has_torch_function
 
 from ..placement import Partial, Replicate, Shard
 from . import costs
@@ -44,7 +53,8 @@ except ModuleNotFoundError as _e:          # workbench.ops absent: rules only
         raise
     _moe = None
 
-__all__ = ["router_topk_rule", "dispatch_rule", "combine_rule", "aux_attach_rule"]
+__all__ = ["router_topk_rule", "dispatch_rule", "combine_rule", "aux_attach_rule",
+           "expert_parallel", "expert_parallel_rule"]
 
 R = Replicate()
 P = Partial("sum")
@@ -185,6 +195,40 @@ def _aux_local(nd, ctx, y, aux, scale):
     return _moe.attach_aux_loss(y, aux, scale / copies)
 
 
+# ---- expert parallelism's dispatcher, one op to a captured program ----------------------
+
+def expert_parallel(x, weights, experts, slots, dispatcher, module):
+    """``dispatcher(x, weights, experts, slots, module)`` (an ``ExpertParallel``) as an op
+    of the table: what ``wb.compile``'s capture records for it (the dispatcher and the
+    experts module are its attributes).  On DistTensors the dispatcher itself runs; on a
+    plain meta tensor (capture's) the (B, S, h) result's shape; anything else raises."""
+    if has_torch_function((x, weights, experts, slots)):
+        return handle_torch_function(expert_parallel, (x, weights, experts, slots), x,
+                                     weights, experts, slots, dispatcher, module)
+    if type(x) is torch.Tensor and x.is_meta:
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+    raise TypeError("ExpertParallel: the MoE layer's input is a plain tensor; expert "
+                    "parallelism runs on DistTensors laid out by the recipe (torch.export "
+                    "cannot hold its exchange: wb.compile captures it by tracing)")
+
+
+def expert_parallel_rule(x, weights, experts, slots, **_):
+    """The dispatcher's layout (``ExpertParallel._check_input``): the batch sharded over
+    the first mesh dim, named "dp" (edp x ep ranks), whole on the others."""
+    nd = x.mesh.ndim
+    first = [((Shard(0),) * 4, (Shard(0),), "the batch over dp: each ep group exchanges "
+              "its tokens (uneven all-to-all)")] if x.mesh.dim_names[0] == "dp" and \
+        _sharded(x, 0) else []
+    rest = [((R,) * 4, (R,), "whole: every rank the same tokens")]
+    return combine(nd, [first] + [rest] * (nd - 1), 4)
+
+
+def _expert_parallel_local(nd, ctx, x, weights, experts, slots, dispatcher, module):
+    if ctx is None:
+        return torch.empty(x.shape, dtype=x.dtype, device="meta")
+    return dispatcher.run_locals(ctx, (x, weights, experts, slots), module)
+
+
 # ---- registrations -------------------------------------------------------------------------
 
 def _router_sample(g):
@@ -232,3 +276,12 @@ if _moe is not None:
              rule=aux_attach_rule, local=_aux_local, cost=costs.view, op_class="view",
              meta_check=False,
              sample=lambda g: [Sample(_moe.attach_aux_loss, (g.rn(4, 3), g.rn(4), 0.5))])
+    register("expert_parallel", [expert_parallel],
+             parse=lambda x, weights, experts, slots, dispatcher, module:
+                 ((x, weights, experts, slots), {"dispatcher": dispatcher, "module": module}),
+             rule=expert_parallel_rule, local=_expert_parallel_local,
+             # the exchanges and expert GEMMs: the dispatcher's own clock
+             # (expert_parallel_clock.record_layer), recorded as it runs
+             cost=costs.view, op_class="data_movement", meta_check=False,
+             sample="needs an ExpertParallel dispatcher over an expert mesh "
+                    "(tests/test_fixlist16.py runs it against eager)")

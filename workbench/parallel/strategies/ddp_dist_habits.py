@@ -49,12 +49,23 @@ _SEEN = WeakIdKeyDictionary()       # a replica storage -> its version when last
 class _Replicas:
     """A parameter's replica storage and its global tensor, both ways."""
 
-    def __init__(self, p: DistTensor):
+    def __init__(self, p: DistTensor, name: str = "a parameter"):
         self.mesh, self.placements, self.shape = p.mesh, p.placements, tuple(p.shape)
+        self.name = name
 
     @torch.no_grad()
-    def full(self, t):
+    def full(self, t, of: str = ""):
+        """The global tensor of the storage ``t`` (``of``: "the gradient of " for the
+        gradient's, named in the error of a read not every process makes)."""
         from ...sim_mesh.trace import suspend
+        from ...sim_mesh import backends as _B
+        if _B.is_distributed(self.mesh):
+            # a collective over the processes holding the other shards: each makes the
+            # same read, or the reader gets an error naming the fix (it hung: fixlist16)
+            from ...sim_mesh.agreed_reads import agree
+            agree(_gather_ranks(self.mesh, self.placements),
+                  f"{of}DistributedDataParallel's {self.name!r} "
+                  f"{tuple(self.shape)} over tensor-parallel DistTensors")
         with suspend():                 # not the step's traffic
             return DistTensor(t.detach(), self.mesh, self.placements, self.shape,
                               t.dtype).full()
@@ -63,6 +74,16 @@ class _Replicas:
     def store(self, v, like):
         loc = shard_tensor(v.detach().to(like.dtype), self.mesh, self.placements)._local
         return loc.expand(like.shape)
+
+
+def _gather_ranks(mesh, placements) -> list:
+    """The processes a gather of a tensor laid out by ``placements`` joins with this one:
+    those differing from it only along the dims it is not replicated on."""
+    from ...sim_mesh import backends as _B
+    mine = _B.coordinate(mesh)
+    keep = [i for i, pl in enumerate(placements) if pl.is_replicate()]
+    return [r for r in mesh.ranks
+            if all(mesh.coordinate(r)[i] == mine[i] for i in keep)]
 
 
 def install(ddp) -> None:
@@ -75,7 +96,7 @@ def install(ddp) -> None:
         p._local._wb_keep_leaf = True
         p._local._wb_on_requires_grad = _refuse_late_unfreeze(ddp, p, name)
     for name, p in zip(ddp._names, ddp.replicas.params):
-        loc, how = p._local, _Replicas(p)
+        loc, how = p._local, _Replicas(p, name)
         loc._wb_shape, loc._wb_full = how.shape, how.full
         loc._wb_store = lambda v, loc=loc, how=how: how.store(v, loc)
         loc._wb_distributed = ddp.replicas.distributed     # (a view's error says so)

@@ -150,6 +150,11 @@ class ExpertParallel:
 
     # ---- the layer ---------------------------------------------------------------------------
     def __call__(self, x, weights, experts, slots, module):
+        if type(x) is torch.Tensor and x.is_meta:
+            # wb.compile's capture (meta tensors of the global shapes): one op of the table,
+            # which runs this dispatcher on the program's DistTensors (run_locals)
+            from ..ops_table.moe import expert_parallel as op
+            return op(x, weights, experts, slots, self, module)
         if not isinstance(x, DistTensor):
             raise TypeError("ExpertParallel: the MoE layer's input is a plain tensor; expert "
                             "parallelism runs on DistTensors laid out by the recipe")
@@ -173,6 +178,14 @@ class ExpertParallel:
         else:
             y = self._simulated(x, weights, experts, slots, module, params, E)
         return y if list(y.placements) == laid else reshard(y, y.mesh, laid)
+
+    def run_locals(self, ctx, locs, module):
+        """The op table's ``expert_parallel`` (a captured program's node): the layer on
+        the local tensors of x, weights, experts, slots laid out as ``ctx.in_specs`` say;
+        the output's local tensor, laid out as x."""
+        x, w, e, s = (DistTensor(t, ctx.mesh, sp.placements, sp.shape, t.dtype)
+                      for t, sp in zip(locs, ctx.in_specs))
+        return self(x, w, e, s, module)._local
 
     def _check_input(self, x):
         """x laid out as the recipe gives it: the batch sharded over "dp" (dim 0 of its

@@ -111,6 +111,15 @@ class _TPChunks:
                 loc = fsdp.gather_compact(t.detach())                      # one copy on dp
                 loc = unflat(loc, tuple(tmpl._local.shape[nd:]), nd)
             else:                       # torch.distributed: this process's local shard
+                # a collective over the mesh's processes: each makes the same read, or
+                # the reader gets an error naming the fix (it hung: fixlist16)
+                from ...sim_mesh.agreed_reads import agree
+                from .rank_grads import GatheredGrad
+                names = getattr(fsdp, "names", None)
+                name = names[self.i] if names else f"parameter {self.i}"
+                of = "the gradient of " if isinstance(t, GatheredGrad) else ""
+                agree(fsdp.mesh.ranks, f"{of}{wrapper_names(fsdp)[0]}'s {name!r} "
+                                       f"{tuple(tmpl.shape)}")
                 loc = fsdp._gather(tmpl, t.detach())._local.detach()
             return DistTensor(loc, fsdp.mesh, tmpl.placements, tmpl.shape, t.dtype).full()
 

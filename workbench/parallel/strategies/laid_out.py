@@ -409,7 +409,13 @@ class ProcessChunks:
         self.group, self.shape = group, tuple(shape)
 
     def full(self, t):
+        from ...sim_mesh.agreed_reads import agree
         from .fsdp_units import all_gather
+        # each process of the group makes the same read, or the reader gets an error
+        # naming the fix (a read on one process hung: fixlist16)
+        g = self.group
+        agree(list(g.ranks),
+              f"a sharded parameter (or its gradient or state) of shape {self.shape}")
         return unflat(all_gather([t.detach().reshape(-1)], self.group)[0], self.shape)
 
     def store(self, v):

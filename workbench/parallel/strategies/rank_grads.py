@@ -353,7 +353,8 @@ class ReplicaStorageGrad(ReplicaGrad):
                 "gradient is its own.  " + (getattr(t, "_wb_hint", None) or
                                             "Call finish_gradient_synchronization() first"))
         with torch._C.DisableTorchFunctionSubclass():
-            return t.__dict__["_wb_param_full"](t.as_subclass(torch.Tensor))
+            return t.__dict__["_wb_param_full"](t.as_subclass(torch.Tensor),
+                                                of="the gradient of ")
 
     def full_tensor(self):
         """The module parameter's gradient, a copy (DTensor's ``full_tensor()``)."""
