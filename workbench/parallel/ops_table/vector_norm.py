@@ -4,7 +4,7 @@
 
     vector_norm(x, ord, dim)   ord 2:     sqrt(sum(x * x))
                                ord inf:   amax(|x|)          -inf: amin(|x|)
-                               ord 0:     count of nonzeros   (gradient 0, as torch's)
+                               ord 0:     count of nonzeros   (no gradient, as torch's)
                                other p:   sum(|x|^p)^(1/p)
     matrix_norm(A, ord)        'fro':     vector 2-norm over the two dims
                                inf / -inf: max / min over rows of sum(|A|) along a row
@@ -61,6 +61,26 @@ def _dims(dim, ndim):
     return tuple(sorted(wrap_dims(dim, ndim)))
 
 
+class _CountNonzero(torch.autograd.Function):
+    """``vector_norm(x, 0)``: the count of nonzeros (NaN counts, as ``x != 0``), an output
+    that requires grad whose backward gives ``x`` none: torch's
+    ``linalg_vector_norm_backward`` returns an undefined gradient for ord 0, so ``x.grad``
+    stays None (a zero gradient would be stepped by an optimizer that skips None)."""
+
+    @staticmethod
+    def forward(ctx, x, dims, keepdim):
+        nz = x != 0
+        return (nz.sum(dims, keepdim=keepdim) if dims else nz).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, None, None
+
+
+def _count_nonzero(x, dims, keepdim):
+    return _CountNonzero.apply(x, dims, keepdim)
+
+
 def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     """``torch.linalg.vector_norm`` (see the module docstring)."""
     if out is not None:
@@ -73,15 +93,15 @@ def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     if x.is_complex():                # the norm of |z| (x * x would be z^2, not |z|^2)
         x = x.abs()
     dims = _dims(dim, x.ndim)
-    if not dims:                      # a 0-d tensor: |x| (ord 0: x != 0)
-        r = (x != 0).to(x.dtype) if ord == 0 else x.abs()
+    if ord == 0:                      # the count of nonzeros; no gradient, as torch's
+        r = _count_nonzero(x, dims, keepdim) if x.requires_grad and torch.is_grad_enabled() \
+            else _CountNonzero.forward(None, x, dims, keepdim)
+    elif not dims:                    # a 0-d tensor: |x|
+        r = x.abs()
     elif ord == math.inf:
         r = x.abs().amax(dims, keepdim=keepdim)
     elif ord == -math.inf:
         r = x.abs().amin(dims, keepdim=keepdim)
-    elif ord == 0:                    # + a zero that carries torch's zero gradient
-        r = (x != 0).sum(dims, keepdim=keepdim).to(x.dtype) + \
-            (x.clamp(0, 0) * 0).sum(dims, keepdim=keepdim)
     elif ord == 1:
         r = x.abs().sum(dims, keepdim=keepdim)
     elif ord == 2:

@@ -1,0 +1,186 @@
+"""Defects left by the fourth random sweep and found by the fifth (benchmarks/random_sweep.py
+with tests/random_programs_habits.py), each in its smallest form, held to one device."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench.parallel.placement import Partial, Replicate, Shard
+from workbench.parallel.validate import distribute
+
+MESH = wb.Mesh.grid(2)
+NAN, INF = float("nan"), float("inf")
+LAYOUTS = [[Replicate()], [Shard(0)], [Partial("sum")]]
+
+
+def _grads(fn, x, ps, g=None, seed=1):
+    """x's gradient of ``(fn(x) * g).sum()`` on one device and on a DistTensor laid out
+    as ``ps`` (``g``: ones by default)."""
+    r = x.clone().requires_grad_()
+    out = fn(r)
+    g = torch.ones_like(out) if g is None else g
+    torch.autograd.backward(out, g)
+    d = distribute(x, MESH, ps, seed=seed).requires_grad_()
+    got = fn(d)
+    torch.testing.assert_close(got.full(), out.detach(), equal_nan=True)
+    torch.autograd.backward(got, distribute(g, MESH, [Replicate()]))
+    return d.grad.full(), r.grad
+
+
+# ---- 1. max() / min() and amax / amin: torch's even gradient --------------------------------
+
+@pytest.mark.parametrize("kind", ["max", "min"])
+@pytest.mark.parametrize("ps", LAYOUTS, ids=str)
+@pytest.mark.parametrize("upstream", [1.5, NAN], ids=["g", "nan_g"])
+def test_max_of_a_tensor_holding_nan_gives_the_nans_the_gradient(kind, ps, upstream):
+    # seed 971900: t.max() - t.min() of a tensor holding NaN (log of negatives): torch's
+    # max() gives each NaN element an even share (zeros elsewhere, even when the upstream
+    # gradient is NaN); built from amax here, the gradient was NaN everywhere
+    x = torch.tensor([1.0, NAN, 3.0, NAN, 3.0, 0.0], dtype=torch.float64)
+    got, want = _grads(lambda t: getattr(t, kind)(), x, ps,
+                       torch.tensor(upstream, dtype=torch.float64))
+    torch.testing.assert_close(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", ["max", "min", "amax", "amin"])
+@pytest.mark.parametrize("ps", LAYOUTS + [[Partial("max")]], ids=str)
+def test_a_tie_across_ranks_shares_the_gradient_evenly(kind, ps):
+    # found beside seed 971900: three equal maxima, two on rank 0 and one on rank 1, got
+    # 1/4, 1/4, 1/2 (the local amax split the tie on rank 0, the P(max) all-reduce split
+    # it again between the ranks); torch gives 1/3 each
+    x = torch.tensor([1.0, 3.0, 3.0, 2.0, -1.0, 3.0], dtype=torch.float64)
+    x = x if kind in ("max", "amax") else -x
+    got, want = _grads(lambda t: getattr(t, kind)(), x, ps)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(want, torch.tensor([0, 1, 1, 0, 0, 1], dtype=torch.float64) / 3)
+
+
+@pytest.mark.parametrize("keepdim", [False, True])
+@pytest.mark.parametrize("dims", [0, (0, 2), -1], ids=str)
+@pytest.mark.parametrize("ps", [[Shard(0)], [Shard(2)], [Shard(1)]], ids=str)
+def test_amax_over_sharded_dims_with_ties_is_torchs(dims, keepdim, ps):
+    x = torch.tensor([[[1.0, 2.0], [2.0, 2.0], [0.0, 5.0]],
+                      [[2.0, 0.0], [2.0, 2.0], [5.0, 5.0]],
+                      [[2.0, 2.0], [1.0, 1.0], [5.0, -1.0]]], dtype=torch.float64)
+    g = torch.randn(x.amax(dims, keepdim).shape, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(0))
+    got, want = _grads(lambda t: t.amax(dims, keepdim) * g, x, ps)
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("ps", [[Shard(0)], [Shard(1)]], ids=str)
+def test_the_inf_norm_with_ties_across_ranks_is_torchs(ps):
+    # vector_norm(ord=inf) is amax(|x|): torch splits its gradient evenly among the ties
+    x = torch.tensor([[3.0, -3.0, 1.0], [0.5, 3.0, -3.0]], dtype=torch.float64)
+    got, want = _grads(lambda t: torch.linalg.vector_norm(t, math.inf), x, ps)
+    torch.testing.assert_close(got, want)
+
+
+def test_the_even_gradient_runs_under_autograd_grad_and_twice():
+    x = torch.tensor([3.0, 1.0, 3.0, 2.0], dtype=torch.float64)
+    r = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(r.amax() * r.sum(), r, create_graph=True)
+    d = wb.shard_tensor(x, MESH, [Shard(0)]).requires_grad_()
+    (got,) = torch.autograd.grad(d.amax() * d.sum(), d, create_graph=True)
+    torch.testing.assert_close(got.full(), want)
+    (want2,) = torch.autograd.grad(want.sum(), r)
+    (got2,) = torch.autograd.grad(got.sum(), d)
+    torch.testing.assert_close(got2.full(), want2)
+
+
+def test_no_grad_amax_keeps_its_partial_result():
+    # the even gradient runs only when a gradient is due: under no_grad (and for a
+    # tensor that needs none) amax keeps its P(max) result, reduced when read
+    d = wb.shard_tensor(torch.arange(6.0), MESH, [Shard(0)])
+    assert d.amax().placements == (Partial("max"),)
+    with torch.no_grad():
+        assert d.requires_grad_().amax().placements == (Partial("max"),)
+
+
+# ---- 2. the 0-"norm": the count of nonzeros, no gradient -------------------------------------
+
+NORM0 = {"vector_norm": lambda t: torch.linalg.vector_norm(t, 0),
+         "vector_norm_dim": lambda t: torch.linalg.vector_norm(t, 0, dim=1, keepdim=True),
+         "norm": lambda t: t.norm(0), "linalg_norm": lambda t: torch.linalg.norm(t, 0, dim=0)}
+
+
+@pytest.mark.parametrize("op", NORM0)
+@pytest.mark.parametrize("ps", [[Replicate()], [Shard(0)], [Shard(1)]], ids=str)
+def test_the_zero_norm_counts_nan_and_inf_and_gives_no_gradient(op, ps):
+    # torch's linalg_vector_norm_backward returns no gradient for ord 0: x.grad stays None
+    # (here it was zeros, which an optimizer steps); and NaN != 0 counts, where the zero
+    # that carried that gradient (clamp(x, 0, 0) * 0) made the norm NaN
+    x = torch.tensor([[1.0, NAN, 0.0], [INF, 2.0, 0.0], [0.0, 0.0, -3.0]], dtype=torch.float64)
+    r = x.clone().requires_grad_()
+    want = NORM0[op](r)
+    want.sum().backward()
+    assert r.grad is None
+    d = distribute(x, MESH, ps, seed=1).requires_grad_()
+    got = NORM0[op](d)
+    assert got.requires_grad
+    torch.testing.assert_close(got.full(), want.detach())
+    got.sum().backward()
+    assert d.grad is None
+    for t in (r, d):                                        # another path: its gradient only
+        (NORM0[op](t).sum() + (t * 2).nansum()).backward()
+    torch.testing.assert_close(d.grad.full(), r.grad)
+
+
+def test_the_zero_norm_of_a_0d_tensor_requires_grad_as_torchs():
+    r = torch.tensor(-2.0, requires_grad=True)
+    want = torch.linalg.vector_norm(r, 0)
+    d = wb.shard_tensor(torch.tensor(-2.0), MESH, [Replicate()]).requires_grad_()
+    got = torch.linalg.vector_norm(d, 0)
+    assert got.requires_grad == want.requires_grad
+    torch.testing.assert_close(got.full(), want.detach())
+    got.backward()
+    assert d.grad is None
+
+
+# ---- 3. torch's exception types -------------------------------------------------------------
+
+def _as_torch(call, x, ps):
+    """``call`` on ``x`` and on its DistTensor laid out as ``ps``: the same exception
+    type (``x`` untouched), or the same value."""
+    try:
+        want, err = call(x.clone()), None
+    except Exception as e:                      # noqa: BLE001 - the type is what is held
+        want, err = None, e
+    d = distribute(x, MESH, ps, seed=1)
+    before = d.full().clone()
+    if err is not None:
+        with pytest.raises(type(err)):
+            call(d)
+        assert torch.equal(d.full(), before)
+        return
+    got = call(d)
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.full(), w)
+
+
+@pytest.mark.parametrize("kw", [{"dim": 1}, {"dim": -2, "keepdim": True}, {}, {"dim": 0}],
+                         ids=str)
+@pytest.mark.parametrize("ps", [[Replicate()], [Shard(0)], [Shard(2)], [Partial("min")]],
+                         ids=str)
+def test_aminmax_over_an_empty_dim_raises_torchs_type(kw, ps):
+    # seed 990449: aminmax(dim) over an empty dim raised the meta kernel's RuntimeError
+    # ('reducing over zero-size dimension...') where torch's CPU kernel raises IndexError
+    x = torch.randn(4, 0, 3, dtype=torch.float64)
+    _as_torch(lambda t: torch.aminmax(t, **kw), x, ps)
+
+
+@pytest.mark.parametrize("index", [[5], [-9, 1], [0]], ids=str)
+@pytest.mark.parametrize("ps", [[Replicate()], [Shard(0)], [Shard(2)], [Partial("max")]],
+                         ids=str)
+def test_indexing_an_empty_tensor_out_of_bounds_is_torchs_empty_result(index, ps):
+    # seed 990970: x[tensor([1])] of a (1, 1, 1, 0) tensor raised IndexError; torch's index
+    # kernel reads no element of an empty result and checks no bound: an empty result
+    x = torch.randn(2, 0, 3, dtype=torch.float64)
+    for call in (lambda t: t[torch.tensor(index)], lambda t: t[..., torch.tensor(index)],
+                 lambda t: t[index], lambda t: t[:, torch.tensor(index)]):
+        _as_torch(call, x, ps)
