@@ -382,7 +382,7 @@ def init(func, args, kwargs):
 
 def out_call(func, args, kwargs):
     """``func(..., out=x)``: the result computed as without ``out``, written into ``x``
-    (its shape must be the result's: a DistTensor is not resized)."""
+    (resized first where its shape is not the result's, as torch: :mod:`.out_resize`)."""
     kwargs = dict(kwargs)
     out = kwargs.pop("out")
     name = getattr(func, "__name__", str(func))
@@ -397,13 +397,12 @@ def out_call(func, args, kwargs):
     if not isinstance(res, (DistTensor, torch.Tensor)):
         raise TypeError(f"{name}(out=DistTensor): only single-tensor results can be written "
                         "into a DistTensor; assign the result instead")
-    if tuple(res.shape) != tuple(out.shape):
-        raise RuntimeError(f"{name}(out=...): the result has shape {tuple(res.shape)} but out "
-                           f"has {tuple(out.shape)}; a DistTensor is not resized, give an out "
-                           "of the result's shape or assign the result")
     if not torch.can_cast(res.dtype, out.dtype):
         raise RuntimeError(f"{name}(out=...): result type {res.dtype} can't be cast to the "
                            f"desired output type {out.dtype}")
+    if tuple(res.shape) != tuple(out.shape):      # resized as torch's (out_resize.py)
+        from .out_resize import resize_out
+        resize_out(out, res.shape, name)
     return assign(out, res, name)
 
 

@@ -116,15 +116,35 @@ def matmul_rule(a, b):
     return einsum_rule(a, b, equation=matmul_equation(a.shape, b.shape))
 
 
-def same_dtype(name, *ts):
+def _torch_returns(fn, ts) -> bool:
+    """Whether torch's ``fn`` returns for operands of ``ts``' shapes and dtypes (one-element
+    stand-ins expanded: a refused call raises before it computes)."""
+    try:
+        fn(*[torch.empty((), dtype=t.dtype).expand(tuple(t.shape)) for t in ts])
+    except RuntimeError:
+        return False
+    return True
+
+
+def same_dtype(name, *ts, fn=None):
     """torch's products do not promote: matmul / mm / bmm / linear / einsum of a float32 and
     a float64 operand raise RuntimeError ("expected m1 and m2 to have the same dtype, but
     got: float != double", ATen's mm / addmm checks).  Their meta kernels do not check it, so
     the op table's meta check let it through: the local product promoted or raised by the
-    local layout (a zero-size shard: a float64 result, silently)."""
+    local layout (a zero-size shard: a float64 result, silently).  ``fn``: torch's op, run on
+    stand-ins to see whether torch returns anyway (an empty contraction: refused here)."""
     ds = [t.dtype for t in ts if getattr(t, "dtype", None) is not None]   # (Dist)Tensors
     if len(set(ds)) > 1:
         names = " != ".join(str(d).replace("torch.", "") for d in ds)
+        if fn is not None and _torch_returns(fn, ts):
+            # bmm (and matmul / einsum through it) returns before its dtype check when the
+            # contraction or the result is empty: zeros of the SECOND operand's dtype
+            # (torch 2.13: bmm(float64 (2, 4, 0), float32 (2, 0, 2)) is float32)
+            raise NotImplementedError(
+                f"{name} of {names} operands with an empty contraction or result: torch "
+                "returns zeros there without its same-dtype check (in the second operand's "
+                "dtype) and raises RuntimeError for any other size; not reproduced on "
+                "DistTensors. Fix: cast one operand, e.g. b.to(a.dtype)")
         raise RuntimeError(f"{name}: expected m1 and m2 to have the same dtype, but got: "
                            f"{names} (torch does not promote in a product, nor does autocast "
                            f"cast float64). Fix: cast one operand, e.g. b.to(a.dtype)")
@@ -135,7 +155,7 @@ def _matmul_parse(a, b):
         raise RuntimeError(f"both arguments to matmul need to be at least 1D, but they are "
                            f"{a.dim()}D and {b.dim()}D. Fix: use * (torch.mul) to scale by a "
                            "0-d tensor")
-    same_dtype("matmul", a, b)
+    same_dtype("matmul", a, b, fn=torch.matmul)
     return (a, b), {}
 
 
@@ -144,7 +164,7 @@ def _mm_parse(name, ndim):
         if a.dim() != ndim or b.dim() != ndim:
             raise RuntimeError(f"{name}: expected {ndim}-D tensors, got {a.dim()}-D and "
                                f"{b.dim()}-D; torch.matmul broadcasts any shapes")
-        same_dtype(name, a, b)
+        same_dtype(name, a, b, fn=getattr(torch, name))
         return (a, b), {}
     return parse
 
@@ -358,13 +378,28 @@ def _einsum_parse(eq, *ops):
     if len(ops) not in (1, 2):
         raise NotImplementedError(f"einsum of {len(ops)} operands on DistTensors: write it as "
                                   "two-operand einsums (the rule is for one operand or two)")
-    same_dtype("einsum", *ops)
     eq = eq.replace(" ", "")
+    if len(ops) == 2 and len({o.dtype for o in ops}) > 1 and _no_contraction(eq, ops):
+        pass                          # torch multiplies (einsum's sumproduct_pair): promotes
+    else:
+        same_dtype("einsum", *ops, fn=lambda *o: torch.einsum(eq, *o))
     if "..." in eq or "->" not in eq:
         torch.einsum(eq, *[torch.empty(tuple(o.shape), dtype=o.dtype, device="meta")
                            for o in ops])            # torch's own errors first
         eq = explicit_equation(eq, [len(o.shape) for o in ops])
     return tuple(ops), {"equation": eq}
+
+
+def _no_contraction(eq, ops) -> bool:
+    """True when no index of the two operands of ``eq`` is summed over both (torch.einsum
+    then multiplies them, promoting their dtypes, as torch.mul)."""
+    try:
+        full = explicit_equation(eq, [len(o.shape) for o in ops])
+    except ValueError:
+        return False
+    lhs, out = full.split("->")
+    a, b = lhs.split(",")
+    return not (set(a) & set(b)) - set(out)
 
 
 def explicit_equation(eq: str, ndims) -> str:
