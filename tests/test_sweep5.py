@@ -267,3 +267,23 @@ def test_an_einsum_with_no_contraction_promotes_as_torch(eq, ps):
     got = torch.einsum(eq, distribute(a, MESH, ps, seed=1), distribute(b, MESH, [Replicate()]))
     assert got.dtype == want.dtype == torch.float64
     torch.testing.assert_close(got.full(), want)
+
+
+# ---- 5. the new sweep (seeds 990000-991499) ---------------------------------------------------
+
+@pytest.mark.parametrize("op", ["add", "mul", "sub"])
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_a_wide_partial_meeting_a_narrow_result_is_reduced_first(op, low):
+    # seed 991342: bf16 (5,) + float32 0-d P(sum) is bf16; the partial's parts were each
+    # rounded to bf16 and summed there: 1 bf16 ulp off one device's single rounding
+    mesh = wb.Mesh([0, 1, 2, 3])
+    x = torch.tensor([-0.889, -1.118, 1.443, 0.11187715893066007, -1.539], dtype=torch.float64)
+    y = torch.tensor(-0.8529085516929626, dtype=torch.float32)
+    d = distribute(x, mesh, [Replicate()], seed=960).to(low)
+    p = distribute(y, mesh, [Partial("sum")], seed=423)
+    f = getattr(torch, op)
+    got = f(d, p)
+    want = f(x.to(low), p.full())
+    assert got.dtype == want.dtype == low
+    assert torch.equal(got.full(), want)
+    assert not any(q.is_partial() for q in got.placements)
