@@ -287,3 +287,25 @@ def test_a_wide_partial_meeting_a_narrow_result_is_reduced_first(op, low):
     assert got.dtype == want.dtype == low
     assert torch.equal(got.full(), want)
     assert not any(q.is_partial() for q in got.placements)
+
+
+@pytest.mark.parametrize("ps", [[Replicate()], [Shard(0)], [Partial("sum")]], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.bfloat16])
+def test_fill_writes_the_number_in_the_tensors_dtype(ps, dtype):
+    # seed 992249: x.fill_(1.8) of a float64 DistTensor wrote 1.7999999523 (the number
+    # went through a float32 tensor first); torch fills in x's dtype
+    x = torch.zeros(3, 3, dtype=dtype)
+    d = distribute(x, MESH, ps, seed=1)
+    for v in (1.8, 2.7, True):
+        assert torch.equal(d.fill_(v).full(), x.clone().fill_(v))
+
+
+@pytest.mark.parametrize("call", [
+    lambda t: torch.linalg.vector_norm(t, -math.inf, (-3,)),
+    lambda t: torch.linalg.norm(t, math.inf, -3), lambda t: t.norm(math.inf, dim=-3),
+    lambda t: torch.linalg.matrix_norm(t, math.inf, dim=(-3, -4))])
+@pytest.mark.parametrize("ps", [[Replicate()], [Shard(1)]], ids=str)
+def test_an_inf_norm_over_a_negative_dim_of_an_empty_tensor_is_torchs(call, ps):
+    # seed 991550: torch's meta kernel judged dim -3 of a (4, 5, 3, 0) tensor as if it were
+    # the empty dim 3 and raised RuntimeError; torch's CPU kernel returns a (4, 3, 0) result
+    _as_torch(call, torch.zeros(4, 5, 3, 0, dtype=torch.float64), ps)

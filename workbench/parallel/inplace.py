@@ -289,6 +289,9 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
     if op == "fill_":
         (value,) = args or (kwargs["value"],)
         value = value.full() if isinstance(value, DistTensor) else value
+        if not isinstance(value, torch.Tensor):   # a number: in x's dtype, as torch fills
+            # (as_tensor(1.8) is float32: 1.7999999523 written into a float64 x, seed 992249)
+            value = torch.full((), value, dtype=x.dtype, device=x.device)
         return assign(x, torch.as_tensor(value, device=x.device), op)
     if op == "index_put_":
         return index_put_(x, *args, **kwargs)
