@@ -357,7 +357,10 @@ def index_put_(x: DistTensor, indices, values, accumulate=False) -> DistTensor:
         setitem(x, idx, val)
         return x
     delta = torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
-    delta = delta.index_put(idx, torch.as_tensor(val, dtype=x.dtype), accumulate=True)
+    # a tensor of another dtype raises as torch ("Index put requires the source and
+    # destination dtypes match"; cast here before, silently: seed 994561)
+    val = val if isinstance(val, torch.Tensor) else torch.as_tensor(val, dtype=x.dtype)
+    delta = delta.index_put(idx, val.to(device=x.device), accumulate=True)
     return method(x, "add_", (delta,))
 
 

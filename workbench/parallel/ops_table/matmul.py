@@ -116,14 +116,19 @@ def matmul_rule(a, b):
     return einsum_rule(a, b, equation=matmul_equation(a.shape, b.shape))
 
 
-def _torch_returns(fn, ts) -> bool:
-    """Whether torch's ``fn`` returns for operands of ``ts``' shapes and dtypes (one-element
-    stand-ins expanded: a refused call raises before it computes)."""
+def _torch_outcome(fn, ts):
+    """What torch's ``fn`` does for operands of ``ts``' shapes and dtypes: None when it
+    returns, else its exception.  The dtypes are judged on small CPU stand-ins (every
+    size clamped to 2, a 0 kept: the same broadcasting and emptiness, and the kernels
+    torch picks at such sizes; stride-0 stand-ins took other paths: einsum of a bool
+    raised RuntimeError there, NotImplementedError on real data); where they pass, the
+    real shapes on meta tensors of one dtype (meta bmm checks dtypes where CPU's returns)."""
     try:
-        fn(*[torch.empty((), dtype=t.dtype).expand(tuple(t.shape)) for t in ts])
-    except RuntimeError:
-        return False
-    return True
+        fn(*[torch.zeros(tuple(min(n, 2) for n in t.shape), dtype=t.dtype) for t in ts])
+        fn(*[torch.empty(tuple(t.shape), device="meta") for t in ts])    # shapes only
+    except Exception as e:              # noqa: BLE001 - torch's exception, handed back
+        return e
+    return None
 
 
 def same_dtype(name, *ts, fn=None):
@@ -136,7 +141,12 @@ def same_dtype(name, *ts, fn=None):
     ds = [t.dtype for t in ts if getattr(t, "dtype", None) is not None]   # (Dist)Tensors
     if len(set(ds)) > 1:
         names = " != ".join(str(d).replace("torch.", "") for d in ds)
-        if fn is not None and _torch_returns(fn, ts):
+        err = _torch_outcome(fn, ts) if fn is not None else RuntimeError()
+        if err is not None and type(err) is not RuntimeError:
+            # another type (NotImplementedError: "bmm" not implemented for 'Bool'): torch's
+            raise type(err)(f"{name}: {err}. Fix: cast the operands to one floating "
+                            "dtype, e.g. b.to(a.dtype)") from None
+        if err is None:
             # bmm (and matmul / einsum through it) returns before its dtype check when the
             # contraction or the result is empty: zeros of the SECOND operand's dtype
             # (torch 2.13: bmm(float64 (2, 4, 0), float32 (2, 0, 2)) is float32)
