@@ -25,9 +25,9 @@ Two DistTensor answers differed (silently) before:
 
 The fix is DTensor's (its backward runs torch's formula on DTensors): the backward is
 torch's formula on DistTensors (the count's all-reduce is traced), through a
-``torch.autograd.Function`` (``custom_function.py``'s bridge) whose output is reduced
-(a P(max) output's all-reduce would split its gradient by amax's rule again).  It runs only where the
-local gradients would differ: ``amax`` / ``amin`` whose reduced dims are sharded, or
+``torch.autograd.Function`` (``custom_function.py``'s bridge) whose output is reduced (a
+P(max) output's all-reduce would split its gradient by amax's rule again).  It runs only
+where the local gradients would differ: ``amax`` / ``amin`` whose reduced dims are sharded, or
 whose input is Partial, and ``max()`` / ``min()`` of a tensor that requires grad.
 """
 from __future__ import annotations
