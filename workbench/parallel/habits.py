@@ -234,7 +234,8 @@ def _equal(input, other) -> bool:
 
 def _extremum(kind):
     """``torch.max`` / ``torch.min`` on DistTensors, composed of ops in the table as torch
-    overloads them: ``max(x)`` is ``amax`` over every dim; ``max(x, other)`` is
+    overloads them: ``max(x)`` is ``amax`` over every dim (its gradient torch's ``max()``'s,
+    ``ops_table/extreme_grad.py``); ``max(x, other)`` is
     ``maximum``; ``max(x, dim, keepdim)`` is ``(values, indices)`` with the indices of
     ``argmax`` (the first extreme, as torch's) and the values gathered at them, so that
     the gradient goes to that one element, as torch's."""
@@ -255,6 +256,9 @@ def _extremum(kind):
                 raise RuntimeError(f"{kind}(): Expected reduction dim to be specified for "
                                    "input.numel() == 0. Specify the reduction dim with the "
                                    "'dim' argument.")
+            if input.requires_grad and torch.is_grad_enabled():   # torch's gradient:
+                from .ops_table.extreme_grad import even_extreme     # NaN's, even ties
+                return even_extreme(input, (), False, red.__name__, nan=True)
             return dispatch(red, (input, tuple(range(input.ndim))), None)
         if type(dim) is not int:
             raise TypeError(f"{kind}(dim={dim!r}): give an int dim")

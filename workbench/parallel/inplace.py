@@ -289,6 +289,9 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
     if op == "fill_":
         (value,) = args or (kwargs["value"],)
         value = value.full() if isinstance(value, DistTensor) else value
+        if not isinstance(value, torch.Tensor):   # a number: in x's dtype, as torch fills
+            # (as_tensor(1.8) is float32: 1.7999999523 written into a float64 x, seed 992249)
+            value = torch.full((), value, dtype=x.dtype, device=x.device)
         return assign(x, torch.as_tensor(value, device=x.device), op)
     if op == "index_put_":
         return index_put_(x, *args, **kwargs)
@@ -354,7 +357,10 @@ def index_put_(x: DistTensor, indices, values, accumulate=False) -> DistTensor:
         setitem(x, idx, val)
         return x
     delta = torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
-    delta = delta.index_put(idx, torch.as_tensor(val, dtype=x.dtype), accumulate=True)
+    # a tensor of another dtype raises as torch ("Index put requires the source and
+    # destination dtypes match"; cast here before, silently: seed 994561)
+    val = val if isinstance(val, torch.Tensor) else torch.as_tensor(val, dtype=x.dtype)
+    delta = delta.index_put(idx, val.to(device=x.device), accumulate=True)
     return method(x, "add_", (delta,))
 
 
@@ -382,7 +388,7 @@ def init(func, args, kwargs):
 
 def out_call(func, args, kwargs):
     """``func(..., out=x)``: the result computed as without ``out``, written into ``x``
-    (its shape must be the result's: a DistTensor is not resized)."""
+    (resized first where its shape is not the result's, as torch: :mod:`.out_resize`)."""
     kwargs = dict(kwargs)
     out = kwargs.pop("out")
     name = getattr(func, "__name__", str(func))
@@ -397,13 +403,12 @@ def out_call(func, args, kwargs):
     if not isinstance(res, (DistTensor, torch.Tensor)):
         raise TypeError(f"{name}(out=DistTensor): only single-tensor results can be written "
                         "into a DistTensor; assign the result instead")
-    if tuple(res.shape) != tuple(out.shape):
-        raise RuntimeError(f"{name}(out=...): the result has shape {tuple(res.shape)} but out "
-                           f"has {tuple(out.shape)}; a DistTensor is not resized, give an out "
-                           "of the result's shape or assign the result")
     if not torch.can_cast(res.dtype, out.dtype):
         raise RuntimeError(f"{name}(out=...): result type {res.dtype} can't be cast to the "
                            f"desired output type {out.dtype}")
+    if tuple(res.shape) != tuple(out.shape):      # resized as torch's (out_resize.py)
+        from .out_resize import resize_out
+        resize_out(out, res.shape, name)
     return assign(out, res, name)
 
 

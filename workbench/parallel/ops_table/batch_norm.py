@@ -199,6 +199,15 @@ def _parse(input, running_mean=None, running_var=None, weight=None, bias=None,
     if momentum is None:
         raise TypeError("batch_norm: momentum=None; give a number (nn.BatchNorm computes "
                         "the cumulative factor itself)")
+    dt = getattr(input, "dtype", None)
+    if dt is not None and not dt.is_floating_point:
+        # torch's kernel: NotImplementedError (the meta check's eager re-run on expanded
+        # zeros raised mean()'s RuntimeError instead, seed 995514)
+        name = {torch.int64: "Long", torch.int32: "Int", torch.int16: "Short",
+                torch.int8: "Char", torch.uint8: "Byte", torch.bool: "Bool",
+                torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble"}.get(dt, dt)
+        raise NotImplementedError(f'"batch_norm" not implemented for \'{name}\'; normalize a '
+                                  "floating tensor, e.g. input.float()")
     return (input, running_mean, running_var, weight, bias), {
         "training": bool(training), "momentum": check_number("batch_norm", "momentum", momentum,
                                                              False),

@@ -258,8 +258,14 @@ def advanced_index(x, idx):
     if not isinstance(i, DistTensor):
         n = x.shape[dim]
         if i.numel() and (int(i.min()) < -n or int(i.max()) >= n):
-            bad = int(i.max()) if int(i.max()) >= n else int(i.min())
-            raise IndexError(f"index {bad} is out of bounds for dimension {dim} with size {n}")
+            if x.numel() == 0 and n:
+                # torch's index kernel reads no element of an empty result, so it checks
+                # no bound (x (1, 0)[tensor([5])] is a (1, 0) tensor): nor do we
+                i = torch.zeros_like(i)
+            else:
+                bad = int(i.max()) if int(i.max()) >= n else int(i.min())
+                raise IndexError(f"index {bad} is out of bounds for dimension {dim} with "
+                                 f"size {n}")
         i = torch.where(i < 0, i + n, i).long()
     return dim, i
 

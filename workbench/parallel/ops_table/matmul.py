@@ -116,15 +116,45 @@ def matmul_rule(a, b):
     return einsum_rule(a, b, equation=matmul_equation(a.shape, b.shape))
 
 
-def same_dtype(name, *ts):
+def _torch_outcome(fn, ts):
+    """What torch's ``fn`` does for operands of ``ts``' shapes and dtypes: None when it
+    returns, else its exception.  The dtypes are judged on small CPU stand-ins (every
+    size clamped to 2, a 0 kept: the same broadcasting and emptiness, and the kernels
+    torch picks at such sizes; stride-0 stand-ins took other paths: einsum of a bool
+    raised RuntimeError there, NotImplementedError on real data); where they pass, the
+    real shapes on meta tensors of one dtype (meta bmm checks dtypes where CPU's returns)."""
+    try:
+        fn(*[torch.zeros(tuple(min(n, 2) for n in t.shape), dtype=t.dtype) for t in ts])
+        fn(*[torch.empty(tuple(t.shape), device="meta") for t in ts])    # shapes only
+    except Exception as e:              # noqa: BLE001 - torch's exception, handed back
+        return e
+    return None
+
+
+def same_dtype(name, *ts, fn=None):
     """torch's products do not promote: matmul / mm / bmm / linear / einsum of a float32 and
     a float64 operand raise RuntimeError ("expected m1 and m2 to have the same dtype, but
     got: float != double", ATen's mm / addmm checks).  Their meta kernels do not check it, so
     the op table's meta check let it through: the local product promoted or raised by the
-    local layout (a zero-size shard: a float64 result, silently)."""
+    local layout (a zero-size shard: a float64 result, silently).  ``fn``: torch's op, run on
+    stand-ins to see whether torch returns anyway (an empty contraction: refused here)."""
     ds = [t.dtype for t in ts if getattr(t, "dtype", None) is not None]   # (Dist)Tensors
     if len(set(ds)) > 1:
         names = " != ".join(str(d).replace("torch.", "") for d in ds)
+        err = _torch_outcome(fn, ts) if fn is not None else RuntimeError()
+        if err is not None and type(err) is not RuntimeError:
+            # another type (NotImplementedError: "bmm" not implemented for 'Bool'): torch's
+            raise type(err)(f"{name}: {err}. Fix: cast the operands to one floating "
+                            "dtype, e.g. b.to(a.dtype)") from None
+        if err is None:
+            # bmm (and matmul / einsum through it) returns before its dtype check when the
+            # contraction or the result is empty: zeros of the SECOND operand's dtype
+            # (torch 2.13: bmm(float64 (2, 4, 0), float32 (2, 0, 2)) is float32)
+            raise NotImplementedError(
+                f"{name} of {names} operands with an empty contraction or result: torch "
+                "returns zeros there without its same-dtype check (in the second operand's "
+                "dtype) and raises RuntimeError for any other size; not reproduced on "
+                "DistTensors. Fix: cast one operand, e.g. b.to(a.dtype)")
         raise RuntimeError(f"{name}: expected m1 and m2 to have the same dtype, but got: "
                            f"{names} (torch does not promote in a product, nor does autocast "
                            f"cast float64). Fix: cast one operand, e.g. b.to(a.dtype)")
@@ -135,7 +165,7 @@ def _matmul_parse(a, b):
         raise RuntimeError(f"both arguments to matmul need to be at least 1D, but they are "
                            f"{a.dim()}D and {b.dim()}D. Fix: use * (torch.mul) to scale by a "
                            "0-d tensor")
-    same_dtype("matmul", a, b)
+    same_dtype("matmul", a, b, fn=torch.matmul)
     return (a, b), {}
 
 
@@ -144,7 +174,7 @@ def _mm_parse(name, ndim):
         if a.dim() != ndim or b.dim() != ndim:
             raise RuntimeError(f"{name}: expected {ndim}-D tensors, got {a.dim()}-D and "
                                f"{b.dim()}-D; torch.matmul broadcasts any shapes")
-        same_dtype(name, a, b)
+        same_dtype(name, a, b, fn=getattr(torch, name))
         return (a, b), {}
     return parse
 
@@ -358,13 +388,28 @@ def _einsum_parse(eq, *ops):
     if len(ops) not in (1, 2):
         raise NotImplementedError(f"einsum of {len(ops)} operands on DistTensors: write it as "
                                   "two-operand einsums (the rule is for one operand or two)")
-    same_dtype("einsum", *ops)
     eq = eq.replace(" ", "")
+    if len(ops) == 2 and len({o.dtype for o in ops}) > 1 and _no_contraction(eq, ops):
+        pass                          # torch multiplies (einsum's sumproduct_pair): promotes
+    else:
+        same_dtype("einsum", *ops, fn=lambda *o: torch.einsum(eq, *o))
     if "..." in eq or "->" not in eq:
         torch.einsum(eq, *[torch.empty(tuple(o.shape), dtype=o.dtype, device="meta")
                            for o in ops])            # torch's own errors first
         eq = explicit_equation(eq, [len(o.shape) for o in ops])
     return tuple(ops), {"equation": eq}
+
+
+def _no_contraction(eq, ops) -> bool:
+    """True when no index of the two operands of ``eq`` is summed over both (torch.einsum
+    then multiplies them, promoting their dtypes, as torch.mul)."""
+    try:
+        full = explicit_equation(eq, [len(o.shape) for o in ops])
+    except ValueError:
+        return False
+    lhs, out = full.split("->")
+    a, b = lhs.split(",")
+    return not (set(a) & set(b)) - set(out)
 
 
 def explicit_equation(eq: str, ndims) -> str:

@@ -11,6 +11,7 @@ row relies on is the comment):
         add/sub of two TENSOR partials         # sum(a_i) + sum(b_i) = sum(a_i + b_i)
     P + 1, relu(P), exp(P), P * P            not linear: reduce first (a constant added
                                              on every rank would be added p times)
+    P(float32) + bfloat16 -> bfloat16        reduce first: each part would round alone
     P(max) -> P(max), P(min) -> P(min) for non-decreasing ops of one input (relu, exp,
                      clamp...)                 # max_i f(a_i) = f(max_i a_i)
 
@@ -85,11 +86,12 @@ def pointwise_options(specs, partial_inputs: str = "none", monotone=False):
                      if _aligned_dim(len(shape), s.shape, d) is not None else R)
                     for s in specs)
         opts.append((req, (Shard(d),), f"elementwise: dim {d} sharded passes through"))
-    if partial_inputs == "all" and all(s is not None for s in specs):
+    narrowed = _narrowed(specs) if partial_inputs != "none" else ()
+    if partial_inputs == "all" and all(s is not None for s in specs) and not narrowed:
         opts.append((tuple(P for _ in specs), (P,), "linear: P(sum) + P(sum) -> P(sum)"))
     elif partial_inputs in ("one", "first"):
         for k in range(n if partial_inputs == "one" else 1):
-            if specs[k] is None:
+            if specs[k] is None or k in narrowed:
                 continue
             req = tuple(None if s is None else (P if j == k else R) for j, s in enumerate(specs))
             opts.append((req, (P,), f"linear in input {k}: P(sum) * R -> P(sum)"))
@@ -99,6 +101,27 @@ def pointwise_options(specs, partial_inputs: str = "none", monotone=False):
                         for j, s in enumerate(specs))
             opts.append((req, (Partial(op),), f"non-decreasing: f(P({op})) = P({op}) of f"))
     return opts
+
+
+def _narrowed(specs) -> tuple:
+    """The inputs whose floating dtype is wider than the one the op computes its result in
+    (float32 P(sum) + bfloat16 -> bfloat16): their parts would each be rounded to the
+    narrow dtype and summed there, errors as large as the parts (seed 991342: 1 bf16 ulp
+    off one device's single rounding), as a narrowing cast of P(sum) would (casts.py)."""
+    real = [s for s in specs if s is not None]
+    if len({s.dtype for s in real}) < 2:
+        return ()
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+    try:
+        _, out = elementwise_dtypes(
+            *[torch.empty((1,) if s.ndim else (), dtype=s.dtype, device="meta") for s in real],
+            type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+    except (RuntimeError, TypeError, ValueError):
+        return ()
+    if not out.is_floating_point:
+        return ()
+    return tuple(k for k, s in enumerate(specs) if s is not None and s.dtype.is_floating_point
+                 and torch.finfo(s.dtype).bits > torch.finfo(out).bits)
 
 
 def with_deferred(specs, strategies):

@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from ..placement import Partial, Replicate, Shard
 from . import costs
 from ._util import shift, wrap_dim, wrap_dims
+from .extreme_grad import extreme_form
 from .samples import Sample
 from .strategy import combine
-from .table import register
+from .table import TABLE, register
 
 T = torch.Tensor
 R = Replicate()
@@ -141,6 +142,8 @@ for _k, _fs, _parse, _rule in (("sum", (torch.sum, T.sum), _sum_parse, sum_rule)
     register(_k, _fs, parse=_parse, rule=_rule, local=_reduction(_k),
              cost=costs.reduction(1), op_class="reduction",           # one add / compare each
              sample=_SAMPLES[_k])
+for _k in ("amax", "amin"):     # a tie across ranks: torch's even gradient (extreme_grad.py)
+    TABLE[_k].extra["other_form"] = extreme_form(_k, _minmax_parse)
 
 
 # ---- softmax, log_softmax: along one dim ---------------------------------------------

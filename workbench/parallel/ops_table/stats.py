@@ -44,7 +44,16 @@ var_mean = _with_mean(torch.var_mean, False)
 
 
 def aminmax(input, *, dim=None, keepdim=False):
-    """``torch.aminmax``: (min, max) over ``dim`` (all dims when None)."""
+    """``torch.aminmax``: (min, max) over ``dim`` (all dims when None).  An empty
+    reduction raises as torch's CPU kernel does (its meta kernel raises a RuntimeError
+    where the kernel raises IndexError for an empty ``dim``)."""
+    n = input.ndim
+    if dim is None and input.numel() == 0:
+        raise RuntimeError("aminmax(): cannot compute aminmax over an empty dimension as the "
+                           "operation has no identity. Give a dim whose size is not 0")
+    if type(dim) is int and n and -n <= dim < n and input.shape[dim % n] == 0:
+        raise IndexError(f"aminmax: Expected reduction dim {dim % n} to have non-zero size "
+                         f"(dim={dim} of shape {tuple(input.shape)})")
     torch_check(torch.aminmax, input, dim=dim, keepdim=keepdim)
     dims = tuple(range(input.ndim)) if dim is None else dim
     if input.ndim == 0:

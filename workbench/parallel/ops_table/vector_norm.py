@@ -4,7 +4,7 @@
 
     vector_norm(x, ord, dim)   ord 2:     sqrt(sum(x * x))
                                ord inf:   amax(|x|)          -inf: amin(|x|)
-                               ord 0:     count of nonzeros   (gradient 0, as torch's)
+                               ord 0:     count of nonzeros   (no gradient, as torch's)
                                other p:   sum(|x|^p)^(1/p)
     matrix_norm(A, ord)        'fro':     vector 2-norm over the two dims
                                inf / -inf: max / min over rows of sum(|A|) along a row
@@ -61,11 +61,46 @@ def _dims(dim, ndim):
     return tuple(sorted(wrap_dims(dim, ndim)))
 
 
+class _CountNonzero(torch.autograd.Function):
+    """``vector_norm(x, 0)``: the count of nonzeros (NaN counts, as ``x != 0``), an output
+    that requires grad whose backward gives ``x`` none: torch's
+    ``linalg_vector_norm_backward`` returns an undefined gradient for ord 0, so ``x.grad``
+    stays None (a zero gradient would be stepped by an optimizer that skips None)."""
+
+    @staticmethod
+    def forward(ctx, x, dims, keepdim):
+        nz = x != 0
+        return (nz.sum(dims, keepdim=keepdim) if dims else nz).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, None, None
+
+
+def _count_nonzero(x, dims, keepdim):
+    return _CountNonzero.apply(x, dims, keepdim)
+
+
+def _wrapped(dim, ndim):
+    """``dim`` with negative dims wrapped where they are in range: torch 2.13's meta
+    kernel of an inf norm judges an empty dim by the unwrapped index (dim -3 of a
+    (4, 5, 3, 0) tensor read as its empty dim: a RuntimeError the CPU kernel does not
+    raise, seed 991550); out of range, as given (torch's own IndexError)."""
+    if dim is None:
+        return dim
+    try:
+        w = wrap_dims(dim, ndim)
+    except (IndexError, RuntimeError, TypeError):     # torch's own error, as given
+        return dim
+    return w[0] if isinstance(dim, int) else tuple(w)
+
+
 def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     """``torch.linalg.vector_norm`` (see the module docstring)."""
     if out is not None:
         raise TypeError("vector_norm(out=...) on a DistTensor: assign the result")
-    ref = torch_check(torch.linalg.vector_norm, x, ord, dim, keepdim, dtype=dtype)
+    ref = torch_check(torch.linalg.vector_norm, x, ord, _wrapped(dim, x.ndim), keepdim,
+                      dtype=dtype)
     if dtype is not None:
         x = x.to(dtype)
     if x.dtype in _LOW:
@@ -73,15 +108,15 @@ def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     if x.is_complex():                # the norm of |z| (x * x would be z^2, not |z|^2)
         x = x.abs()
     dims = _dims(dim, x.ndim)
-    if not dims:                      # a 0-d tensor: |x| (ord 0: x != 0)
-        r = (x != 0).to(x.dtype) if ord == 0 else x.abs()
+    if ord == 0:                      # the count of nonzeros; no gradient, as torch's
+        r = _count_nonzero(x, dims, keepdim) if x.requires_grad and torch.is_grad_enabled() \
+            else _CountNonzero.forward(None, x, dims, keepdim)
+    elif not dims:                    # a 0-d tensor: |x|
+        r = x.abs()
     elif ord == math.inf:
         r = x.abs().amax(dims, keepdim=keepdim)
     elif ord == -math.inf:
         r = x.abs().amin(dims, keepdim=keepdim)
-    elif ord == 0:                    # + a zero that carries torch's zero gradient
-        r = (x != 0).sum(dims, keepdim=keepdim).to(x.dtype) + \
-            (x.clamp(0, 0) * 0).sum(dims, keepdim=keepdim)
     elif ord == 1:
         r = x.abs().sum(dims, keepdim=keepdim)
     elif ord == 2:
@@ -95,7 +130,8 @@ def matrix_norm(A, ord="fro", dim=(-2, -1), keepdim=False, *, dtype=None, out=No
     """``torch.linalg.matrix_norm`` for 'fro', inf, -inf, 1 and -1."""
     if out is not None:
         raise TypeError("matrix_norm(out=...) on a DistTensor: assign the result")
-    ref = torch_check(torch.linalg.matrix_norm, A, ord, dim, keepdim, dtype=dtype)
+    ref = torch_check(torch.linalg.matrix_norm, A, ord, _wrapped(dim, A.ndim), keepdim,
+                      dtype=dtype)
     if ord == "fro":
         return vector_norm(A, 2, dim, keepdim, dtype=dtype).to(ref.dtype)
     if ord not in (math.inf, -math.inf, 1, -1):
@@ -120,7 +156,7 @@ def linalg_norm(A, ord=None, dim=None, keepdim=False, *, dtype=None, out=None):
     norm over two."""
     if out is not None:
         raise TypeError("linalg.norm(out=...) on a DistTensor: assign the result")
-    ref = torch_check(torch.linalg.norm, A, ord, dim, keepdim, dtype=dtype)
+    ref = torch_check(torch.linalg.norm, A, ord, _wrapped(dim, A.ndim), keepdim, dtype=dtype)
     if dim is not None and not isinstance(dim, int) and len(dim) == 2 or \
             dim is None and ord is not None and A.ndim == 2:
         return matrix_norm(A, "fro" if ord is None else ord, (-2, -1) if dim is None else dim,
@@ -133,7 +169,7 @@ def norm(input, p="fro", dim=None, keepdim=False, out=None, dtype=None):
     (all dims when None); a number p the vector p-norm; 'nuc' raises."""
     if out is not None:
         raise TypeError("norm(out=...) on a DistTensor: assign the result")
-    ref = torch_check(torch.norm, input, p, dim, keepdim, dtype=dtype)
+    ref = torch_check(torch.norm, input, p, _wrapped(dim, input.ndim), keepdim, dtype=dtype)
     if isinstance(p, str) and p != "fro":
         raise NotImplementedError(f"norm(p={p!r}) on a DistTensor: the nuclear norm needs "
                                   "singular values; gather first (.full()) or use p='fro'")
