@@ -74,18 +74,22 @@ def test_what_is_not_priced_is_refused_with_the_fix():
 
 def test_search_tries_zero3_over_dp_x_cp():
     """``search``'s candidates with cp include ZeRO-3 (and ZeRO-2) as this library's
-    runtime runs them (ZeRO-3 without recompute or with "full" / "selective", not "op";
-    dp = 1 without recompute: tests/test_zerocp3.py); before, none with cp had zero >= 2."""
+    runtime runs them, with every recompute the estimate prices (since zerocp5: ZeRO-3
+    with "op", dp = 1 with recompute; tests/test_zerocp5.py), each priced; before, none
+    with cp had zero >= 2, and until zerocp5 those two were left out."""
     cfg = get_config("llama3-8b", n_layer=2, seq_len=32768, vocab_size=32000)
     cl = Cluster("a100", 16)
     got = list(ep_cp_search.candidates(cfg, cl, 16, 1, "flash", candidate_layouts))
     z3 = [l for l in got if l.cp > 1 and l.zero == 3]
-    assert z3 and all(l.framework == "workbench" and l.recompute != "op" for l in z3)
+    assert z3 and all(l.framework == "workbench" for l in z3)
     assert any(l.cp > 1 and l.zero == 2 for l in got)
-    assert all(l.dp >= 2 or l.recompute == "none" for l in got if l.cp > 1 and l.zero >= 2)
-    lay = z3[0]
-    est = estimate(cfg, lay, cl, attention="flash")     # priced, not refused
-    assert est.step_time > 0
+    assert any(l.recompute == "op" for l in z3)
+    assert any(l.dp == 1 and l.recompute != "none" for l in got if l.cp > 1 and l.zero >= 2)
+    for lay in (z3[0], next(l for l in z3 if l.recompute == "op"),
+                next(l for l in got if l.cp > 1 and l.zero >= 2 and l.dp == 1 and
+                     l.recompute != "none")):
+        est = estimate(cfg, lay, cl, attention="flash")     # priced, not refused
+        assert est.step_time > 0
 
 
 def test_a_ranking_says_which_rows_run_on_this_librarys_runtime():

@@ -59,13 +59,16 @@ def test_dp1_estimate_agrees_with_the_dry_run(cfg, kw):
 
 
 def test_search_tries_zero_over_the_cp_group_at_dp1():
-    """Before, no candidate with cp > 1 and ZeRO-2/3 had dp = 1."""
+    """Before, no candidate with cp > 1 and ZeRO-2/3 had dp = 1 (and until zerocp5 priced
+    them with recompute, only those without)."""
     cfg = get_config("llama3-8b", n_layer=2, seq_len=32768, vocab_size=32000)
     cl = Cluster("a100", 4)
     got = [l for l in ep_cp_search.candidates(cfg, cl, 4, 1, "flash", candidate_layouts)
            if l.cp > 1 and l.zero >= 2 and l.dp == 1]
-    assert got and all(l.recompute == "none" and l.framework == "workbench" for l in got)
-    assert estimate(cfg, got[0], cl, attention="flash").step_time > 0
+    assert got and all(l.framework == "workbench" for l in got)
+    assert {l.recompute for l in got} >= {"none", "op"}
+    for lay in got:
+        assert estimate(cfg, lay, cl, attention="flash").step_time > 0
 
 
 # ---- the pieces, by hand ----------------------------------------------------------------

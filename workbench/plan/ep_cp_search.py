@@ -36,10 +36,9 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
     the all-to-all ``cp_comm="a2a"`` on ``CP_A2A_MIN_SEQ`` tokens or more where each tp
     rank's heads divide by cp) the dense candidates (``base``) of devices / cp, each with
     every ep dividing its dp and the experts; ZeRO <= 1 with either (ZeRO-2 and ZeRO-3
-    over dp x cp with framework='workbench', as its runtime shards, at dp = 1 without
-    recompute; ZeRO-3 without recompute or with "full" / "selective" one layer per
-    checkpoint: what ``ep_cp.check_zero_cp`` priced when the search's rows were set;
-    it prices the rest since, not tried here yet), sequence parallelism with a MoE's TP."""
+    over dp x cp with framework='workbench', as its runtime shards, with any recompute
+    of one layer per checkpoint: ``ep_cp.check_zero_cp`` prices them all since zerocp5),
+    sequence parallelism with a MoE's TP."""
     from .layout import Cluster
     moe = M.moe_of(model)
     n, s = cluster.devices, model.seq_len
@@ -61,16 +60,13 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
             eps = [1] if moe is None else [e for e in _divisors(lay.dp)
                                            if moe.experts % e == 0]
             if lay.zero >= 2 and cp > 1:    # what plan.ep_cp accepts: this library's
-                # runtime's ZeRO-2 and ZeRO-3 over dp x cp (recipes.context_parallel; dp =
-                # 1 without recompute, ZeRO-3 without recompute or with "full" /
-                # "selective" one layer per checkpoint: what ep_cp.check_zero_cp priced
-                # when these rows were set; the rest priced since, not tried yet), the only
-                # framework priced running them
-                # with cp: tried as framework="workbench" (table_notes says so; chunks
-                # of k > 1 layers it refuses: Layout); with ep, refused there
-                if moe is not None or lay.dp == 1 and lay.recompute != "none" or \
-                        lay.zero == 3 and (
-                        lay.recompute == "op" or lay.recompute_num_layers != 1):
+                # runtime's ZeRO-2 and ZeRO-3 over dp x cp (recipes.context_parallel), the
+                # only framework priced running them with cp, every recompute since zerocp5
+                # (dp = 1 with recompute and ZeRO-3 with "op" were left out of the search
+                # while ep_cp.check_zero_cp refused them): tried as framework="workbench"
+                # (table_notes says so; chunks of k > 1 layers it refuses: Layout); with
+                # ep, refused there
+                if moe is not None or lay.recompute_num_layers != 1:
                     continue
                 lay = lay.replace(framework="workbench")
             elif lay.zero >= 2 and moe is not None:
