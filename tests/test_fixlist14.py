@@ -176,6 +176,18 @@ def test_torchrun_sends_a_reshards_gradient_the_simulators_way(name, level,
 
 # ---- 4. the course's MoE model is captured by torch.export ---------------------------------
 
+def assert_compiled_as_eager(level, loss, want, m, eager):
+    """The compiled program's loss and every gradient against eager's. O0 runs eager's
+    placements: bit for bit. O2 chooses its own (whole-graph), so sums run in another
+    order: the MoE's loss 4.8e-7 off (1 ulp), gradients within 1e-8 (measured; the dense
+    tiny Llama's O2 gradients: 1.5e-8)."""
+    tol = dict(rtol=0, atol=0) if level == "O0" else dict(rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(loss.full(), want.full(), **tol)
+    grads = {n: p.grad.full() for n, p in eager.named_parameters()}
+    for name, p in m.named_parameters():
+        torch.testing.assert_close(p.grad.full(), grads[name], **tol, msg=name)
+
+
 @pytest.mark.parametrize("preset,level", [("tiny", "O0"), ("tiny", "O2"), ("gpt-tiny", "O0")])
 def test_tiny_moe_is_captured_by_export_and_runs_as_eager(preset, level):
     """tiny with moe_experts=4, moe_topk=2 on dp 2 x tp 2. Was: the MoE layers' forward
@@ -210,14 +222,7 @@ def test_tiny_moe_is_captured_by_export_and_runs_as_eager(preset, level):
     want.backward()
     _, loss = prog(xi, yi)
     loss.backward()
-    # O0 runs eager's placements: bit for bit. O2 chooses its own (whole-graph), so sums
-    # run in another order: the loss 4.8e-7 off (1 ulp), gradients within 1e-8 (measured;
-    # the dense tiny Llama's O2 gradients: 1.5e-8)
-    tol = dict(rtol=0, atol=0) if level == "O0" else dict(rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(loss.full(), want.full(), **tol)
-    grads = {n: p.grad.full() for n, p in eager.named_parameters()}
-    for name, p in m.named_parameters():
-        torch.testing.assert_close(p.grad.full(), grads[name], **tol, msg=name)
+    assert_compiled_as_eager(level, loss, want, m, eager)
     for a, b in zip(moe_layers(m), moe_layers(eager)):
         sa, sb = a.last_stats, b.last_stats
         assert torch.equal(sa.pop("tokens_per_expert"), sb.pop("tokens_per_expert"))

@@ -6,6 +6,7 @@ import torch
 
 import workbench as wb
 from tests.test_fixlist13 import assert_one_devices_step, one_adamw_step
+from tests.test_fixlist14 import assert_compiled_as_eager
 
 
 # ---- 1. the TIED head's tp-partial gradient under SP with ONE pipeline stage -----------------
@@ -94,11 +95,7 @@ def test_tiny_moe_with_ep_compiles_and_runs_as_eager(level):
     with wb.trace("a100") as tc:
         _, loss = prog(xi, yi)
         loss.backward()
-    tol = dict(rtol=0, atol=0) if level == "O0" else dict(rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(loss.full(), want.full(), **tol)
-    grads = {n: p.grad.full() for n, p in eager.named_parameters()}
-    for name, p in m.named_parameters():
-        torch.testing.assert_close(p.grad.full(), grads[name], **tol, msg=name)
+    assert_compiled_as_eager(level, loss, want, m, eager)
 
     def ep(tr):
         return collections.Counter((e.name, e.label, e.args.get("buffer_bytes")) for e in

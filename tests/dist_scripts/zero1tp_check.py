@@ -17,12 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import workbench as wb  # noqa: E402
 from workbench.sim_mesh import backends  # noqa: E402
 
-PLAN = {"0": wb.ColwiseParallel(), "2": wb.RowwiseParallel()}
-
-
-def mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 6), nn.GELU(), nn.Linear(6, 3))     # 45 parameters
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from habits15_check import PLAN, mlp  # noqa: E402  (the same 45-parameter MLP and plan)
 
 
 def num(v):
