@@ -29,9 +29,9 @@ import torch
 from ..parallel.dispatch import dispatch, force_candidate
 from ..parallel.dispatch_local import as_dist
 from ..parallel.dist_tensor import DistTensor
-from ..parallel.placement import fmt_placements
+from ..parallel.placement import Replicate, fmt_placements
 from ..parallel import reshard_backward as _rb
-from ..parallel.reshard import execute, plan_reshard_cached
+from ..parallel.reshard import execute, plan_reshard_cached, reshard
 from ..parallel.spec import TensorSpec
 from .graph import map_refs
 
@@ -122,6 +122,20 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
         if isinstance(ins, Reshard):
             have = avail[ins.vid]
             src = have.get(ins.src)
+            if src is None and any(p.is_partial() and p.reduce_op in ("max", "min")
+                                   for p in ins.src):
+                # amax / amin with a gradient across ranks reduce their own P(max) /
+                # P(min) inside the op (ops_table/extreme_grad.py: torch's even gradient),
+                # so the Partial the strategy names never exists: the reduced value is
+                # what the op returned; the rest of the reshard runs from it
+                reduced = tuple(Replicate() if p.is_partial() else p for p in ins.src)
+                src = have.get(reduced)
+                if src is not None:
+                    out = reshard(src, src.mesh, list(ins.dst)) if reduced != ins.dst else src
+                    have[ins.dst] = out
+                    if ins.why.startswith("pinned"):
+                        cur[ins.vid] = ins.dst
+                    continue
             if src is None:
                 raise RuntimeError(f"reshard %{ins.vid}: not available in "
                                    f"{fmt_placements(ins.src)}")
