@@ -29,9 +29,8 @@ Found and fixed (each test failed before; measured on habits15's 45-parameter ML
    optimizer's shards held no gradient), ``opt.clip_grad_norm_`` returned the scaled norm
    (769.64 for 0.7516, 1024x at scale 2**10), then ``scaler.step`` raised torch's "No inf
    checks were recorded".  Now a reduced gradient shard is its shard's ``.grad``: one
-   device's unscale, clip, inf skip and scale; ZeRO-1 reduces in ``step``, so
-   ``opt.reduce_grads_()`` goes before ``unscale_`` (else torch's assertion, nothing
-   stepped);
+   device's unscale, clip, inf skip and scale; ZeRO-1 (which reduces in ``step``) too,
+   since gradscaler: reading a shard's ``.grad`` reduces first (tests/test_gradscaler.py);
 4. ``p.data.copy_(w)`` (a manual weight load) of a module-shaped ``w``: Zero3 over tensor
    parallelism raised an internal AttributeError ('_LaidOutData' ... '_wb_store'), DDP
    over it torch's broadcast error; now one device's load (FSDP's was);
@@ -153,7 +152,7 @@ def test_grad_scaler_unscale_clip_step_update_is_one_devices(kind):
     """``scaler.scale(loss).backward(); scaler.unscale_(opt); clip; scaler.step(opt);
     scaler.update()`` with SGD + momentum, a batch with an inf in the middle: the unscaled
     clip norms, the skipped step, the scale (2**10 -> 2**9) and the weights are one
-    device's.  ZeRO-1 sums in ``step``: ``opt.reduce_grads_()`` before ``unscale_``.
+    device's.  ZeRO-1 sums in ``step``: ``unscale_``'s read of its shards sums first.
     Before: ZeRO-2's clip norm 769.64 for 0.7516, then torch's assertion."""
     ref, wr, ro, opt = sgd_pair(kind, lr=0.5, momentum=0.9)
     rsc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
@@ -170,8 +169,6 @@ def test_grad_scaler_unscale_clip_step_update_is_one_devices(kind):
         rsc.step(ro)
         rsc.update()
         wsc.scale(((wr.out(x) - y) ** 2).mean()).backward()
-        if kind == "zero_tp":
-            opt.reduce_grads_()
         wsc.unscale_(opt)
         got = _clip(wr, opt, 0.1)
         if torch.isfinite(want):
@@ -185,19 +182,20 @@ def test_grad_scaler_unscale_clip_step_update_is_one_devices(kind):
     assert rsc.get_scale() == 2.0 ** 9
 
 
-def test_grad_scaler_on_zero1_without_reduce_grads_raises_and_steps_nothing():
-    """ZeRO-1 over DistTensors sums the gradients in ``step``: ``unscale_`` finds none on
-    the shards, and ``scaler.step`` raises torch's own assertion before any update."""
-    _, wr, _, opt = sgd_pair("zero_tp")
-    before = full_weights(wr)
-    sc = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+def test_grad_scaler_on_zero1_under_an_explicit_reduce_grads_is_the_same():
+    """The fix habits18 asked for (``opt.reduce_grads_()`` before ``unscale_``) still gives
+    one device's step: the read then finds nothing pending."""
+    ref, wr, ro, opt = sgd_pair("zero_tp")
+    sc, rsc = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2))
     x, y = batches(1)[0]
     sc.scale(((wr.out(x) - y) ** 2).mean()).backward()
+    opt.reduce_grads_()
     sc.unscale_(opt)
-    with pytest.raises(AssertionError, match="No inf checks were recorded"):
-        sc.step(opt)
-    after = full_weights(wr)
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    sc.step(opt)
+    rsc.scale(((ref(x) - y) ** 2).mean()).backward()
+    rsc.unscale_(ro)
+    rsc.step(ro)
+    assert_same_model(wr, ref)
 
 
 # ---- copies and casts after wrapping ---------------------------------------------------------

@@ -40,6 +40,7 @@ is this optimizer with ``wb.ops.AdamW``.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -131,6 +132,41 @@ def defer_reduce_scatter(tr, mesh, axis: int, nbytes: int, label: str, pending: 
     tr.defer(ready, record)
 
 
+class ShardParameter(nn.Parameter):
+    """One rank's flat chunks of a parameter (what the inner optimizer steps), whose
+    ``.grad`` is the gradient summed over dp: read before the optimizer has summed it
+    (ZeRO-1 sums in ``step``; ZeRO-2 the gradients its backward hooks skip, sequence
+    parallelism's partial norm weights), the read first reduce-scatters every pending
+    gradient (:meth:`ChunkedZeroOptimizer.reduce_grads_`, one buffer), as torch's
+    ZeroRedundancyOptimizer's parameters hold the gradient DDP all-reduced in backward.
+
+    Who reads it: ``torch.amp.GradScaler.unscale_(opt)`` unscales and inf-checks the
+    gradients of ``opt.param_groups``, i.e. these.  Before (habits18), ZeRO-1's shards
+    held none until ``step``: ``unscale_`` unscaled nothing, ``opt.clip_grad_norm_`` after
+    it returned the scaled norm (1024x at scale 2**10), silently, then ``scaler.step``
+    raised torch's "No inf checks were recorded for this optimizer"; the fix asked of the
+    user was ``opt.reduce_grads_()`` before ``unscale_``.  On simulated ranks only: under
+    torch.distributed each process would inf-check its own chunk (a rank seeing an inf
+    skips ``step`` and its all-gather while the others wait), so there the gradients stay
+    unreduced until ``step`` and ``scaler.step`` raises torch's assertion as before."""
+
+    @property
+    def grad(self):
+        ref = self.__dict__.get("_wb_zero")
+        opt = ref() if ref is not None else None
+        if opt is not None and not opt._busy and not opt.distributed and opt._unreduced():
+            opt.reduce_grads_()
+        return torch.Tensor.grad.__get__(self)
+
+    @grad.setter
+    def grad(self, value):
+        torch.Tensor.grad.__set__(self, value)
+
+    @grad.deleter
+    def grad(self):
+        torch.Tensor.grad.__delete__(self)
+
+
 class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
     """ZeRO-1 (``overlap_comm=False``) or ZeRO-2 (``True``) over the ``dim`` dim of
     ``mesh`` for DistTensor ``params`` replicated there (module docstring); ``stage``
@@ -174,8 +210,11 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         for p in self.params:
             p._local._wb_clip_refuse = _CLIP_REFUSE
         # rank k's chunk k of each flat padded replica: the leaves the optimizer steps
-        self.shards = [nn.Parameter(self._my_chunk(p._local.detach()),
-                                    requires_grad=p.requires_grad) for p in self.params]
+        self.shards = [ShardParameter(self._my_chunk(p._local.detach()),
+                                      requires_grad=p.requires_grad) for p in self.params]
+        self._busy = 0                  # > 0: inside step / reduce (no lazy reduction)
+        for s in self.shards:
+            s._wb_zero = weakref.ref(self)
         step_clock.hold(self.shards, mesh.ranks, nd)          # the inner optimizer's step: on the clock
         # each group's shards, in the order of its parameters (GradReplicas keeps it)
         at = [0]
@@ -347,6 +386,10 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         return hook
 
     # ---- the step --------------------------------------------------------------------------
+    def _unreduced(self) -> bool:
+        """A replica holds a gradient not yet reduce-scattered into its shard."""
+        return any(p._local.grad is not None for p in self.params)
+
     def live(self) -> list[int]:
         """Indices of the parameters with a gradient (in ``.grad`` or reduced in backward)."""
         return [i for i, p in enumerate(self.params)
@@ -462,9 +505,9 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
     def reduce_grads_(self) -> dict:
         """The gradients reduce-scattered now (what :meth:`step` would do first) into
         each rank's shard, kept for ``step``: ``{parameter index: its gradient shard}``.
-        Each shard is its optimizer shard's ``.grad`` too: ZeRO-1 with
-        ``torch.amp.GradScaler`` calls this before ``scaler.unscale_(opt)``, which unscales
-        the gradients of ``opt.param_groups`` (ZeRO-2's are reduced in backward already)."""
+        Each shard is its optimizer shard's ``.grad`` too, which ``torch.amp.GradScaler.
+        unscale_(opt)`` unscales; reading a shard's ``.grad`` calls this first
+        (:class:`ShardParameter`), so ZeRO-1 needs no call before ``unscale_``."""
         live = self.live()
         for i, gs in zip(live, self._reduce_grads(live)):
             self._keep_shard(i, gs)             # step() takes them from here
@@ -475,8 +518,8 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         """Parameter ``i``'s reduced gradient shard, kept for ``step`` and held as its
         shard's ``.grad`` (the same tensor): ``torch.amp.GradScaler.unscale_(opt)`` unscales
         and inf-checks the gradients of ``opt.param_groups`` (the shards), so ZeRO-2's
-        (reduced in backward) and ZeRO-1's after :meth:`reduce_grads_` are unscaled in
-        place before ``clip_grad_norm_`` and ``step`` read them.  Before (habits18) no
+        (reduced in backward) and ZeRO-1's (reduced when ``unscale_`` reads them:
+        :class:`ShardParameter`) are unscaled in place before ``clip_grad_norm_`` and ``step`` read them.  Before (habits18) no
         shard held one: ``unscale_`` unscaled nothing, ``opt.clip_grad_norm_`` returned the
         scaled norm (1024x at scale 2**10) and ``scaler.step`` raised torch's "No inf
         checks were recorded for this optimizer"."""
@@ -524,7 +567,11 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
             s.copy_(self._my_chunk(self.params[i]._local.detach()))
             s.grad = shards[j].contiguous()
         _copy_hyper(self.param_groups, self.optimizer.param_groups)      # lr schedules
-        self.optimizer.step()
+        self._busy += 1                 # the inner step reads the shards' .grad set above
+        try:
+            self.optimizer.step()
+        finally:
+            self._busy -= 1
         # the updated shards, gathered back in one buffer
         ps = [self.shards[i] for i in live]
         full = self._all_gather(torch.cat([self.replicas.lead(s) for s in ps], dim=-1),
@@ -549,8 +596,12 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         False``) existing gradients zeroed in place (detached first when they carry a
         history, as torch does); the reduced shards accumulated so far are dropped either
         way, so the next backward starts from zero."""
-        for t in [p._local for p in self.params] + list(self.shards):
-            clear_grad(t, set_to_none)
+        self._busy += 1                 # (reading a shard's .grad here reduces nothing)
+        try:
+            for t in [p._local for p in self.params] + list(self.shards):
+                clear_grad(t, set_to_none)
+        finally:
+            self._busy -= 1
         self._gshard.clear()
 
     def state_dict(self):
