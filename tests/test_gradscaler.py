@@ -138,3 +138,23 @@ def test_hybrid_sp_norm_gradients_are_unscaled_too(zero):
         sc.unscale_(opt.optimizer)
         norms.append(opt.clip_grad_norm_(1e9))
     close(norms[1], norms[0])
+
+
+def test_scaling_a_disttensor_loss_names_the_fix():
+    """``scaler.scale(loss)`` with a DistTensor loss: torch's GradScaler multiplies only
+    torch.Tensors and iterates the rest ("iteration over a 0-d tensor", naming nothing);
+    now the error names ``scaler.scale(loss.full())``, whose gradients are one device's."""
+    ref, wr, ro, opt = sgd_pair("zero_tp")
+    x, y = batches(1)[0]
+    sc = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    out = wr.m(wr.inp(x))
+    assert isinstance(out, wb.DistTensor)
+    loss = ((out - wb.distribute_tensor(y, out.mesh, out.placements)) ** 2).mean()
+    assert isinstance(loss, wb.DistTensor) and loss.ndim == 0
+    with pytest.raises(TypeError, match=r"scaler\.scale\(loss\.full\(\)\)"):
+        sc.scale(loss)
+    sc.scale(loss.full()).backward()
+    sc.unscale_(opt)
+    got = opt.grad_norm()
+    ((ref(x) - y) ** 2).mean().backward()
+    close(got, torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()])))

@@ -10,6 +10,8 @@ DistTensor hashes by identity, as a torch.Tensor does.
 from __future__ import annotations
 
 import numbers
+import os
+import sys
 
 import torch
 
@@ -56,6 +58,14 @@ def _format(self, spec: str) -> str:
 
 
 def _iter(self):
+    # torch.amp.GradScaler.scale(outputs) multiplies a torch.Tensor and iterates anything
+    # else (torch/amp/grad_scaler.py apply_scale): a DistTensor loss failed with "iteration
+    # over a 0-d tensor", naming nothing (torch's DTensor is a torch.Tensor)
+    caller = sys._getframe(1).f_code.co_filename
+    if caller.endswith(os.path.join("amp", "grad_scaler.py")):
+        raise TypeError("torch.amp.GradScaler.scale(loss) with a DistTensor loss: the scaler "
+                        "multiplies torch.Tensors only; pass the loss as one: "
+                        "scaler.scale(loss.full()).backward() (the gradients are the same)")
     if self.ndim == 0:
         raise TypeError("iteration over a 0-d tensor")
     return (self[i] for i in range(self.shape[0]))
