@@ -288,6 +288,34 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
 _REDUCING = ("all_reduce", "reduce_scatter")
 
 
+def _agree_unsummed(t, plan) -> None:
+    """Under torch.distributed, before a reshard reduces a data-parallel wrapper's
+    gradient not yet summed over its processes (``p.grad`` of ZeRO-1/2's replicas before
+    ``step``, DDP's under ``no_sync``: Partial("sum") over dp, ``_wb_unsummed`` on its
+    storage, ``grad_replicas.GradReplicas._replica_grad``): every process of the sum makes
+    the same read, or the reader gets an error naming the fix (``agreed_reads.agree``).
+    Before (readsync), ``if rank == 0: print(p.grad.norm())`` under torchrun left rank 0
+    in an all-reduce its peers never joined: it paired with their next collective (the
+    step's reduce-scatter) and the job died in gloo's timeout ('Application timeout
+    caused pair closure').  Only those gradients: the step's own collectives and every
+    other reshard (all processes run them) pay no store round trip."""
+    from ..sim_mesh import backends as _B
+    if not _B.is_distributed(t.mesh):
+        return
+    axes = {a for x in storage.tensors(t._local) for a in getattr(x, "_wb_unsummed", ())}
+    axes = sorted(a for a in axes if t.placements[a].is_partial())
+    if not axes or not any(s.kind in _REDUCING for s in plan.steps):
+        return
+    from ..sim_mesh.agreed_reads import agree
+    mine = _B.coordinate(t.mesh)
+    ranks = [r for r in t.mesh.ranks
+             if all(t.mesh.coordinate(r)[i] == mine[i] for i in range(t.mesh.ndim)
+                    if i not in axes)]
+    names = " x ".join(repr(t.mesh.dim_names[a]) for a in axes)
+    agree(ranks, f"a gradient {tuple(t.shape)} before its wrapper sums it over {names} "
+                 "(p.grad before opt.step(), or inside no_sync())")
+
+
 def _reduces(plan, t) -> bool:
     """True if a step of the plan reduces on the simulator: its result is new memory, and
     so is everything after it (the result cannot share t's memory: no check needed)."""
@@ -340,6 +368,7 @@ def execute(plan: Plan, t):
 
 def _run(plan: Plan, t):
     """execute's steps, for a plan known to be made for t's layout."""
+    _agree_unsummed(t, plan)
     steps = plan.steps
     k = 0
     while k < len(steps):

@@ -103,9 +103,17 @@ class GradInShard:
         self.opt, self.i = opt, i
 
     def get(self):
-        if self.i in self.opt._gshard:
+        opt = self.opt
+        if self.i in opt._gshard:
             raise RuntimeError(_SHARD_REFUSE)
-        return self.opt.params[self.i]._storage_grad()
+        if opt.distributed and self.i in opt._in_backward and \
+                opt.params[self.i]._local.grad is not None:
+            # torch.distributed: ZeRO-2's gradient waits for step()'s reduce-scatter here
+            # (gloo's collectives block), but the program is the one simulated ranks run,
+            # where backward reduce-scattered it: the same refusal (readsync: it read the
+            # gradient here, raised there)
+            raise RuntimeError(_SHARD_REFUSE)
+        return opt.params[self.i]._storage_grad()
 
     def clear(self) -> None:
         self.opt._gshard.pop(self.i, None)
@@ -232,9 +240,13 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         self._gshard: dict[int, torch.Tensor] = {}    # param index -> its gradient shard
         self._pending: list = []                       # (trace, handle) to wait for in step
         self._clocked: set = set()     # torch.distributed: hooked gradients, on the clock
+        # ZeRO-2: the gradients reduce-scattered in backward (on torch.distributed: kept
+        # for step's one reduce-scatter, but read as on simulated ranks: GradInShard)
+        self._in_backward = set()
         if overlap_comm:
             for i, p in enumerate(self.params):       # (partial ones: summed at step)
                 if p._local.requires_grad and not r.is_partial(p):
+                    self._in_backward.add(i)
                     p._local.register_post_accumulate_grad_hook(
                         self._clock_hook(i) if self.distributed else
                         self._reduce_scatter_hook(i))

@@ -1,0 +1,87 @@
+"""Run under torchrun (gloo, 2 processes, a dp 2 mesh, init timeout_s=5):
+``ZeroRedundancyOptimizer(partition="chunks")`` over DistTensor parameters, a user's
+reads of ``p.grad`` before ``opt.step()`` (ZeRO-1: each process's share, Partial("sum")
+over dp, so a read all-reduces) that not every process makes (tests/test_readsync.py).
+Each process prints JSON rows:
+
+* ``lone``: rank 0 alone reads ``p.grad.norm()`` (``if rank == 0: print(p.grad.norm())``):
+  what it raised (or gave) and after how many seconds; rank 1 waits on the store;
+* ``both``: then both read every ``p.grad.norm()`` (one device's gradient norms);
+* ``after_step``: both step, then every parameter's sum (one device's AdamW step);
+* ``zero2``: the same model under ZeRO-2 (``overlap_comm=True``): what ``p.grad`` is on
+  each process before the step (its reduced shard lives in the optimizer)."""
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import workbench as wb  # noqa: E402
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 6), nn.GELU(), nn.Linear(6, 3))
+
+
+def attempt(f):
+    t0 = time.monotonic()
+    try:
+        with torch.no_grad():
+            out = f()
+            out = float(out.full() if isinstance(out, wb.DistTensor) else out)
+    except Exception as e:     # noqa: BLE001  (what raised, for the test to read)
+        out = f"{type(e).__name__}: {e}"
+    return out, round(time.monotonic() - t0, 1)
+
+
+def build(mesh, overlap):
+    m = mlp()
+    wb.parallelize(m, mesh)
+    ps = [p for _, p in wb.dist_parameters(m)]
+    opt = wb.ZeroRedundancyOptimizer(ps, torch.optim.AdamW, mesh, "dp", partition="chunks",
+                                     lr=1e-2, overlap_comm=overlap)
+    return m, ps, opt
+
+
+def backward(m, mesh, rank):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 3, generator=g), torch.randn(8, 3, generator=g)
+    out = m(wb.shard_tensor(x, mesh, [wb.Shard(0)]))
+    ((out.full() - y) ** 2).mean().backward()
+
+
+def main():
+    wb.distributed.init(timeout_s=5)
+    rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    mesh = wb.distributed.mesh((2,), ["dp"])
+    m, ps, opt = build(mesh, False)
+    backward(m, mesh, rank)
+    rows = []
+    if rank == 0:
+        out, s = attempt(lambda: ps[0].grad.norm())
+        rows.append({"case": "lone", "out": out, "s": s})
+        store.set("readsync/lone_done", "1")
+    else:
+        store.wait(["readsync/lone_done"], timedelta(seconds=120))
+    rows.append({"case": "both", "out": [attempt(lambda: p.grad.norm())[0] for p in ps]})
+    opt.step()
+    rows.append({"case": "after_step", "out": [attempt(lambda: p.sum())[0] for p in ps]})
+    m2, ps2, opt2 = build(mesh, True)
+    backward(m2, mesh, rank)
+    rows.append({"case": "zero2", "out": [attempt(lambda: p.grad.norm())[0] for p in ps2]})
+    opt2.step()
+    for r in rows:
+        print(json.dumps({"rank": rank, **r}), flush=True)
+    dist.barrier()
+    wb.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
