@@ -158,3 +158,20 @@ def test_scaling_a_disttensor_loss_names_the_fix():
     got = opt.grad_norm()
     ((ref(x) - y) ** 2).mean().backward()
     close(got, torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in ref.parameters()])))
+
+
+def test_the_optimizer_and_its_shards_still_save_and_copy():
+    """The shards (now ``ShardParameter``, holding a weak link to their optimizer) save
+    with ``torch.save`` and load as the plain parameters they are; ``copy.deepcopy`` too."""
+    import copy
+    import io
+    _, wr, _, opt = sgd_pair("zero_tp")
+    for obj in (opt.shards[0], opt.optimizer):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        back = torch.load(buf, weights_only=False)
+        copy.deepcopy(obj)
+    assert type(back).__name__ == type(opt.optimizer).__name__
+    torch.testing.assert_close(back.param_groups[0]["params"][0].detach(),
+                               opt.shards[0].detach())

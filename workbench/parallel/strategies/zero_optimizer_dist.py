@@ -174,6 +174,11 @@ class ShardParameter(nn.Parameter):
     def grad(self):
         torch.Tensor.grad.__delete__(self)
 
+    def __reduce_ex__(self, proto):
+        # pickled (torch.save) as the plain nn.Parameter it is, without the optimizer's
+        # link (a weak reference cannot be pickled)
+        return nn.Parameter(self.detach(), self.requires_grad).__reduce_ex__(proto)
+
 
 class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
     """ZeRO-1 (``overlap_comm=False``) or ZeRO-2 (``True``) over the ``dim`` dim of
