@@ -122,17 +122,8 @@ def test_a_read_on_rank_0_only_ends_in_an_error_naming_the_fix_and_the_job_goes_
     after timeout_s, with no gather begun, and the job goes on; different reads raise at
     once on both. ``wb.fully_shard``'s reads under torchrun (the chunks gathered) the
     same."""
-    import os
-    import sys
-    from tests.torchrun_support import json_rows, run_job
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", os.path.join(root, "tests", "dist_scripts",
-                                              "fixlist16_check.py")]
-    out = run_job(cmd, timeout=240, cwd=root,
-                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = {(r["rank"], r["case"]): r for r in json_rows(out.stdout)}
+    from tests.torchrun_support import own_launch
+    rows = own_launch("fixlist16_check.py")
     lone = rows[(0, "lone")]
     assert "process(es) [1] did not make this read within init()'s timeout_s=5 s" in lone["out"]
     assert "'0.weight' (6, 3)" in lone["out"] and "if rank == 0: print(p.norm())" in lone["out"]

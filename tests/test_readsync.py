@@ -15,9 +15,6 @@ And one program, one behaviour: ZeRO-2's ``p.grad`` raised ``GradInShard``'s ref
 simulated ranks (backward reduce-scattered it) but read the gradient under torchrun (gloo's
 calls block, so the gradient waits for step there); now it refuses on both.
 """
-import os
-import sys
-
 import pytest
 import torch
 from torch import nn
@@ -40,15 +37,8 @@ def _one_device():
 
 @pytest.mark.slow
 def test_a_gradient_read_on_rank_0_only_ends_in_an_error_and_the_job_goes_on():
-    from tests.torchrun_support import json_rows, run_job
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", os.path.join(root, "tests", "dist_scripts",
-                                              "readsync_check.py")]
-    out = run_job(cmd, timeout=240, cwd=root,
-                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = {(r["rank"], r["case"]): r for r in json_rows(out.stdout)}
+    from tests.torchrun_support import own_launch
+    rows = own_launch("readsync_check.py")
     lone = rows[(0, "lone")]
     assert "a gradient (6, 3) before its wrapper sums it over 'dp'" in lone["out"]
     assert "process(es) [1] did not make this read within init()'s timeout_s=5 s" in lone["out"]

@@ -29,6 +29,20 @@ def run_job(cmd, **kwargs):
     return out
 
 
+def own_launch(script: str, nproc: int = 2, timeout: int = 240) -> dict:
+    """``tests/dist_scripts/<script>`` in its own torchrun job (``nproc`` processes,
+    standalone), which must end well; its JSON rows keyed ``(rank, case)``."""
+    import os
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", os.path.join(root, "tests", "dist_scripts", script)]
+    out = run_job(cmd, timeout=timeout, cwd=root,
+                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {(r["rank"], r["case"]): r for r in json_rows(out.stdout)}
+
+
 def json_rows(text: str) -> list:
     """Every JSON object the processes printed: several processes share one pipe and
     torchrun runs them unbuffered (``python -u``: print writes the text and its newline
