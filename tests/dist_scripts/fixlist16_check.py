@@ -79,6 +79,11 @@ def main():
     else:
         store.wait(["fixlist16/fs_lone_done"], timedelta(seconds=120))
     rows.append({"case": "fs_both", "out": [attempt(lambda: q.norm())[0] for q in qs]})
+    finish(rank, rows)
+
+
+def finish(rank, rows):
+    """Print this process's rows as JSON lines, then end the job together."""
     for r in rows:
         print(json.dumps({"rank": rank, **r}), flush=True)
     dist.barrier()

@@ -10,7 +10,6 @@ Each process prints JSON rows:
 * ``after_step``: both step, then every parameter's sum (one device's AdamW step);
 * ``zero2``: the same model under ZeRO-2 (``overlap_comm=True``): what ``p.grad`` is on
   each process before the step (its reduced shard lives in the optimizer)."""
-import json
 import os
 import sys
 from datetime import timedelta
@@ -22,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import workbench as wb  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fixlist16_check import attempt, mlp  # noqa: E402  (the same MLP and timed read)
+from fixlist16_check import attempt, finish, mlp  # noqa: E402  (the same MLP, read, end)
 
 
 def build(mesh, overlap):
@@ -62,10 +61,7 @@ def main():
     backward(m2, mesh, rank)
     rows.append({"case": "zero2", "out": [attempt(lambda: p.grad.norm())[0] for p in ps2]})
     opt2.step()
-    for r in rows:
-        print(json.dumps({"rank": rank, **r}), flush=True)
-    dist.barrier()
-    wb.distributed.shutdown()
+    finish(rank, rows)
 
 
 if __name__ == "__main__":
