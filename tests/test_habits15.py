@@ -179,6 +179,15 @@ def clip_as_one_device(wr, opt, ref, max_norm=0.1):
         close(nn.utils.clip_grad_norm_(wr.params(), max_norm), want)
 
 
+def clip_step_and_compare(wr, opt, ref, ro):
+    """The step's end as a user writes it (clip, both optimizers' steps), then the
+    wrapped model held to the reference."""
+    clip_as_one_device(wr, opt, ref, 1e9)
+    opt.step()
+    ro.step()
+    assert_same_model(wr, ref)
+
+
 # ---- the sweep ----------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -237,10 +246,7 @@ def test_gradient_accumulation_is_one_devices(kind, how):
         ref_backward(ref, x1, y1)
         wr.backward(x2, y2)
         ref_backward(ref, x2, y2)
-        clip_as_one_device(wr, opt, ref, 1e9)
-        opt.step()
-        ro.step()
-    assert_same_model(wr, ref)
+        clip_step_and_compare(wr, opt, ref, ro)
 
 
 @pytest.mark.parametrize("kind", KINDS)

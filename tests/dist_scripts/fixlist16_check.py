@@ -46,7 +46,6 @@ def attempt(f):
 def main():
     wb.distributed.init(timeout_s=5)
     rank = dist.get_rank()
-    store = dist.distributed_c10d._get_default_store()
     mesh = wb.distributed.mesh((1, 2), ["dp", "tp"])
     m = mlp()
     wb.parallelize_module(m, mesh, PLAN)
@@ -54,12 +53,7 @@ def main():
     ddp = wb.DistributedDataParallel(m, mesh, dim="dp")
     ps = list(ddp.parameters())
     rows = []
-    if rank == 0:
-        out, s = attempt(lambda: ps[0].norm())
-        rows.append({"case": "lone", "out": out, "s": s})
-        store.set("fixlist16/lone_done", "1")
-    else:
-        store.wait(["fixlist16/lone_done"], timedelta(seconds=120))
+    lone_read(rank, rows, "lone", lambda: ps[0].norm())
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, 3, generator=g)
     y = ddp(wb.shard_tensor(x, mesh, [wb.Shard(0), wb.Replicate()]))
@@ -72,14 +66,21 @@ def main():
     fs = mlp()
     wb.fully_shard(fs)
     qs = list(fs.parameters())
-    if rank == 0:
-        out, s = attempt(lambda: qs[0].norm())
-        rows.append({"case": "fs_lone", "out": out, "s": s})
-        store.set("fixlist16/fs_lone_done", "1")
-    else:
-        store.wait(["fixlist16/fs_lone_done"], timedelta(seconds=120))
+    lone_read(rank, rows, "fs_lone", lambda: qs[0].norm())
     rows.append({"case": "fs_both", "out": [attempt(lambda: q.norm())[0] for q in qs]})
     finish(rank, rows)
+
+
+def lone_read(rank, rows, case, read):
+    """Rank 0 alone makes ``read`` (timed: its row ``case``); the others wait on the
+    job's store meanwhile (no collective)."""
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        out, s = attempt(read)
+        rows.append({"case": case, "out": out, "s": s})
+        store.set(f"lone_read/{case}", "1")
+    else:
+        store.wait([f"lone_read/{case}"], timedelta(seconds=120))
 
 
 def finish(rank, rows):

@@ -30,6 +30,15 @@ def mlp():
     return nn.Sequential(nn.Linear(3, 6), nn.GELU(), nn.Linear(6, 3))     # 45 parameters
 
 
+def start():
+    """The job up (unless several.py already brought it up), this process's rank, and the
+    8 x 3 batch and targets every script of this family trains on."""
+    if not dist.is_initialized():       # (tests/dist_scripts/several.py: already up)
+        wb.distributed.init(timeout_s=120)
+    g = torch.Generator().manual_seed(1)
+    return dist.get_rank(), torch.randn(8, 3, generator=g), torch.randn(8, 3, generator=g)
+
+
 def value(v):
     if type(v).__name__ == "DTensor":
         v = v.full_tensor()
@@ -69,11 +78,7 @@ def reads(m, run):
 
 
 def main():
-    if not dist.is_initialized():       # (tests/dist_scripts/several.py: already up)
-        wb.distributed.init(timeout_s=120)
-    rank = dist.get_rank()
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 3, generator=g), torch.randn(8, 3, generator=g)
+    rank, x, y = start()
     ref = mlp()
     one = reads(ref, lambda: ((ref(x) - y) ** 2).mean().backward())
     # torch: its TP then FSDP2 over dp (torchtitan's order), each dp rank its half

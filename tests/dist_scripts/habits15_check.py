@@ -19,6 +19,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import workbench as wb  # noqa: E402
 from workbench.sim_mesh import backends  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from habits13_check import start  # noqa: E402  (the job, its rank and batch)
+
 PLAN = {"0": wb.ColwiseParallel(), "2": wb.RowwiseParallel()}
 
 
@@ -96,11 +99,7 @@ def loop(w, mesh, m):
 
 
 def main():
-    if not dist.is_initialized():       # (tests/dist_scripts/several.py: already up)
-        wb.distributed.init(timeout_s=120)
-    rank = dist.get_rank()
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 3, generator=g), torch.randn(8, 3, generator=g)
+    rank, x, y = start()
     ref = mlp()
     ((ref(x) - y) ** 2).mean().backward()
     one = reads(list(ref.parameters()))

@@ -12,7 +12,6 @@ Each process prints JSON rows:
   each process before the step (its reduced shard lives in the optimizer)."""
 import os
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import workbench as wb  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fixlist16_check import attempt, finish, mlp  # noqa: E402  (the same MLP, read, end)
+from fixlist16_check import attempt, finish, lone_read, mlp  # noqa: E402  (the same MLP, read, end)
 
 
 def build(mesh, overlap):
@@ -43,17 +42,11 @@ def backward(m, mesh, rank):
 def main():
     wb.distributed.init(timeout_s=5)
     rank = dist.get_rank()
-    store = dist.distributed_c10d._get_default_store()
     mesh = wb.distributed.mesh((2,), ["dp"])
     m, ps, opt = build(mesh, False)
     backward(m, mesh, rank)
     rows = []
-    if rank == 0:
-        out, s = attempt(lambda: ps[0].grad.norm())
-        rows.append({"case": "lone", "out": out, "s": s})
-        store.set("readsync/lone_done", "1")
-    else:
-        store.wait(["readsync/lone_done"], timedelta(seconds=120))
+    lone_read(rank, rows, "lone", lambda: ps[0].grad.norm())
     rows.append({"case": "both", "out": [attempt(lambda: p.grad.norm())[0] for p in ps]})
     opt.step()
     rows.append({"case": "after_step", "out": [attempt(lambda: p.sum())[0] for p in ps]})

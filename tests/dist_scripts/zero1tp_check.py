@@ -19,6 +19,7 @@ from workbench.sim_mesh import backends  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from habits15_check import PLAN, mlp  # noqa: E402  (the same 45-parameter MLP and plan)
+from habits13_check import start  # noqa: E402  (the job, its rank and batch)
 
 
 def num(v):
@@ -67,11 +68,7 @@ def run(overlap, x, y):
 
 
 def main():
-    if not dist.is_initialized():       # (tests/dist_scripts/several.py: already up)
-        wb.distributed.init(timeout_s=120)
-    rank = dist.get_rank()
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(8, 3, generator=g), torch.randn(8, 3, generator=g)
+    rank, x, y = start()
     ref = mlp()
     ((ref(x) - y) ** 2).mean().backward()
     one = {k: [num(f(p.grad)) for p in ref.parameters()] for k, f in READS.items()}
