@@ -153,16 +153,19 @@ class ShardParameter(nn.Parameter):
     held none until ``step``: ``unscale_`` unscaled nothing, ``opt.clip_grad_norm_`` after
     it returned the scaled norm (1024x at scale 2**10), silently, then ``scaler.step``
     raised torch's "No inf checks were recorded for this optimizer"; the fix asked of the
-    user was ``opt.reduce_grads_()`` before ``unscale_``.  On simulated ranks only: under
-    torch.distributed each process would inf-check its own chunk (a rank seeing an inf
-    skips ``step`` and its all-gather while the others wait), so there the gradients stay
-    unreduced until ``step`` and ``scaler.step`` raises torch's assertion as before."""
+    user was ``opt.reduce_grads_()`` before ``unscale_``.  Under torch.distributed each
+    process holds (and a scaler inf-checks) its own chunks only, as under FSDP: use torch's
+    ``ShardedGradScaler`` (``torch.distributed.fsdp.sharded_grad_scaler``), which
+    all-reduces the inf flags so that every process skips the same steps (a plain
+    ``GradScaler`` would let a process whose chunks are finite step alone, and wait in
+    the step's all-gather); before, the gradients stayed unreduced until ``step`` there
+    and ``scaler.step`` raised torch's "No inf checks" whichever scaler."""
 
     @property
     def grad(self):
         ref = self.__dict__.get("_wb_zero")
         opt = ref() if ref is not None else None
-        if opt is not None and not opt._busy and not opt.distributed and opt._unreduced():
+        if opt is not None and not opt._busy and opt._unreduced():
             opt.reduce_grads_()
         return torch.Tensor.grad.__get__(self)
 
