@@ -343,7 +343,11 @@ def finish_beside(t: float, work: float, rate: "float | None", busy) -> float:
     threads, four of NCCL's 512-thread CTAs: CUDA C++ Programming Guide, "Technical
     Specifications per Compute Capability") is not measured in any source found; the
     lowest rate is what the clock gave before the groups' figures, when every group had
-    the same one.  The planner prices each group beside the kernels on its own:
+    the same one.  Against it: NCCL builds every kernel ``__launch_bounds__(
+    NCCL_MAX_NTHREADS, 1)`` (NVIDIA/nccl ``src/device/*``, generate.py), which lets the
+    compiler give a thread up to 65,536 / 640 registers, so a second communicator's CTA
+    may not fit on an SM beside the first: then the SMs held add up and the rate is below
+    either (the built kernels' register counts were not read: a lead, not priced).  The planner prices each group beside the kernels on its own:
     ``plan.layer_cost`` a GEMM beside its tensor-parallel collective, ``plan.zero_cost``
     a block (those GEMMs already stretched) beside the data-parallel ones, so where both
     are in flight it takes the product of the two rates, this clock the lower (a
