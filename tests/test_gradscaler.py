@@ -184,7 +184,9 @@ def test_sharded_grad_scaler_under_torchrun_is_one_devices():
     every parameter after each step and the scale (2**10 -> 2**9) one device's
     GradScaler loop's, on both processes.  Before: the shards held no gradient when
     ``unscale_`` read them (the reduction waited for step), and ``scaler.step`` raised
-    torch's "No inf checks were recorded for this optimizer"."""
+    torch's "No inf checks were recorded for this optimizer".  A read of a shard's
+    gradient on rank 0 alone (its first read reduce-scatters): an error naming the fix
+    after init()'s timeout_s, and the job goes on."""
     from tests.torchrun_support import own_launch
     from .test_zero1tp import setup
     rows = own_launch("gradscaler_check.py")
@@ -201,3 +203,6 @@ def test_sharded_grad_scaler_under_torchrun_is_one_devices():
                 assert g["scale"] == scale
                 assert g["sums"] == pytest.approx(sums, rel=1e-5, abs=1e-6)
     assert want[-1][1] == SCALE / 2
+    lone = rows[(0, "lone")]            # rank 0 alone reads a shard's gradient: told, no hang
+    assert "the ZeroRedundancyOptimizer shards' .grad" in lone["out"]
+    assert "process(es) [1] did not make this read" in lone["out"] and 4.5 <= lone["s"] < 60

@@ -3,7 +3,8 @@
 (``scaler.scale(loss).backward(); scaler.unscale_(opt); scaler.step(opt);
 scaler.update()``) over three batches, the second with an inf (tests/test_gradscaler.py).
 Each process prints JSON rows ``zero{1,2}``: after each step every parameter's sum and
-the scale."""
+the scale; ``lone``: rank 0 alone reads a shard's ``.grad`` (its first read
+reduce-scatters), what it raised and after how many seconds (init timeout_s=5)."""
 import os
 import sys
 
@@ -14,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import workbench as wb  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fixlist16_check import finish  # noqa: E402  (the rows printed, the job ended)
-from readsync_check import build  # noqa: E402  (the MLP under ZeRO-1 / ZeRO-2, dp 2)
+from fixlist16_check import finish, lone_read  # noqa: E402  (rows printed, lone read)
+from readsync_check import backward, build  # noqa: E402  (the MLP under ZeRO-1 / 2)
 
 
 def batches():
@@ -26,7 +27,7 @@ def batches():
 
 
 def main():
-    wb.distributed.init(timeout_s=30)
+    wb.distributed.init(timeout_s=5)
     rank = torch.distributed.get_rank()
     mesh = wb.distributed.mesh((2,), ["dp"])
     rows = []
@@ -44,6 +45,10 @@ def main():
             with torch.no_grad():
                 steps.append({"sums": [float(p.sum()) for p in ps], "scale": sc.get_scale()})
         rows.append({"case": f"zero{stage}", "out": steps})
+    m, ps, opt = build(mesh, False)
+    backward(m, mesh, rank)
+    lone_read(rank, rows, "lone", lambda: opt.shards[0].grad.sum())
+    opt.step()                              # the job goes on
     finish(rank, rows)
 
 

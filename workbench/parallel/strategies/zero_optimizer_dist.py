@@ -166,6 +166,11 @@ class ShardParameter(nn.Parameter):
         ref = self.__dict__.get("_wb_zero")
         opt = ref() if ref is not None else None
         if opt is not None and not opt._busy and opt._unreduced():
+            if opt.distributed:     # a collective: every process of the group reads, or
+                from ...sim_mesh.agreed_reads import agree      # the reader is told
+                agree(list(_B.group(opt.group_mesh, opt.group_axis)[1]),
+                      "the ZeroRedundancyOptimizer shards' .grad (its first read "
+                      "reduce-scatters the gradients: scaler.unscale_(opt) on every process)")
             opt.reduce_grads_()
         return torch.Tensor.grad.__get__(self)
 
