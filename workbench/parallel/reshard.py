@@ -313,7 +313,7 @@ def _agree_unsummed(t, plan) -> None:
                     if i not in axes)]
     names = " x ".join(repr(t.mesh.dim_names[a]) for a in axes)
     agree(ranks, f"a gradient {tuple(t.shape)} before its wrapper sums it over {names} "
-                 "(p.grad before opt.step(), or inside no_sync())")
+                 "(p.grad before opt.step(), or inside no_sync())", "summed over")
 
 
 def _reduces(plan, t) -> bool:

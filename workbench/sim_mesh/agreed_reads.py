@@ -43,10 +43,11 @@ __all__ = ["agree"]
 _COUNT: dict = {}           # ranks of a group -> reads made over them (this process)
 
 
-def agree(ranks, what: str) -> None:
+def agree(ranks, what: str, how: str = "gathered from the shards of") -> None:
     """Before a user's read gathered over processes ``ranks`` (this one among them):
-    every one of them makes the same read (``what``: which tensor, named for the error),
-    or raise RuntimeError naming the fix (module docstring)."""
+    every one of them makes the same read (``what``: which tensor, named for the error;
+    ``how``: what the collective does with the processes' parts, for the error), or raise
+    RuntimeError naming the fix (module docstring)."""
     ranks = tuple(sorted(ranks))
     me = dist.get_rank()
     if len(ranks) < 2:
@@ -66,7 +67,7 @@ def agree(ranks, what: str) -> None:
         store.delete_key(f"{base}{n}/{me}")
         _COUNT[ranks] = n - 1
         raise RuntimeError(
-            f"a read of {what}: its value is gathered from the shards of processes "
+            f"a read of {what}: its value is {how} processes "
             f"{list(ranks)}, a collective each of them must join, and process(es) "
             f"{missing} did not make this read within init()'s timeout_s="
             f"{timeout.total_seconds():g} s.  A read made on some processes only (`if "
@@ -77,7 +78,7 @@ def agree(ranks, what: str) -> None:
         theirs = store.get(f"{base}{n}/{r}").decode()
         if theirs != what:
             raise RuntimeError(
-                f"a read of {what}: its value is gathered from the shards of processes "
+                f"a read of {what}: its value is {how} processes "
                 f"{list(ranks)}, and process {r} made another read at this point (of "
                 f"{theirs}); their gathers would pair up and each read a mix of two "
                 "tensors.  Make the same reads on every process, in the same order")

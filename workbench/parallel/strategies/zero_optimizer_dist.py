@@ -170,7 +170,8 @@ class ShardParameter(nn.Parameter):
                 from ...sim_mesh.agreed_reads import agree      # the reader is told
                 agree(list(_B.group(opt.group_mesh, opt.group_axis)[1]),
                       "the ZeroRedundancyOptimizer shards' .grad (its first read "
-                      "reduce-scatters the gradients: scaler.unscale_(opt) on every process)")
+                      "reduce-scatters the gradients: scaler.unscale_(opt) on every process)",
+                      "reduce-scattered over")
             opt.reduce_grads_()
         return torch.Tensor.grad.__get__(self)
 
