@@ -545,10 +545,10 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         shard's ``.grad`` (the same tensor): ``torch.amp.GradScaler.unscale_(opt)`` unscales
         and inf-checks the gradients of ``opt.param_groups`` (the shards), so ZeRO-2's
         (reduced in backward) and ZeRO-1's (reduced when ``unscale_`` reads them:
-        :class:`ShardParameter`) are unscaled in place before ``clip_grad_norm_`` and ``step`` read them.  Before (habits18) no
-        shard held one: ``unscale_`` unscaled nothing, ``opt.clip_grad_norm_`` returned the
-        scaled norm (1024x at scale 2**10) and ``scaler.step`` raised torch's "No inf
-        checks were recorded for this optimizer"."""
+        :class:`ShardParameter`) are unscaled in place before ``clip_grad_norm_`` and
+        ``step`` read them.  Before (habits18) no shard held one: ``unscale_`` unscaled
+        nothing, ``opt.clip_grad_norm_`` returned the scaled norm (1024x at scale 2**10) and
+        ``scaler.step`` raised torch's "No inf checks were recorded for this optimizer"."""
         gs = _fit(gs, self.shards[i]).contiguous()
         self._gshard[i] = gs
         if gs.dtype == self.shards[i].dtype:   # (else step() raises naming the conversion)
