@@ -24,9 +24,9 @@ from torch import nn
 import workbench as wb
 
 from .test_habits11 import close
-from .test_habits15 import assert_same_model, batches
-from .test_habits18 import full_weights, sgd_pair
-from .test_zero1tp import Zero, setup
+from .test_habits15 import batches
+from .test_habits18 import sgd_pair
+from .test_zero1tp import setup
 
 SCALE = 2.0 ** 10
 
