@@ -15,7 +15,8 @@ scale 2**10), silently, and ``scaler.step`` raised torch's "No inf checks were r
 this optimizer".  ZeRO-2 reduces in backward, but not sequence parallelism's partial norm
 gradients (summed at step): those were left scaled (the hybrid recipe's norm weights).
 Now a shard's ``.grad`` read reduces what is pending first
-(``zero_optimizer_dist.ShardParameter``): one reduce-scatter per step, as before.
+(``zero_optimizer_dist.ShardParameter``): one reduce-scatter per step, as before.  Under
+torchrun with torch's ShardedGradScaler: tests/test_readsync.py (one launch for both).
 """
 import pytest
 import torch
@@ -175,34 +176,3 @@ def test_the_optimizer_and_its_shards_still_save_and_copy():
     assert type(back).__name__ == type(opt.optimizer).__name__
     torch.testing.assert_close(back.param_groups[0]["params"][0].detach(),
                                opt.shards[0].detach())
-
-
-@pytest.mark.slow
-def test_sharded_grad_scaler_under_torchrun_is_one_devices():
-    """tests/dist_scripts/gradscaler_check.py (2 gloo processes, dp 2): torch's
-    ShardedGradScaler on ZeRO-1 and ZeRO-2, three AdamW steps, the second with an inf:
-    every parameter after each step and the scale (2**10 -> 2**9) one device's
-    GradScaler loop's, on both processes.  Before: the shards held no gradient when
-    ``unscale_`` read them (the reduction waited for step), and ``scaler.step`` raised
-    torch's "No inf checks were recorded for this optimizer".  A read of a shard's
-    gradient on rank 0 alone (its first read reduce-scatters): an error naming the fix
-    after init()'s timeout_s, and the job goes on."""
-    from tests.torchrun_support import own_launch
-    from .test_zero1tp import setup
-    rows = own_launch("gradscaler_check.py")
-    ref, _, ro = setup("zero1_dp")
-    sc = torch.amp.GradScaler("cpu", init_scale=SCALE)
-    want = []
-    for x, y in _data():
-        _ref_step(ref, ro, sc, x, y, 1e9)
-        want.append(([float(p.detach().sum()) for p in ref.parameters()], sc.get_scale()))
-    for rank in (0, 1):
-        for stage in (1, 2):
-            got = rows[(rank, f"zero{stage}")]["out"]
-            for g, (sums, scale) in zip(got, want):
-                assert g["scale"] == scale
-                assert g["sums"] == pytest.approx(sums, rel=1e-5, abs=1e-6)
-    assert want[-1][1] == SCALE / 2
-    lone = rows[(0, "lone")]            # rank 0 alone reads a shard's gradient: told, no hang
-    assert "the ZeroRedundancyOptimizer shards' .grad" in lone["out"]
-    assert "process(es) [1] did not make this read" in lone["out"] and 4.5 <= lone["s"] < 60

@@ -14,6 +14,9 @@ and the job goes on: the reads every process makes and the step are one device's
 And one program, one behaviour: ZeRO-2's ``p.grad`` raised ``GradInShard``'s refusal on
 simulated ranks (backward reduce-scattered it) but read the gradient under torchrun (gloo's
 calls block, so the gradient waits for step there); now it refuses on both.
+
+The same launch holds torch's ShardedGradScaler on ZeRO-1/2 under torchrun
+(tests/test_gradscaler.py: the simulated side).
 """
 import pytest
 import torch
@@ -35,10 +38,15 @@ def _one_device():
     return norms, [float(p.detach().sum()) for p in ref.parameters()]
 
 
-@pytest.mark.slow
-def test_a_gradient_read_on_rank_0_only_ends_in_an_error_and_the_job_goes_on():
+@pytest.fixture(scope="module")
+def rows():
+    """tests/dist_scripts/readsync_check.py's rows, one launch for this module's tests."""
     from tests.torchrun_support import own_launch
-    rows = own_launch("readsync_check.py")
+    return own_launch("readsync_check.py")
+
+
+@pytest.mark.slow
+def test_a_gradient_read_on_rank_0_only_ends_in_an_error_and_the_job_goes_on(rows):
     lone = rows[(0, "lone")]
     assert "a gradient (6, 3) before its wrapper sums it over 'dp'" in lone["out"]
     assert "process(es) [1] did not make this read within init()'s timeout_s=5 s" in lone["out"]
@@ -71,3 +79,33 @@ def test_simulated_zero2_refuses_the_read_as_torchrun_does_and_zero1_reads_exact
         else:
             for p, want in zip(ps, norms):
                 close(p.grad.norm().full(), torch.tensor(want))
+
+
+@pytest.mark.slow
+def test_sharded_grad_scaler_under_torchrun_is_one_devices(rows):
+    """tests/dist_scripts/readsync_check.py (its scaler rows; 2 gloo processes, dp 2): torch's
+    ShardedGradScaler on ZeRO-1 and ZeRO-2, three AdamW steps, the second with an inf:
+    every parameter after each step and the scale (2**10 -> 2**9) one device's
+    GradScaler loop's, on both processes.  Before: the shards held no gradient when
+    ``unscale_`` read them (the reduction waited for step), and ``scaler.step`` raised
+    torch's "No inf checks were recorded for this optimizer".  A read of a shard's
+    gradient on rank 0 alone (its first read reduce-scatters): an error naming the fix
+    after init()'s timeout_s, and the job goes on."""
+    from .test_gradscaler import SCALE, _data, _ref_step
+    from .test_zero1tp import setup
+    ref, _, ro = setup("zero1_dp")
+    sc = torch.amp.GradScaler("cpu", init_scale=SCALE)
+    want = []
+    for x, y in _data():
+        _ref_step(ref, ro, sc, x, y, 1e9)
+        want.append(([float(p.detach().sum()) for p in ref.parameters()], sc.get_scale()))
+    for rank in (0, 1):
+        for stage in (1, 2):
+            got = rows[(rank, f"scaler_zero{stage}")]["out"]
+            for g, (sums, scale) in zip(got, want):
+                assert g["scale"] == scale
+                assert g["sums"] == pytest.approx(sums, rel=1e-5, abs=1e-6)
+    assert want[-1][1] == SCALE / 2
+    lone = rows[(0, "scaler_lone")]     # rank 0 alone reads a shard's gradient: told, no hang
+    assert "the ZeroRedundancyOptimizer shards' .grad" in lone["out"]
+    assert "process(es) [1] did not make this read" in lone["out"] and 4.5 <= lone["s"] < 60

@@ -9,12 +9,19 @@ Each process prints JSON rows:
 * ``both``: then both read every ``p.grad.norm()`` (one device's gradient norms);
 * ``after_step``: both step, then every parameter's sum (one device's AdamW step);
 * ``zero2``: the same model under ZeRO-2 (``overlap_comm=True``): what ``p.grad`` is on
-  each process before the step (its reduced shard lives in the optimizer)."""
+  each process before the step (its reduced shard lives in the optimizer);
+* ``scaler_zero1`` / ``scaler_zero2``: torch's ShardedGradScaler on ZeRO-1 / ZeRO-2, a
+  user's AMP loop (``scaler.scale(loss).backward(); scaler.unscale_(opt);
+  scaler.step(opt); scaler.update()``) over three batches, the second with an inf: after
+  each step every parameter's sum and the scale (tests/test_readsync.py);
+* ``scaler_lone``: rank 0 alone reads a shard's ``.grad`` (its first read reduce-scatters):
+  what it raised and after how many seconds."""
 import os
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import workbench as wb  # noqa: E402
@@ -54,7 +61,38 @@ def main():
     backward(m2, mesh, rank)
     rows.append({"case": "zero2", "out": [attempt(lambda: p.grad.norm())[0] for p in ps2]})
     opt2.step()
+    rows += scaler_rows(rank, mesh)
     finish(rank, rows)
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    out = [(torch.randn(8, 3, generator=g), torch.randn(8, 3, generator=g)) for _ in range(3)]
+    out[1][0][3, 1] = float("inf")       # rank 0's half of the second batch
+    return out
+
+
+def scaler_rows(rank, mesh):
+    rows = []
+    for stage in (1, 2):
+        m, ps, opt = build(mesh, stage == 2)
+        sc = ShardedGradScaler("cpu", init_scale=2.0 ** 10)
+        steps = []
+        for x, y in batches():
+            opt.zero_grad()
+            out = m(wb.shard_tensor(x, mesh, [wb.Shard(0)]))
+            sc.scale(((out.full() - y) ** 2).mean()).backward()
+            sc.unscale_(opt)
+            sc.step(opt)
+            sc.update()
+            with torch.no_grad():
+                steps.append({"sums": [float(p.sum()) for p in ps], "scale": sc.get_scale()})
+        rows.append({"case": f"scaler_zero{stage}", "out": steps})
+    m, ps, opt = build(mesh, False)
+    backward(m, mesh, rank)
+    lone_read(rank, rows, "scaler_lone", lambda: opt.shards[0].grad.sum())
+    opt.step()                              # the job goes on
+    return rows
 
 
 if __name__ == "__main__":
