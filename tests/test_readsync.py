@@ -84,7 +84,8 @@ def test_simulated_zero2_refuses_the_read_as_torchrun_does_and_zero1_reads_exact
 @pytest.mark.slow
 def test_sharded_grad_scaler_under_torchrun_is_one_devices(rows):
     """tests/dist_scripts/readsync_check.py (its scaler rows; 2 gloo processes, dp 2): torch's
-    ShardedGradScaler on ZeRO-1 and ZeRO-2, three AdamW steps, the second with an inf:
+    ShardedGradScaler on ZeRO-1 and ZeRO-2 (and on ``wb.fully_shard``; torch's GradScaler on
+    ``wb.DistributedDataParallel``: guards), three AdamW steps, the second with an inf:
     every parameter after each step and the scale (2**10 -> 2**9) one device's
     GradScaler loop's, on both processes.  Before: the shards held no gradient when
     ``unscale_`` read them (the reduction waited for step), and ``scaler.step`` raised
@@ -100,8 +101,8 @@ def test_sharded_grad_scaler_under_torchrun_is_one_devices(rows):
         _ref_step(ref, ro, sc, x, y, 1e9)
         want.append(([float(p.detach().sum()) for p in ref.parameters()], sc.get_scale()))
     for rank in (0, 1):
-        for stage in (1, 2):
-            got = rows[(rank, f"scaler_zero{stage}")]["out"]
+        for stage in ("zero1", "zero2", "fully_shard", "ddp"):
+            got = rows[(rank, f"scaler_{stage}")]["out"]
             for g, (sums, scale) in zip(got, want):
                 assert g["scale"] == scale
                 assert g["sums"] == pytest.approx(sums, rel=1e-5, abs=1e-6)

@@ -15,7 +15,9 @@ Each process prints JSON rows:
   scaler.step(opt); scaler.update()``) over three batches, the second with an inf: after
   each step every parameter's sum and the scale (tests/test_readsync.py);
 * ``scaler_lone``: rank 0 alone reads a shard's ``.grad`` (its first read reduce-scatters):
-  what it raised and after how many seconds."""
+  what it raised and after how many seconds;
+* ``scaler_fully_shard`` / ``scaler_ddp``: the same AMP loop on ``wb.fully_shard``
+  (ShardedGradScaler) and ``wb.DistributedDataParallel`` (torch's GradScaler)."""
 import os
 import sys
 
@@ -92,6 +94,27 @@ def scaler_rows(rank, mesh):
     backward(m, mesh, rank)
     lone_read(rank, rows, "scaler_lone", lambda: opt.shards[0].grad.sum())
     opt.step()                              # the job goes on
+    # the same loop on wb.fully_shard (ShardedGradScaler, as FSDP2's users) and on
+    # wb.DistributedDataParallel (torch's plain GradScaler), each process its half batch
+    for kind in ("fully_shard", "ddp"):
+        m = mlp()
+        if kind == "fully_shard":
+            wb.fully_shard(m)
+            w, sc = m, ShardedGradScaler("cpu", init_scale=2.0 ** 10)
+        else:
+            w, sc = wb.DistributedDataParallel(m), torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        opt = torch.optim.AdamW(w.parameters(), lr=1e-2)
+        steps = []
+        for x, y in batches():
+            opt.zero_grad()
+            sc.scale(((w(x.chunk(2)[rank]) - y.chunk(2)[rank]) ** 2).mean()).backward()
+            sc.unscale_(opt)
+            sc.step(opt)
+            sc.update()
+            with torch.no_grad():
+                steps.append({"sums": [float(p.sum()) for p in w.parameters()],
+                              "scale": sc.get_scale()})
+        rows.append({"case": f"scaler_{kind}", "out": steps})
     return rows
 
 
