@@ -56,16 +56,24 @@ def test_cp2_tp2_past_the_tiny_preset_gives_one_devices_losses(preset):
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_cp_recipe_pins_the_residual_streams_tp_layout(sp):
-    """The vocab-parallel embedding's output (Partial on tp) is reduced once after the
-    ring layout, as Hybrid._layout does: Replicate on tp (sp: the cp chunk sharded on
-    tp), not left Partial for the op table to reduce before each use."""
-    from workbench.parallel.strategies.context_parallel import slot_positions
+    """The vocab-parallel embedding's output (Partial on tp; on cp the ids' ring layout,
+    Shard(1)) is reduced once, as Hybrid._layout does: Replicate on tp (sp: the cp chunk
+    sharded on tp), not left Partial for the op table to reduce before each use.  The
+    sequence keeps its order (the ids came in ring order); whole on cp, it is sliced."""
     s = ContextParallel(cp=2, tp=2, sp=sp)
     mesh = s.meshes[0]
-    parts = torch.randn(1, 2, 2, 8, 4, generator=torch.Generator().manual_seed(2))
-    x = wb.DistTensor(parts.expand(2, 2, 2, 8, 4), mesh, [Replicate(), Partial()],
-                      torch.Size((2, 8, 4)), parts.dtype)
-    y = s._layout(x)
-    assert y.placements == (Shard(1), Shard(1) if sp else Replicate())
-    want = parts[0].sum(0)[:, slot_positions(8, 2)]
-    torch.testing.assert_close(y.full(), want)
+    parts = torch.randn(2, 2, 8, 4, generator=torch.Generator().manual_seed(2))  # tp, B, S, h
+    local = torch.stack([torch.stack([parts[t][:, 4 * c:4 * c + 4] for t in range(2)])
+                         for c in range(2)])                        # (cp, tp, B, S / 2, h)
+    want_p = (Shard(1), Shard(1) if sp else Replicate())
+    for x in (wb.DistTensor(local, mesh, [Shard(1), Partial()], torch.Size((2, 8, 4)),
+                            parts.dtype),
+              wb.DistTensor(parts.unsqueeze(0).expand(2, 2, 2, 8, 4), mesh,
+                            [Replicate(), Partial()], torch.Size((2, 8, 4)), parts.dtype)):
+        with wb.trace("a100") as tr:
+            y = s._layout(x)
+        assert y.placements == want_p
+        torch.testing.assert_close(y.full(), parts.sum(0))
+        comm = [e for e in tr.events if e.stream != "compute"]
+        assert [e.name for e in comm] == ["reduce_scatter" if sp else "all_reduce"] * 2
+        assert all(len(e.ranks) == 2 and e.ranks[1] - e.ranks[0] == 1 for e in comm)  # tp

@@ -148,5 +148,7 @@ def test_cp_activation_count_keeps_one_ranks_tokens_of_the_residual(monkeypatch)
     hidden = [b for b, shape, dtype, _ in items
               if dtype == torch.float32 and shape and shape[-1] == TINY.d_model]
     assert len(hidden) >= 6 and set(hidden) == {2 * 8 * 32 * 4}, hidden
+    # the ring-ordered ids the embedding keeps (each cp rank embeds its own tokens) and the
+    # ring-ordered targets, each one rank's 2 x 8 int64
     targets = [b for b, shape, dtype, op in items if dtype == torch.int64 and op == "index_select"]
-    assert targets == [2 * 8 * 8], targets
+    assert targets == [2 * 8 * 8] * 2, targets

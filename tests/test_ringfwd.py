@@ -9,8 +9,13 @@ of merge ops, ~2 us exposed per layer forward.  The estimate set each hop beside
 block only and the merge after it: 14.0 us exposed per layer forward.  Measured, dry run /
 estimate of the step, before -> after: GPT dp 2 cp 4 ZeRO-0 full recompute 0.978 -> 0.990,
 without recompute 0.983 -> 0.990; Llama 0.982 -> 0.988; GPT ZeRO-2 full 0.953 -> 0.965; GPT
-ZeRO-3 full 0.946 -> 0.950.  Left: GPT with tp 2 and cp (ZeRO-0) reads 1.057-1.066 (the
-dry run slower; 1.025 with tp 2 alone), 1.047-1.060 before this change: another term."""
+ZeRO-3 full 0.946 -> 0.950.  Left then: GPT with tp 2 and cp (ZeRO-0) read 1.057-1.066 (the
+dry run slower), 1.047-1.060 before this change: another term, found in the runtime (the
+recipe embedded every token on each cp rank and split the embedded sequence, gathering its
+gradient over cp in backward; now it lays the ids out on the ring first, as Megatron-LM)
+and in the backward's order (each step's accumulation beside the next K/V send, issued
+only then: ``ring_times`` for framework="workbench").  After both: GPT dp 2 cp 4 full
+0.985, Llama 0.989; GPT tp 2 cp 2 0.997, with sp 1.000; GPT ZeRO-3 dp 2 cp 4 full 0.960."""
 import pytest
 
 from workbench.models.config import get_config

@@ -9,8 +9,9 @@ source): step ratios dry run / estimate across small GPT / Llama layouts.
   whole loss beside the prefetch (``estimate._loss_queues``).
 - the input gradient's blocking all-gather over cp before the embedding's backward
   (16-23 us per micro-batch on the trace) was priced only where ZeRO's program on the cp
-  group runs it (dp = 1, ZeRO-2/3): now at dp >= 2 and ZeRO-0/1 too
-  (``ep_cp.input_grad_gather``).
+  group runs it (dp = 1, ZeRO-2/3), then at dp >= 2 and ZeRO-0/1 too; since, the recipe
+  embeds each cp rank's own tokens (ids laid out on the ring first, as Megatron-LM), so
+  the gather is gone from the runtime and from the estimate.
 - Ulysses' four index_select reorders around the attention kernel (balanced layout)
   were unpriced in every a2a layout (``ep_cp._a2a_reorder``).
 - dp = 1 ZeRO-2/3 + cp with recompute was refused: the recomputed attention's exchange
@@ -19,6 +20,7 @@ source): step ratios dry run / estimate across small GPT / Llama layouts.
   tests/test_zerocp3.py's 12 layouts each), ZeRO-3 "full" and "op" refused (lifted
   since: tests/test_zerocp5.py)."""
 import pytest
+import torch
 
 from workbench.models.config import get_config
 from workbench.plan import Cluster, Layout, dry_run, estimate
@@ -45,20 +47,35 @@ def test_tied_head_loss_waits_behind_the_prefetch_with_dp_alone(dp):
 
 @pytest.mark.parametrize("kw", [dict(dp=2, cp=2, zero=0), dict(dp=1, cp=2, zero=1)],
                          ids=["dp2-cp2-zero0", "dp1-cp2-zero1"])
-def test_input_gradient_gather_over_cp_is_priced(kw):
-    """Was: Llama dp 2 cp 2 ZeRO-0 1.0120, dp 1 cp 2 ZeRO-1 1.0153; now 1.0062, 1.0067."""
+def test_each_cp_rank_embeds_its_own_tokens(kw):
+    """The recipe lays the token ids out on the ring before the embedding (Megatron-LM's
+    ``get_batch_on_this_cp_rank``), so the input gradient's all-gather over cp that the
+    recipe ran when it split the embedded sequence (16-23 us per micro-batch, which
+    ``ep_cp.input_grad_gather`` priced) is gone from the runtime and from the estimate."""
     assert _ratio(LLAMA, **kw) == pytest.approx(1.0, abs=0.01)
 
 
-def test_input_gradient_gather_is_the_recipes_alone():
-    from workbench.plan import ep_cp
-    from workbench.sim_mesh.cost import wire_bytes
-    prof = Cluster("a100", 4).profile
-    lay = Layout(dp=2, cp=2, framework="workbench", global_batch=4)
-    t, sent = ep_cp.input_grad_gather(LLAMA, lay, prof)
-    assert t > 0 and sent == wire_bytes("all_gather", 1024 * 1024 * 2, 2)
-    for other in (lay.replace(cp=1, dp=4), lay.replace(framework="megatron")):
-        assert ep_cp.input_grad_gather(LLAMA, other, prof) == (0.0, 0.0)
+@pytest.mark.parametrize("cfg", [LLAMA, GPT], ids=["llama", "gpt"])
+def test_no_collective_over_cp_but_the_rings_and_the_loss(cfg):
+    from workbench.plan import dryrun as D
+    from workbench.plan import dryrun_ep_cp as E
+    from workbench.plan.meta_run import run_stage
+    lay = Layout(framework="workbench", global_batch=2, dp=1, cp=2)
+    prof = Cluster("a100", lay.world).profile
+    h = E.recipe(lay)
+    h.device, h.profile = torch.device("meta"), prof
+    h.check(cfg, lay.global_batch)
+    mdl = h.build_model(cfg, 0)
+    h.build_optimizer(mdl, lr=1e-4, weight_decay=0.0)
+    with D._trace(prof) as tr:
+        run_stage(h, mdl, 0, cfg, lay.micro_batch, tr, h._stage_params(mdl, 0))
+    comm = [e for e in tr.events if e.stream != "compute"]
+    assert comm and {e.name for e in comm} <= {"send_recv", "all_reduce"}, \
+        sorted({(e.name, e.label) for e in comm})
+    # the all-reduces: the cross-entropy's global count of targets (none for gradients:
+    # a replica's gradient is summed by the data-parallel step, not in backward)
+    assert {e.label for e in comm if e.name == "all_reduce"} == \
+        {"cross_entropy: global count of targets"}
 
 
 @pytest.mark.parametrize("kw", [dict(dp=2, cp=2, zero=0), dict(dp=1, cp=2, zero=1),

@@ -218,13 +218,17 @@ class GPT(Splittable, nn.Module):
     FIRST_MODULES = ("tok_emb", "pos_emb")
     NORM_CLASSES = (nn.LayerNorm,)
 
-    def stage_forward(self, stage: dict, x, first: bool, last: bool, layout=None):
+    def stage_forward(self, stage: dict, x, first: bool, last: bool, layout=None,
+                      positions=None):
         """Run one stage of :meth:`pipeline_stages`: ids (B, S) -> residual stream (B, S,
         h) on the first, (B, S, h) -> logits (B, S, V) on the last.  ``layout`` places
-        the residual stream right after the embeddings."""
+        the residual stream right after the embeddings; ``positions`` (S,): the position
+        of each of the ids' columns (default ``arange(S)``; context parallelism gives its
+        ring order, the ids laid out so before the embedding)."""
         if first:
             S = x.shape[1]
-            pos = torch.arange(S, device=self.pos_emb.weight.device)
+            pos = torch.arange(S, device=self.pos_emb.weight.device) \
+                if positions is None else positions
             x = self.tok_emb(x) + self.pos_emb(pos)                         # (B, S, h)
             if layout is not None:
                 x = layout(x)

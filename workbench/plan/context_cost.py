@@ -214,6 +214,21 @@ def ring_times(cfg, lay, prof) -> RingTimes:
         run, out = _cost.overlap(fwd + merge, hop, prof, ranks=ranks)
         forward = (run0 - fwd) + out0 + (k - 1) * (run + out) + fwd + merge + c0
         f_exposed = out0 + (k - 1) * out
+        # backward (``context_parallel_backward`` as the clock runs it; the dry run's
+        # trace, Llama dp 2 cp 4: per step the kernel beside the previous step's dK/dV,
+        # then the wait for it, then the accumulation beside the next K/V block's send,
+        # issued only then; step 0's kernel (the layer's flash_attention_grad, the same
+        # pairs as a half block, priced as one here) beside the first K/V send and its
+        # accumulation alone; the last step's accumulation alone, then its own dK/dV
+        # awaited).  Was the Megatron order (each kernel beside both transfers, the
+        # accumulation after): 15.0 us of hops exposed per layer backward where the trace
+        # shows ~7 (dry run / estimate 0.975 at dp 2 cp 4)
+        r0, o0 = _cost.overlap(bwd, hop, prof, ranks=ranks)
+        rg, og = _cost.overlap(bwd, hop_g, prof, ranks=ranks)
+        ra, oa = _cost.overlap(acc, hop, prof, ranks=ranks)
+        backward = (r0 - bwd) + o0 + acc + (k - 1) * (rg + og + ra + oa) + rg + og + acc \
+            + hop_g
+        b_exposed = o0 + (k - 1) * (og + oa) + og + hop_g
     return RingTimes(k, hf, hb, hop, forward, backward,
                      f_exposed, b_exposed,
                      k * wire_bytes("send_recv", n, 2),

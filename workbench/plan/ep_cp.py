@@ -204,21 +204,6 @@ def shares_zero_stream(lay) -> bool:
     return lay.cp > 1 and lay.dp == 1 and lay.zero >= 2
 
 
-def input_grad_gather(model, lay, prof) -> tuple:
-    """(seconds, bytes sent) per micro-batch of the input gradient's all-gather over cp in
-    this library's recipe: it splits the embedded sequence over cp (``recipes/
-    context_parallel.py``, ``to_ring_layout`` after a Replicate on cp), whose backward is
-    a blocking all-gather of the whole b s h activation on the cp group before the
-    embedding's backward (measured on the dry run's trace: 16.3 us at cp 2, 23.0 at cp 4,
-    alike with tp and sp, and at dp >= 2); (0, 0) at cp = 1 or another framework
-    (Megatron-LM and torchtitan slice the batch over cp before the embedding)."""
-    if lay.cp == 1 or lay.engine != "workbench":
-        return 0.0, 0.0
-    n = lay.micro_batch * model.seq_len * model.d_model * _cost_itemsize(model)
-    return (C.group_price("all_gather", n, X.ring_ranks(lay), prof),
-            wire_bytes("all_gather", n, lay.cp))
-
-
 def ring_program(model, lay, prof, attention, fp8=False):
     """The attention's cp exchange of one layer and micro-batch as the runtime orders it
     on the stream it shares with ZeRO (``shares_zero_stream``), for
@@ -255,9 +240,6 @@ def ring_program(model, lay, prof, attention, fp8=False):
 
     cp = lay.cp
     fa, fg = row("flash_attention", "forward"), row("flash_attention_grad", "backward")
-    # the input's gradient gathered over cp (``input_grad_gather``): here it queues
-    # behind ZeRO's reduce-scatters on the stream they share
-    grad_in = input_grad_gather(model, lay, prof)[0]
     if lay.cp_comm == "a2a":
         ranks = X.ring_ranks(lay)
         q, k, v, o = (C.group_price("all_to_all", n, ranks, prof)
@@ -266,7 +248,7 @@ def ring_program(model, lay, prof, attention, fp8=False):
         bwd = (("sync", o), ("compute", fg), ("sync", q), ("sync", k), ("sync", v))
         # recompute "op": the kernel's output saved, its four all-to-alls again
         saved = (("sync", q), ("sync", k), ("sync", v), ("sync", o))
-        return _recomputed(rows, dict(fwd=fwd, bwd=bwd, input_grad=grad_in, fwd_compute=fa,
+        return _recomputed(rows, dict(fwd=fwd, bwd=bwd, fwd_compute=fa,
                     fwd_comm=row("cp_a2a_qkv_o", "forward"), bwd_compute=fg,
                     bwd_comm=row("cp_a2a_qkv_o_grad", "backward")),
                     ("flash_attention",), ("cp_a2a_qkv_o",), saved)
@@ -294,7 +276,7 @@ def ring_program(model, lay, prof, attention, fp8=False):
             bwd.append(("wait", ("dkv", t - 1)))
         bwd += [("compute", acc), ("async", ("dkv", t), rt.hop_grad)]
     bwd.append(("wait", ("dkv", cp - 1)))
-    return _recomputed(rows, dict(fwd=tuple(fwd), bwd=tuple(bwd), input_grad=grad_in,
+    return _recomputed(rows, dict(fwd=tuple(fwd), bwd=tuple(bwd),
                 fwd_compute=fa + row("cp_ring_attention", "forward"),
                 fwd_comm=row("cp_ring_kv_exposed", "forward"),
                 bwd_compute=fg + row("cp_ring_attention_grad", "backward"),

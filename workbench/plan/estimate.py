@@ -533,12 +533,6 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         if s == 0:
             comm, sent, fwd = comm + emb_t, sent + emb_sent, fwd + emb_t
             comp, fwd = comp + sum(edge["first"]), fwd + edge["first"][0]
-            # the input gradient's blocking all-gather over cp before the embedding's
-            # backward (this library's recipe, ep_cp.input_grad_gather), where ZeRO's
-            # program on the cp group's stream does not run it (zero_cost.recipe_blocks)
-            if not (EC.shares_zero_stream(lay) and overlap):
-                g_t, g_sent = EC.input_grad_gather(cfg, lay, prof)
-                comm, sent = comm + g_t, sent + g_sent
         if s == pp - 1:
             comp, comm = comp + head.fwd_compute + head.bwd_compute, comm + head.fwd_comm \
                 + head.bwd_comm

@@ -447,11 +447,6 @@ def recipe_blocks(cfg, lay, stage: int, layer, head, edge, remat: float = 0.0,
                       remat * sum(p) / rtot if j < rerun else 0.0,
                       fw * sum(p) / tot, bw * sum(p) / tot, **prog.get(j, {}))
                 for j, p in enumerate(mods)]
-        if ring is not None and k == 0 and stage == 0 and ring.get("input_grad"):
-            # the input's gradient gathered over cp before the embedding's backward
-            # (ep_cp.ring_program): after the first module's backward, on ZeRO's stream
-            first = len(out) - len(mods)
-            out[first] = replace(out[first], after_bwd=(("sync", ring["input_grad"]),))
     if stage == pp - 1:
         norm = (h,) if llama else (h, h)
         fwd, bwd = head.fwd_compute + edge["last"][0], head.bwd_compute + edge["last"][1]

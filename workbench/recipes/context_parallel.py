@@ -7,9 +7,10 @@
 
 What changes against :class:`~workbench.recipes.hybrid.Hybrid` (pp = 1):
 
-* the residual stream right after the embeddings is laid out on the ring
+* the token ids are laid out on the ring before the embedding
   (:func:`~workbench.parallel.strategies.context_parallel.to_ring_layout`): rank i of cp
-  holds chunks i and 2cp-1-i of every sequence (causal load balancing), so every op but
+  holds chunks i and 2cp-1-i of every sequence (causal load balancing) and embeds those
+  tokens only, as Megatron-LM slices each cp rank's batch up front, so every op but
   attention runs on cp-sharded tokens unchanged;
 * attention runs as ring attention (``context_parallel(mesh, "cp")`` while forward runs),
   or with ``cp_comm="a2a"`` as DeepSpeed-Ulysses' all-to-all attention (Megatron-LM's
@@ -20,9 +21,9 @@ What changes against :class:`~workbench.recipes.hybrid.Hybrid` (pp = 1):
   as well (Megatron-LM runs SP inside each cp rank): the rules put Megatron SP's
   all-gathers and reduce-scatters on tp around the linears, the ring stays on cp, and
   the norms' partial gradients are summed over tp once per step;
-* positions follow the chunks: the GPT adds its learned position embeddings before the
-  layout (so each token keeps its own), the Llama's RoPE tables are put in ring order
-  for the step (as PyTorch's ``context_parallel(..., buffers=[freqs_cis])`` shards them);
+* positions follow the chunks: the GPT looks its learned position embeddings up at the
+  ring order's positions, sharded as the ids (so each token keeps its own), the Llama's
+  RoPE tables are put in ring order for the step (as PyTorch's ``context_parallel(..., buffers=[freqs_cis])`` shards them);
 * the targets are put in the same ring order and sharded the same way, so the
   cross-entropy over the cp-sharded logits is the global mean over every token, exactly;
 * gradients: the parameters are data-parallel replicas over dp x cp (one copy per
@@ -232,31 +233,45 @@ class ContextParallel(Hybrid):
         return shard_tensor(t, mesh, self._placements(dp=Shard(0)))
 
     def _layout(self, x):
-        """The residual stream after the embeddings: in ring order, sharded over cp (and
-        each cp rank's tokens over tp with sequence parallelism, as Megatron-LM shards the
-        cp chunk over the tp ranks), else replicated on tp as Hybrid._layout pins it: the
+        """The residual stream after the embeddings, which ran on each cp rank's own
+        tokens in ring order (:meth:`_stage`): sharded over cp, each cp rank's tokens
+        over tp too with sequence parallelism (as Megatron-LM shards the cp chunk over
+        the tp ranks), else replicated on tp as Hybrid._layout pins it: the
         vocab-parallel embedding's output is a Partial on tp, and left so the op table
         would reduce it per use (a reduce-scatter before each norm, more collectives than
-        the one all-reduce here)."""
-        cp = x.mesh.dim("cp")
-        if not x.placements[cp].is_replicate():
-            # the ring layout starts from the whole sequence on cp; the op table may have
-            # sharded the GPT's embedding sum (token + position) there, by cost
-            ps = list(x.placements)
-            ps[cp] = Replicate()
-            x = reshard(x, x.mesh, ps)
-        x = to_ring_layout(x, "cp", 1, self.balanced)
-        if self.tp > 1:
-            x = reshard(x, x.mesh, self._placements(dp=Shard(0), cp=Shard(1),
-                                                    tp=Shard(1) if self.sp else Replicate()))
-        return x
+        the one all-reduce here).  The sequence stays in the order it came in (the ids'
+        ring order): were the op table to have left it whole on cp, the pin slices it
+        locally, no traffic."""
+        want = self._placements(dp=Shard(0), cp=Shard(1),
+                                tp=Shard(1) if self.sp else Replicate())
+        return x if tuple(x.placements) == tuple(want) else reshard(x, x.mesh, want)
 
     def _stage(self, model, s, x):
-        """The model's stage with attention on the ring and positions in ring order."""
+        """The model's stage with attention on the ring and positions in ring order.
+
+        The token ids are put in ring order and sharded over cp BEFORE the embedding, so
+        each cp rank looks up (and in backward accumulates) its own tokens only, as
+        Megatron-LM slices the batch per cp rank up front (``get_batch_on_this_cp_rank``,
+        megatron/training/utils.py: tokens, labels and position ids alike) and torchtitan
+        shards the inputs over cp (``context_parallel(..., buffers=[inputs, labels,
+        freqs_cis])``): no traffic, where laying out the embeddings' output (B, S, h)
+        after a lookup of every token costs cp times the lookup and an all-gather of its
+        gradient over cp in backward.  The GPT's learned positions come in the same ring
+        order (sharded alike), the Llama's RoPE tables are reordered
+        (:meth:`_ring_positions`)."""
         with context_parallel(self.meshes[0], "cp", balanced=self.balanced,
                               cp_comm=self.cp_comm), \
                 self._ring_positions(model, x.shape[1]):
-            return super()._stage(model, s, x)
+            if s != 0:
+                return super()._stage(model, s, x)
+            mesh, S = self.meshes[0], x.shape[1]
+            ids = to_ring_layout(x, "cp", 1, self.balanced)
+            if not hasattr(model, "pos_emb"):          # the Llama: RoPE, no position table
+                return super()._stage(model, s, ids)
+            perm = slot_positions(S, self.cp, self.balanced).to(x.device)
+            pos = shard_tensor(perm, mesh, self._placements(cp=Shard(0)))
+            return model.stage_forward(self.stages[s], ids, True, len(self.stages) == 1,
+                                       self._layout, positions=pos)
 
     def _loss(self, logits, targets):
         """The mean cross-entropy of every token where it lies: the targets laid out on
@@ -271,7 +286,7 @@ class ContextParallel(Hybrid):
     @contextlib.contextmanager
     def _ring_positions(self, model, S: int):
         """The Llama's RoPE tables in ring order for the step (the GPT's learned positions
-        are added before the layout and need nothing)."""
+        are looked up in ring order by :meth:`_stage`)."""
         if not hasattr(model, "rope_cos"):
             yield
             return
