@@ -2,6 +2,8 @@
 mistake named wrongly or not at all, a right number of another type refused, a call
 without the trace shown as a TypeError through the checker.  Each test failed before
 its fix."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -92,7 +94,11 @@ def test_idle_share_rounded_is_not_called_an_overlap_and_units_mixed_are_named()
     tr = _step_trace()
     busy = tr.busy(0, "compute")
     idle = 1 - busy / tr.time()
-    msg = _message(C.check_idle_share, round(idle, 2), tr)
+    # a near miss a hundredth off, as 0.13 was for 0.1276 (the step's share is now 0.1401,
+    # since dropout at p = 0 runs no kernel: its two-digit rounding, 0.14, is accepted)
+    near = round(idle, 2) - 0.01
+    assert not math.isclose(near, idle, rel_tol=1e-3)
+    msg = _message(C.check_idle_share, near, tr)
     assert "overlapping" not in msg and "BETWEEN" not in msg
     msg = _message(C.check_idle_share, (tr.time() - busy) * 1e6 / tr.time(), tr)
     assert "microseconds" in msg and "device count" not in msg

@@ -315,7 +315,7 @@ def test_calibrated_layer_times_are_used_when_present(monkeypatch):
             "exposed": 0.1e-3, "bytes": n})
 
     def fake(h, a, s, b, tp, sp=False, recompute="none", ffn=None, dtype="bfloat16",
-             profile="a100", tp_ranks=None):
+             profile="a100", tp_ranks=None, dropout=None):
         seen.update(h=h, a=a, s=s, b=b, tp=tp, sp=sp, recompute=recompute, ffn=ffn,
                     tp_ranks=tp_ranks)
         return LT(7.7e-3, 11.9e-3, 19.6e-3, ops)

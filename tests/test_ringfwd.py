@@ -15,7 +15,12 @@ recipe embedded every token on each cp rank and split the embedded sequence, gat
 gradient over cp in backward; now it lays the ids out on the ring first, as Megatron-LM)
 and in the backward's order (each step's accumulation beside the next K/V send, issued
 only then: ``ring_times`` for framework="workbench").  After both: GPT dp 2 cp 4 full
-0.985, Llama 0.989; GPT tp 2 cp 2 0.997, with sp 1.000; GPT ZeRO-3 dp 2 cp 4 full 0.960."""
+0.985, Llama 0.989; GPT tp 2 cp 2 0.997, with sp 1.000; GPT ZeRO-3 dp 2 cp 4 full 0.960.
+Then two terms that had cancelled: the runtime priced dropout at p = 0 as a kernel (ATen
+returns the input: no kernel, ``ops_table/dropout.py``), and the estimate priced the cp
+layer's weight gradients into an fp32 main_grad where the recipe writes 16-bit ones
+(``ep_cp._layer``).  After: GPT dp 2 cp 4 full 0.999, Llama 1.006; GPT tp 2 cp 2 0.990,
+with sp 0.995; GPT ZeRO-2 dp 2 cp 4 full 0.988, ZeRO-3 0.972."""
 import pytest
 
 from workbench.models.config import get_config

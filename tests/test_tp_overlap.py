@@ -124,7 +124,7 @@ def test_layer_cost_reports_exposed_communication():
                                 n_head=16, d_model=1024, dtype="bfloat16")
     prof = get_profile("h100")
     lc = layer_cost(cfg, 1, 8, True, "none", prof, "flash", False, True)
-    ops = layer_ops(**_LAYER, ffn=cfg.d_ff, tp_comm_overlap=True)
+    ops = layer_ops(**_LAYER, ffn=cfg.d_ff, tp_comm_overlap=True, dropout=cfg.dropout > 0)
     comm = lambda fwd: sum(o.exposed for o in ops if o.op_class in cost.KINDS
                            and (o.phase == "forward") == fwd)
     assert lc.fwd_comm == pytest.approx(comm(True)) and lc.bwd_comm == pytest.approx(comm(False))

@@ -129,9 +129,8 @@ def layer_cost(cfg, b: int, tp: int, sp: bool, recompute: str, profile,
     if fp8:
         extra["fp8"] = True
     if cfg.arch == "llama":
-        extra.update(kv_heads=cfg.n_kv_head, dropout=cfg.dropout > 0)
-    elif early_stop and cfg.dropout > 0:       # a GPT layer's early stop reads it
-        extra["dropout"] = True
+        extra["kv_heads"] = cfg.n_kv_head
+    extra["dropout"] = cfg.dropout > 0          # a GPT layer at p = 0: no dropout kernels
     if tp_comm_overlap:
         extra["tp_comm_overlap"] = True
     if not async_allreduce:

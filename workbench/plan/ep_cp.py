@@ -369,6 +369,13 @@ def _layer(model, lay, prof, attention, fp8, regather=True):
     # estimate 0.938, tests/test_zerocp5.py)
     if lay.engine == "workbench" and not moe:
         extra["early_stop"] = True
+    if lay.engine == "workbench":
+        # the recipe's weight gradients written in 16 bits (param.grad), not accumulated
+        # into Megatron-LM's fp32 main_grad; the GPT's wq, wk, wv apart (as
+        # ``estimate.layer_for`` prices them without cp or ep).  Was left out here: each
+        # wgrad read and wrote an fp32 main_grad (w1's at cp 4, 256 tokens a rank: 14.9 us
+        # where the dry run's trace shows 6.7; Llama dp 2 cp 4: dry run / estimate 0.979)
+        extra.update(main_grad=False, split_qkv=not llama)
     ops = layer_ops(model.d_model, model.n_head, tcfg.seq_len, lay.micro_batch, lay.tp,
                     lay.sp, lay.recompute, model.d_ff, model.dtype, prof,
                     list(range(lay.tp)), attention, fp8, regather=regather, **extra)

@@ -205,7 +205,8 @@ def _attention(b, ah, s, d, t, T, h, e, attention, te=False):
     return [fa, ("context_permute", "data_movement", 0, 2 * e * T * h // t, 1)]
 
 
-def _forward(h, a, s, b, t, sp, f, e, attention="materialized", split_qkv=False, te=False):
+def _forward(h, a, s, b, t, sp, f, e, attention="materialized", split_qkv=False, te=False,
+             dropout=True):
     """Forward kernels and collectives, as (name, class, flops, bytes, launches[,
     kernel][, gemm]) with ``kernel`` naming a kernel whose bandwidth a profile measured
     and ``gemm`` a matmul's output (batch, rows, columns) for tile and wave
@@ -216,7 +217,9 @@ def _forward(h, a, s, b, t, sp, f, e, attention="materialized", split_qkv=False,
     where the profile measured GEMMs by shape (the H100: 3.1x the fused GEMM's time at
     h = 1024, s b = 1024).  ``te``: the layer as Megatron-LM runs it with Transformer
     Engine (``TE_SOURCES``): the QKV bias in its GEMM's epilogue, the attention core as
-    :func:`_attention` says, the context copied to contiguous only where b > 1."""
+    :func:`_attention` says, the context copied to contiguous only where b > 1.
+    ``dropout=False`` (p = 0): the residual branches' bias-dropout-add writes no mask,
+    ATen's ``dropout`` returning its input at p = 0 (``Dropout.cpp``)."""
     T, Tn = s * b, (s * b // t if sp else s * b)   # tokens; tokens of norm/dropout ops
     ah, d, hq = a // t, h // a, 3 * h // t         # heads, head dim, QKV width per rank
 
@@ -229,7 +232,7 @@ def _forward(h, a, s, b, t, sp, f, e, attention="materialized", split_qkv=False,
         return n, "norm", 8 * Tn * h, 2 * e * Tn * h, 1, "layer_norm_forward"
 
     def bda(n):                # read x, bias, residual; write y and a one-byte mask
-        return n, "elementwise", 4 * Tn * h, 3 * e * Tn * h + e * h + Tn * h, 1
+        return n, "elementwise", 4 * Tn * h, 3 * e * Tn * h + e * h + Tn * h * dropout, 1
 
     comm_in = ("all_gather", T * h * e) if sp else None
     comm_out = ("reduce_scatter" if sp else "all_reduce", T * h * e)
@@ -276,7 +279,7 @@ def _core(b, ah, s, d, t, T, h, e):
 
 def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
               async_allreduce=True, main_grad=True, split_qkv=False, regather=True,
-              te=False):
+              te=False, dropout=True):
     """Backward kernels and collectives in execution order; a collective tuple's
     sixth field names the GEMM it overlaps ("" = on the critical path: the input
     gradient's all-reduce without ``async_allreduce``, module docstring).
@@ -301,9 +304,10 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
     def wgrad(n, M, K, N):     # dw[K, N] = x^T dy, accumulated into fp32 main_grad (read + write)
         return n, "matmul", 2 * M * K * N, e * (M * N + M * K) + g * K * N, 1, (1, K, N)
 
-    def bda(n):                # dropout backward (grad, mask), then the bias gradient
-        return [(n + "_grad", "elementwise", 2 * Tn * h, 2 * e * Tn * h + Tn * h, 1),
-                (n + "_bias_grad", "reduction", Tn * h, e * Tn * h, 1)]
+    def bda(n):                # dropout backward (grad, mask), then the bias gradient;
+        # at p = 0 (``dropout=False``) the gradient passes through the identity: no kernel
+        grad = [(n + "_grad", "elementwise", 2 * Tn * h, 2 * e * Tn * h + Tn * h, 1)]
+        return grad * dropout + [(n + "_bias_grad", "reduction", Tn * h, e * Tn * h, 1)]
 
     def ln(n):
         # apex FastLayerNorm backward: one kernel reads x and dy once and writes dx and
@@ -373,7 +377,8 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
 def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
               recompute: str = "none", ffn: "int | None" = None, dtype="bfloat16",
               profile="a100", tp_ranks=None, attention: str = "materialized",
-              fp8: bool = False, kv_heads: "int | None" = None, dropout: bool = False,
+              fp8: bool = False, kv_heads: "int | None" = None,
+              dropout: "bool | None" = None,
               tp_comm_overlap: bool = False, async_allreduce: bool = True,
               main_grad: bool = True, early_stop: bool = False,
               split_qkv: bool = False, regather: bool = True,
@@ -382,8 +387,10 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
     ``attention="flash"``: the fused kernel instead of Megatron's unfused core;
     ``fp8``: the linears' GEMMs in FP8 with Transformer Engine's casts (``plan.fp8``).
     ``kv_heads``: a Llama block (``plan.llama_layer``) with that many key/value heads
-    (fused attention only; ``dropout``: with dropout on its residual branches); None:
-    Megatron's GPT layer (``dropout``: with dropout, read only by ``early_stop``).
+    (fused attention only); None: Megatron's GPT layer.  ``dropout``: with dropout on
+    the residual branches (None: the architecture's default, a Llama block without,
+    Megatron's GPT layer with its 0.1; a GPT layer without has no dropout kernel on them,
+    ATen's ``dropout`` returning its input at p = 0, and stops a recompute early).
     ``tp_comm_overlap``: the TP collectives overlapped as
     Megatron-LM's ``--tp-comm-overlap`` runs them (``plan.tp_overlap``; sp required).
     ``async_allreduce=False``: the backward all-reduce of a column-parallel layer's input
@@ -445,7 +452,8 @@ def layer_ops(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                          f"peak (peak_flops['float8']); FP8 tensor cores are the H100's: "
                          f"use profile='h100' or fp8=False")
     return list(_priced(h, a, s, b, tp, bool(sp), recompute, ffn, dt, prof,
-                        ranks, attention, bool(fp8), kv_heads, bool(dropout),
+                        ranks, attention, bool(fp8), kv_heads,
+                        kv_heads is None if dropout is None else bool(dropout),
                         bool(tp_comm_overlap), async_allreduce, bool(main_grad),
                         bool(early_stop), bool(split_qkv) and kv_heads is None,
                         bool(regather), transformer_engine))
@@ -466,9 +474,9 @@ def _priced(h, a, s, b, tp, sp, recompute, ffn, dt, prof, ranks, attention,
         bwd = _llama.backward_ops(h, a, kv_heads, s, b, tp, sp, ffn, e, dropout, recompute,
                                   async_allreduce, main_grad, regather)
     else:
-        fwd = _forward(h, a, s, b, tp, sp, ffn, e, attention, split_qkv, te)
+        fwd = _forward(h, a, s, b, tp, sp, ffn, e, attention, split_qkv, te, dropout)
         bwd = _backward(h, a, s, b, tp, sp, ffn, e, recompute, attention, async_allreduce,
-                        main_grad, split_qkv, regather, te)
+                        main_grad, split_qkv, regather, te, dropout)
     if fp8:
         fwd, bwd = _fp8.with_fp8_casts(fwd, e), _fp8.with_fp8_casts(bwd, e)
     phases = [("forward", fwd)]
@@ -532,7 +540,7 @@ def layer_times(h: int, a: int, s: int, b: int, tp: int, sp: bool = False,
                 recompute: str = "none", ffn: "int | None" = None, dtype="bfloat16",
                 profile="a100", tp_ranks=None, attention: str = "materialized",
                 fp8: bool = False, kv_heads: "int | None" = None,
-                dropout: bool = False, tp_comm_overlap: bool = False,
+                dropout: "bool | None" = None, tp_comm_overlap: bool = False,
                 async_allreduce: bool = True, main_grad: bool = True,
                 early_stop: bool = False, split_qkv: bool = False,
                 regather: bool = True, transformer_engine: bool = False) -> LayerTimes:

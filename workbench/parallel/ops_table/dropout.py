@@ -110,12 +110,28 @@ def _parse(x, p=0.5, training=True, inplace=False):
         {"p": float(p)}
 
 
+_MASKED = costs.elementwise(1)
+
+
+def _cost(ins, outs, **attrs):
+    """x * mask: 1 FLOP an element; no mask (``p == 0``, ``training=False`` or an empty x)
+    is the identity, which runs no kernel: ATen's ``dropout`` returns its input there
+    (aten/src/ATen/native/Dropout.cpp, ``_dropout_impl``: ``if (p == 0 || !train ||
+    input.sym_numel() == 0) return input;``, and the fused path only for 0 < p < 1)."""
+    if "p" not in attrs:
+        return costs.view(ins, outs)
+    return _MASKED(ins, outs, **attrs)
+
+
+_cost.per_element = 1
+
+
 def _torch_dropout_parse(x, p, train):
     return _parse(x, p, train)
 
 
 # dropout = x * mask, the mask drawn once for the global shape (an input): 1 FLOP per element
 register("dropout", [F.dropout], parse=_parse, rule=dropout_rule, local=_dropout_local,
-         cost=costs.elementwise(1), op_class="elementwise",
+         cost=_cost, op_class="elementwise",
          sample="random (the validator compares deterministic ops)")
 add_funcs("dropout", [torch.dropout], _torch_dropout_parse)
