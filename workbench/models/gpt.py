@@ -222,9 +222,10 @@ class GPT(Splittable, nn.Module):
                       positions=None):
         """Run one stage of :meth:`pipeline_stages`: ids (B, S) -> residual stream (B, S,
         h) on the first, (B, S, h) -> logits (B, S, V) on the last.  ``layout`` places
-        the residual stream right after the embeddings; ``positions`` (S,): the position
-        of each of the ids' columns (default ``arange(S)``; context parallelism gives its
-        ring order, the ids laid out so before the embedding)."""
+        the residual stream right after the embeddings; ``positions`` (S,) or (B, S): the
+        position of each token (default ``arange(S)``; the recipes give (B, S) laid out
+        as the ids, as Megatron-LM's position_ids, context parallelism in its ring
+        order)."""
         if first:
             S = x.shape[1]
             pos = torch.arange(S, device=self.pos_emb.weight.device) \

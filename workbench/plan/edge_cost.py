@@ -46,10 +46,11 @@ def edge_times(cfg, b: int, tp: int, sp: bool, profile) -> dict:
     llama = cfg.arch == "llama"
     tok = _price("embedding", [ids, _meta(vt, h, dtype=dt)], [act], profile, dt)
     parts = [tok]
-    if not llama:                                       # learned positions, added
-        parts.append(_price("embedding", [_meta(s, dtype=i64), _meta(s, h, dtype=dt)],
-                            [_meta(s, h, dtype=dt)], profile, dt))
-        parts.append(_price("add", [act, _meta(s, h, dtype=dt)], [act], profile, dt))
+    if not llama:
+        # learned positions: (b, s) position ids looked up, as Megatron-LM's
+        # position_ids and the recipes' (``Hybrid._positions``), and added
+        parts.append(_price("embedding", [ids, _meta(s, h, dtype=dt)], [act], profile, dt))
+        parts.append(_price("add", [act, act], [act], profile, dt))
     tn = _meta(b, s // tp if sp else s, h, dtype=dt)                   # norm: s/t tokens with SP
     w = _meta(h, dtype=dt)
     if getattr(cfg, "embed_norm", False):              # BLOOM's LayerNorm on the embeddings

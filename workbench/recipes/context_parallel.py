@@ -264,14 +264,13 @@ class ContextParallel(Hybrid):
                 self._ring_positions(model, x.shape[1]):
             if s != 0:
                 return super()._stage(model, s, x)
-            mesh, S = self.meshes[0], x.shape[1]
+            S = x.shape[1]
             ids = to_ring_layout(x, "cp", 1, self.balanced)
             if not hasattr(model, "pos_emb"):          # the Llama: RoPE, no position table
                 return super()._stage(model, s, ids)
-            perm = slot_positions(S, self.cp, self.balanced).to(x.device)
-            pos = shard_tensor(perm, mesh, self._placements(cp=Shard(0)))
+            perm = slot_positions(S, self.cp, self.balanced)
             return model.stage_forward(self.stages[s], ids, True, len(self.stages) == 1,
-                                       self._layout, positions=pos)
+                                       self._layout, positions=self._positions(ids, perm))
 
     def _loss(self, logits, targets):
         """The mean cross-entropy of every token where it lies: the targets laid out on

@@ -444,7 +444,26 @@ class Hybrid:
 
     def _stage(self, model, s, x):
         n = len(self.stages)
+        if s == 0 and hasattr(model, "pos_emb"):        # the GPT's learned positions
+            return model.stage_forward(self.stages[s], x, True, n == 1, self._layout,
+                                       positions=self._positions(x))
         return model.stage_forward(self.stages[s], x, s == 0, s == n - 1, self._layout)
+
+    @staticmethod
+    def _positions(ids, order=None):
+        """The position of each token, (b, s), laid out as the token ids ``ids`` (``order``:
+        the positions of the ids' columns, default 0 .. s-1), as Megatron-LM hands its GPT
+        ``position_ids`` of the batch's shape (megatron/training/utils.py
+        ``get_ltor_masks_and_position_ids``: ``arange(seq_length)`` expanded to the ids').
+        Looked up so, the position table's output is laid out as the token embedding's and
+        its gradient stays each rank's, summed with the other parameters' by the data-
+        parallel reduction; an (s,) lookup broadcast over a batch sharded on dp made that
+        output a replicated input, whose gradient was all-reduced over dp in backward (one
+        s x h all-reduce a micro-batch, on the trace as "grad of a replicated input")."""
+        B, S = ids.shape
+        pos = torch.arange(S) if order is None else order
+        pos = pos.to(device=ids.device, dtype=ids.dtype).expand(B, S).contiguous()
+        return shard_tensor(pos, ids.mesh, list(ids.placements))
 
     def _loss(self, logits, targets):
         B, S_, V = logits.shape
