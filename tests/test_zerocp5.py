@@ -30,7 +30,11 @@ run holds the estimate to within 5% (``plan/ep_cp.py`` ``check_zero_cp``).
 The sweep measured (Llama and GPT x ZeRO 2 / 3 x cp 2 / 4 x tp 1 / 2 / 2 + sp x ring /
 a2a x dp 1 / 2; GPT has no "op"; 156 layouts, "op", "full" and GPT ZeRO-3 without
 recompute): every layout within 5% but one priced before, GPT dp 2 cp 4 tp 1 ring ZeRO-3
-"full" at 0.946 (0.938 after the runtime's fix, before the early stop; 0.950 since the ring forward's hops are priced beside the merges, 0.960 since each cp rank embeds its own tokens and the ring backward is priced in the runtime's order, 0.972 since dropout at p = 0 runs no kernel and the cp layer's weight gradients are priced in 16 bits, tests/test_ringfwd.py); below, a spread.
+"full" at 0.946 (0.938 after the runtime's fix, before the early stop; 0.950 since the
+ring forward's hops are priced beside the merges, 0.960 since each cp rank embeds its
+own tokens and the ring backward is priced in the runtime's order, 0.972 since dropout
+at p = 0 runs no kernel and the cp layer's weight gradients are priced in 16 bits,
+tests/test_ringfwd.py); below, a spread.
 Memory total 0.9988-1.0003 (recompute "op" below 1: its activations with cp, 0.975 at
 ZeRO-0 as well, not ZeRO's)."""
 import pytest

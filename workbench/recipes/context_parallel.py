@@ -23,7 +23,8 @@ What changes against :class:`~workbench.recipes.hybrid.Hybrid` (pp = 1):
   the norms' partial gradients are summed over tp once per step;
 * positions follow the chunks: the GPT looks its learned position embeddings up at the
   ring order's positions, sharded as the ids (so each token keeps its own), the Llama's
-  RoPE tables are put in ring order for the step (as PyTorch's ``context_parallel(..., buffers=[freqs_cis])`` shards them);
+  RoPE tables are put in ring order for the step (as PyTorch's
+  ``context_parallel(..., buffers=[freqs_cis])`` shards them);
 * the targets are put in the same ring order and sharded the same way, so the
   cross-entropy over the cp-sharded logits is the global mean over every token, exactly;
 * gradients: the parameters are data-parallel replicas over dp x cp (one copy per
