@@ -123,9 +123,6 @@ def _cost(ins, outs, **attrs):
     return _MASKED(ins, outs, **attrs)
 
 
-_cost.per_element = 1
-
-
 def _torch_dropout_parse(x, p, train):
     return _parse(x, p, train)
 
