@@ -21,10 +21,21 @@ _GEMM_KERNELS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
 
 def _torch_gemms(fn, *ts) -> int:
     """How many GEMMs torch's own backward runs for ``fn(*ts)`` (CPU profiler)."""
-    y = fn(*ts)
+    return _torch_kernels(fn, *ts)[0]
+
+
+def _torch_kernels(fn, *ts) -> tuple:
+    """(GEMMs, sums) torch's own backward runs for ``fn(*ts)`` (CPU profiler): a
+    broadcast bias's gradient is summed by an ``aten::sum`` after the node's GEMMs
+    (autograd's ``validate_outputs``)."""
+    y = fn(*ts).sum()
     with profile(activities=[ProfilerActivity.CPU]) as p:
-        y.sum().backward()
-    return sum(e.name in _GEMM_KERNELS for e in p.events())
+        y.backward()
+    names = [e.name for e in p.events() if e.name in _GEMM_KERNELS + ("aten::sum",)]
+    if "aten::sum" in names:           # after the last GEMM
+        assert names.index("aten::sum") > max(
+            (i for i, n in enumerate(names) if n != "aten::sum"), default=-1)
+    return sum(n in _GEMM_KERNELS for n in names), names.count("aten::sum")
 
 
 def _backward(tr, name):
@@ -57,26 +68,25 @@ def test_linear_prices_the_gemms_torch_runs(rx, rw, rb):
     X, W, B = _mk((6, 8), rx, 0), _mk((4, 8), rw, 1), _mk((4,), rb, 2)
     evs, _ = _ours(F.linear, "linear", X, W, B)
     parts = [e.args["part"] for e in evs]
-    want = [p for p, need in (("dgrad", rx), ("wgrad", rw)) if need]
-    if rb and not rw:
-        want.append("bias")
+    want = [p for p, need in (("dgrad", rx), ("wgrad", rw), ("bias", rb)) if need]
     assert parts == want
-    # torch's backward runs one GEMM per dgrad / wgrad we price, none for a bias's sum
-    n = _torch_gemms(F.linear, X, W, B)
-    assert n == sum(p in ("dgrad", "wgrad") for p in parts)
+    # torch's backward runs one GEMM per dgrad / wgrad we price, then a sum for the bias
+    gemms, sums = _torch_kernels(F.linear, X, W, B)
+    assert gemms == sum(p in ("dgrad", "wgrad") for p in parts)
+    assert sums == parts.count("bias")
     M, K, N = 6, 8, 4
     e = 4
     by = {ev.args["part"]: ev for ev in evs}
     if rx:                                # dX = dY W: read dY, W; write dX
         assert by["dgrad"].flops == 2 * M * N * K
         assert by["dgrad"].bytes == e * (M * N + N * K + M * K)
-    if rw:                                # dW = dY^T X (+ dB = sum dY): read X, write dW
-        assert by["wgrad"].flops == 2 * M * N * K + (M * N if rb else 0)
-        assert by["wgrad"].bytes == e * (M * K + N * K + (N if rb else 0) +
+    if rw:                                # dW = dY^T X: read X, write dW
+        assert by["wgrad"].flops == 2 * M * N * K
+        assert by["wgrad"].bytes == e * (M * K + N * K +
                                          (0 if rx else M * N))     # dY read here if alone
-    if rb and not rw:                     # dB = sum of dY over rows: a reduction
+    if rb:                                # dB = sum of dY over rows: a reduction of its own
         assert by["bias"].flops == M * N
-        assert by["bias"].bytes == e * (N + (0 if rx else M * N))
+        assert by["bias"].bytes == e * (N + M * N)                  # dY read again
         assert by["bias"].args["op_class"] == "reduction"
     for ev in evs:
         assert ev.duration == sim_cost.compute_time(
@@ -86,12 +96,22 @@ def test_linear_prices_the_gemms_torch_runs(rx, rw, rb):
 
 
 def test_all_needed_is_the_split_it_always_was():
-    """Every input needing its gradient: dgrad + wgrad partition the op's backward."""
+    """Every input needing its gradient: dgrad + wgrad + the bias's sum partition the
+    op's FLOPs; its bytes but the sum's second read of dY."""
     X, W, B = _mk((6, 8), True, 0), _mk((4, 8), True, 1), _mk((4,), True, 2)
     evs, _ = _ours(F.linear, "linear", X, W, B)
     want = wb.ops.cost("linear", X, W, B)
     assert sum(e.flops for e in evs) == want.backward_flops
-    assert sum(e.bytes for e in evs) == 4 * (6 * 4 + 2 * (6 * 8 + 4 * 8) + 4)
+    assert sum(e.bytes for e in evs) == 4 * (6 * 4 + 2 * (6 * 8 + 4 * 8) + 4) + 4 * 6 * 4
+
+
+def test_one_row_bias_is_summed_too():
+    """A 1-d input: torch runs linear as addmm on one row and still sums the bias's
+    gradient to its shape (a kernel); the clock prices it."""
+    X, W, B = _mk((8,), True, 0), _mk((4, 8), True, 1), _mk((4,), True, 2)
+    evs, _ = _ours(F.linear, "linear", X, W, B)
+    assert [e.args["part"] for e in evs] == ["dgrad", "wgrad", "bias"]
+    assert _torch_kernels(F.linear, X, W, B) == (2, 1)
 
 
 @pytest.mark.parametrize("fn,name", [(torch.bmm, "bmm"), (torch.matmul, "matmul"),
@@ -118,11 +138,14 @@ def test_conv_prices_only_the_gradients_convolution_backward_computes(rx, rw):
     y = F.conv2d(X, W, B, padding=1)
     y.sum().backward()
     evs, _ = _ours(lambda x, w, b: F.conv2d(x, w, b, padding=1), "conv2d", X, W, B)
+    # (the bias's sum after both: cuDNN computes no bias gradient, convolution_backward
+    # sums grad_output itself, "Calculate bias gradients outside of the backend")
     assert [e.args["part"] for e in evs] == \
-        [p for p, n in (("dgrad", X.grad is not None), ("wgrad", W.grad is not None)) if n]
+        [p for p, n in (("dgrad", X.grad is not None), ("wgrad", W.grad is not None),
+                        ("bias", B.grad is not None)) if n]
     macs = y.numel() * 3 * 9
     for ev in evs:
-        assert ev.flops == 2 * macs + (y.numel() if ev.args["part"] == "wgrad" else 0)
+        assert ev.flops == (y.numel() if ev.args["part"] == "bias" else 2 * macs)
 
 
 def test_detach_and_frozen_parameters_price_no_weight_gradient():
@@ -161,16 +184,18 @@ def test_first_layer_of_an_mlp_on_data_has_no_dgrad_on_the_a100():
     is shorter than the same step whose input needs its gradient by that kernel."""
     tr, x = _mlp_step(False)
     lin = _backward(tr, "linear")
-    assert [e.args["part"] for e in lin] == ["dgrad", "wgrad", "wgrad"]   # down, then up
-    assert lin[2].bytes == 4 * (256 * 512 + 1024 * 512 + 1024 + 256 * 1024)
+    assert [e.args["part"] for e in lin] == ["dgrad", "wgrad", "bias",   # down, then up
+                                             "wgrad", "bias"]
+    assert lin[3].bytes == 4 * (256 * 512 + 1024 * 512 + 256 * 1024)
+    assert lin[4].bytes == 4 * (1024 + 256 * 1024)           # dbias; dY read again
     assert x.grad is None
     tr2, x2 = _mlp_step(True)
     lin2 = _backward(tr2, "linear")
-    assert [e.args["part"] for e in lin2] == ["dgrad", "wgrad", "dgrad", "wgrad"]
+    assert [e.args["part"] for e in lin2] == ["dgrad", "wgrad", "bias"] * 2
     assert x2.grad is not None
-    dgrad = lin2[2]
+    dgrad = lin2[3]
     assert tr2.time() - tr.time() == pytest.approx(
-        dgrad.duration - (lin[2].duration - lin2[3].duration), rel=1e-9)
+        dgrad.duration - (lin[3].duration - lin2[4].duration), rel=1e-9)
 
 
 def _compiled_mlp(freeze=None):
@@ -209,8 +234,9 @@ def test_compiled_step_counts_the_same_kernels(freeze):
         k = op_kernels(g, prog.mesh, wb.get_profile("a100"), n, specs, c,
                        n.nid in pr.backward)
         launches.append(None if k.backward is None else k.backward[1])
-    # up reads the data: wgrad only; down: dgrad and (unless frozen) wgrad
-    assert launches == ([1, 2] if freeze is None else [1, 1])
+    # up reads the data: wgrad and the bias's sum; down: dgrad and (unless frozen) wgrad
+    # and the bias's sum
+    assert launches == ([2, 3] if freeze is None else [2, 1])
     assert prog.assignment.time == pytest.approx(prog.step().time, rel=1e-12, abs=0)
 
 

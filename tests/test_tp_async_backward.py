@@ -1,7 +1,8 @@
 """Megatron's f all-reduces the input gradient asynchronously, beside the column-parallel
-linear's weight-gradient GEMM (``LinearWithGradAccumulationAndAsyncCommunication``):
-on the simulated clock the all-reduce starts when the dgrad ends and the wgrad hides
-min(all-reduce, wgrad) of it; the compute is the same as one backward event per op."""
+linear's weight-gradient GEMM and its bias's sum (``LinearWithGradAccumulationAndAsync
+Communication``: ``grad_output.sum(dim=0)`` after the wgrad, before ``handle.wait()``):
+on the simulated clock the all-reduce starts when the dgrad ends and the wgrad and the
+bias's sum hide min(all-reduce, their work) of it; the compute is each op's backward."""
 import pytest
 import torch
 from torch import nn
@@ -60,30 +61,39 @@ def _f_all_reduce(tr, kind="all_reduce"):
 def _fc1_backward(tr):
     lin = [e for e in tr.events if e.name == "linear" and e.args.get("phase") == "backward"
            and 0 in e.ranks]
-    return lin[-2], lin[-1]              # fc1's: the last linear backward recorded
+    return lin[-3], lin[-2], lin[-1]     # fc1's: the last linear backward recorded
+
+
+def _alone(ev):
+    return ev.args.get("alone", ev.duration)
 
 
 @pytest.mark.parametrize("dp", [1, 2])
 def test_f_all_reduce_hidden_by_the_wgrad(dp):
     tr, _, _ = _run(dp=dp)
-    dgrad, wgrad = _fc1_backward(tr)
+    dgrad, wgrad, bias = _fc1_backward(tr)
     ar = _f_all_reduce(tr)
-    assert (dgrad.args["part"], wgrad.args["part"]) == ("dgrad", "wgrad")
+    assert [e.args["part"] for e in (dgrad, wgrad, bias)] == ["dgrad", "wgrad", "bias"]
     assert ar.start == dgrad.end == wgrad.start             # beside the wgrad
+    assert bias.start == wgrad.end                          # then the bias's sum
     assert ar.args["overlaps"] == "wgrad"
     want = sim_cost.price("all_reduce", T * H * 2, [0, 1], "a100")
     assert ar.duration == pytest.approx(want, rel=1e-12)
-    hidden = min(ar.end, wgrad.end) - wgrad.start
-    assert hidden > 0 and hidden == pytest.approx(min(ar.duration, wgrad.duration), rel=1e-12)
+    hidden = min(ar.end, bias.end) - wgrad.start
+    assert hidden > 0 and hidden == pytest.approx(min(ar.duration, bias.end - wgrad.start),
+                                                  rel=1e-12)
     # the step ends when both have: the compute stream waited for the all-reduce
     for r in (0, 1):
-        assert tr.now(r) == max(ar.end, wgrad.end)
-    # every tp group's (dp 2: two) runs beside the wgrad, which runs on the SMs NCCL leaves
+        assert tr.now(r) == max(ar.end, bias.end)
+    # every tp group's (dp 2: two) runs beside the wgrad and the sum, which run on the SMs
+    # NCCL leaves
     fs = [e for e in tr.events if e.label.startswith("f: ")]
     assert len(fs) == dp and all(e.args["overlaps"] == "wgrad" for e in fs)
-    assert wgrad.duration == pytest.approx(
-        min(ar.duration, wgrad.args["alone"] * 108 / 84)
-        + max(0.0, wgrad.args["alone"] - ar.duration * 84 / 108), rel=1e-12)
+    work = _alone(wgrad) + _alone(bias)
+    assert wgrad.args["alone"] < wgrad.duration
+    assert bias.end - wgrad.start == pytest.approx(
+        min(ar.duration, work * 108 / 84) + max(0.0, work - ar.duration * 84 / 108),
+        rel=1e-12)
 
 
 def test_sequence_parallel_reduce_scatter_hidden_by_the_wgrad():
@@ -94,7 +104,7 @@ def test_sequence_parallel_reduce_scatter_hidden_by_the_wgrad():
     the dgrad GEMM, waited for before the wgrad GEMM); the reduce-scatter queues behind
     it on the tp group's stream, so both start when the dgrad and the gather are done."""
     tr, _, _ = _run(sp=True)
-    dgrad, wgrad = _fc1_backward(tr)
+    dgrad, wgrad, bias = _fc1_backward(tr)
     rs = _f_all_reduce(tr, "reduce_scatter")
     (ag,) = [e for e in tr.events if e.label == "f: re-gather" and 0 in e.ranks]
     assert ag.name == "all_gather" and ag.args["overlaps"] == "dgrad"
@@ -105,14 +115,16 @@ def test_sequence_parallel_reduce_scatter_hidden_by_the_wgrad():
     assert rs.args["overlaps"] == "wgrad"
     assert rs.duration == pytest.approx(
         sim_cost.price("reduce_scatter", T * H * 2, [0, 1], "a100"), rel=1e-12)
-    hidden = min(rs.end, wgrad.end) - wgrad.start
-    assert hidden > 0 and hidden == pytest.approx(min(rs.duration, wgrad.duration), rel=1e-12)
+    hidden = min(rs.end, bias.end) - wgrad.start
+    assert hidden > 0 and hidden == pytest.approx(min(rs.duration, bias.end - wgrad.start),
+                                                  rel=1e-12)
 
 
 def test_compute_is_each_ops_backward_cost():
-    """Each linear's dgrad + wgrad: its backward FLOPs and bytes (``wb.ops.cost("linear")``
-    on one rank's shards), split by hand: dgrad reads dY and W and writes dX, wgrad
-    reads X and writes dW and the bias's gradient; each a kernel on its roofline."""
+    """Each linear's dgrad + wgrad + its bias's sum: its backward FLOPs and bytes
+    (``wb.ops.cost("linear")`` on one rank's shards), split by hand: dgrad reads dY and W
+    and writes dX, wgrad reads X and writes dW, the sum reads dY again and writes the
+    bias's gradient; each a kernel on its roofline."""
     tr, _, _ = _run()
     x, h1 = torch.empty(T, H, dtype=BF16), torch.empty(T, 2 * H, dtype=BF16)
     shapes = {"fc1": (x, torch.empty(2 * H, H, dtype=BF16), torch.empty(2 * H, dtype=BF16),
@@ -121,19 +133,23 @@ def test_compute_is_each_ops_backward_cost():
                       torch.empty(T, H, dtype=BF16))}
     bwd = [e for e in tr.events if e.name == "linear" and e.args.get("phase") == "backward"
            and 0 in e.ranks]
-    assert len(bwd) == 4                                     # fc2 then fc1, two events each
-    for (d, w), name in zip((bwd[:2], bwd[2:]), ("fc2", "fc1")):
+    assert len(bwd) == 6                                 # fc2 then fc1, three events each
+    for (d, w, b), name in zip((bwd[:3], bwd[3:]), ("fc2", "fc1")):
         xi, wi, bi, out = shapes[name]
         (M, K), N = xi.shape, wi.shape[0]
         c = wb.ops.cost("linear", xi, wi, bi)
-        assert (d.flops, w.flops) == (2 * M * K * N, 2 * M * K * N + M * N)
-        assert d.flops + w.flops == c.backward_flops
-        assert (d.bytes, w.bytes) == (2 * (M * N + N * K + M * K), 2 * (M * K + N * K + N))
-        assert d.bytes + w.bytes == backward_bytes([xi, wi, bi], [out], c.saved_bytes_fused)
-        for ev in (d, w):    # priced alone; a wgrad beside f's all-reduce lasts longer
-            assert ev.args.get("alone", ev.duration) == sim_cost.compute_time(
-                ev.flops, ev.bytes, tr.profile, BF16, "matmul")
-            assert ev.duration >= ev.args.get("alone", ev.duration)
+        assert (d.flops, w.flops, b.flops) == (2 * M * K * N, 2 * M * K * N, M * N)
+        assert d.flops + w.flops + b.flops == c.backward_flops
+        assert (d.bytes, w.bytes, b.bytes) == (2 * (M * N + N * K + M * K),
+                                               2 * (M * K + N * K), 2 * (N + M * N))
+        assert d.bytes + w.bytes + b.bytes == backward_bytes(
+            [xi, wi, bi], [out], c.saved_bytes_fused) + 2 * M * N       # dY read again
+        for ev, cls in ((d, "matmul"), (w, "matmul"), (b, "reduction")):
+            # priced alone; a wgrad or sum beside f's all-reduce lasts longer
+            assert ev.args["op_class"] == cls
+            assert _alone(ev) == sim_cost.compute_time(ev.flops, ev.bytes, tr.profile, BF16,
+                                                       cls)
+            assert ev.duration >= _alone(ev)
 
 
 def test_blocking_when_something_runs_between_dgrad_and_the_all_reduce():
@@ -198,7 +214,7 @@ def test_zero_reduce_scatter_after_the_input_gradients_all_reduce(zero, label):
     that one before the wgrad GEMM), though autograd runs the gradient's hook first; the
     all-reduce starts when the dgrad ends and the compute waits for it alone."""
     tr, _, _ = _run(dp=2, zero=zero)
-    dgrad, wgrad = _fc1_backward(tr)
+    dgrad, wgrad, bias = _fc1_backward(tr)
     ar = _f_all_reduce(tr)
     comm0 = [e for e in tr.collectives() if 0 in e.ranks]
     rs = [e for e in comm0 if e.name == "reduce_scatter" and e.label == label][-2:]
@@ -210,7 +226,36 @@ def test_zero_reduce_scatter_after_the_input_gradients_all_reduce(zero, label):
     assert ar.start == dgrad.end
     assert all(e.start >= wgrad.end for e in rs)
     for r in (0, 1):
-        assert tr.now(r) == max(ar.end, wgrad.end)          # nothing else waited for
+        assert tr.now(r) == max(ar.end, bias.end)           # nothing else waited for
+
+
+def test_async_collective_recorded_after_two_kernels_times_both_again():
+    """A wgrad and the bias's sum after it, recorded before the collective on the input
+    gradient (ready when the dgrad ended): both are timed again beside it, in order, the
+    sum from the stretched wgrad's end; work beside the collective at 84 / 108."""
+    from workbench.sim_mesh.trace import Trace
+    tr = Trace("a100")
+    tr.record_compute([0, 1], "dgrad", 2.0)
+    tr.record_compute([0, 1], "wgrad", 3.0)
+    tr.record_compute([0, 1], "bias", 1.0)
+    h = tr.record_collective([0, 1], "all_reduce", 4.0, overlap=True, ready=2.0)
+    _, wgrad, bias, ar = tr.events
+    assert (ar.start, ar.end) == (2.0, 6.0)
+    assert wgrad.start == 2.0 and wgrad.end == pytest.approx(2.0 + 3.0 * 108 / 84)
+    assert bias.start == wgrad.end and bias.args["alone"] == 1.0
+    # 4 s of collective leave 4 * 84 / 108 of the 4 s of work done by 6.0: the rest alone
+    assert bias.end == pytest.approx(6.0 + 4.0 - 4.0 * 84 / 108)
+    assert tr.now(0) == tr.now(1) == bias.end
+    tr.wait(h)
+    assert tr.now(0) == bias.end
+    # nothing is timed again once a rank waited after them (its clock is not theirs)
+    from workbench.sim_mesh.trace import Handle
+    tr2 = Trace("a100")
+    tr2.record_compute([0, 1], "dgrad", 2.0)
+    tr2.record_compute([0, 1], "wgrad", 3.0)
+    tr2.wait(Handle((0,), 9.0))
+    tr2.record_collective([0, 1], "all_reduce", 4.0, overlap=True, ready=2.0)
+    assert [e.duration for e in tr2.events[:2]] == [2.0, 3.0]
 
 
 def test_deferred_collectives_take_the_stream_in_the_order_their_data_came():

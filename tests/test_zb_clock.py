@@ -132,19 +132,21 @@ def test_split_backward_b_runs_the_dgrad_w_the_wgrad_of_a_linear():
                                    if e.stream == "compute" and rank in e.ranks
                                    and e.args.get("phase") == "backward"
                                    and e.name == "linear")
-    # stage 1's linear: a dgrad (its input is stage 0's output) and a wgrad per micro-batch;
-    # stage 0's reads data: its wgrad alone -- under either schedule
-    assert parts(t1, 1) == parts(tz, 1) == {"dgrad": 4, "wgrad": 4}
+    # stage 1's linear: a dgrad (its input is stage 0's output), a wgrad and its bias's sum
+    # per micro-batch; stage 0's reads data: no dgrad -- under either schedule
+    assert parts(t1, 1) == parts(tz, 1) == {"dgrad": 4, "wgrad": 4, "bias": 4}
 
-    def work(tr, rank):       # the output gradient read once: by the dgrad, in B
+    def work(tr, rank):       # the GEMMs read the output gradient once: the dgrad, in B
         return [sum(getattr(e, k) for e in tr.events if rank in e.ranks and e.name == "linear"
                     and e.args.get("phase") == "backward") for k in ("flops", "bytes")]
     assert work(tz, 1) == work(t1, 1) and work(tz, 0) == work(t1, 0)
-    assert parts(t1, 0) == parts(tz, 0) == {"wgrad": 4}
-    # under ZB-H1 each B on stage 1 is one dgrad, each W one wgrad: in the order ran
+    assert parts(t1, 0) == parts(tz, 0) == {"wgrad": 4, "bias": 4}
+    # under ZB-H1 each B on stage 1 is one dgrad, each W one wgrad and the bias's sum (a
+    # weight's gradient too): in the order ran
     seq = [e.args["part"] for e in sorted(tz.events, key=lambda e: e.start)
            if 1 in e.ranks and e.name == "linear" and e.args.get("phase") == "backward"]
-    assert seq == ["dgrad", "dgrad", "wgrad", "dgrad", "wgrad", "dgrad", "wgrad", "wgrad"]
+    W = ["wgrad", "bias"]
+    assert seq == ["dgrad", "dgrad", *W, "dgrad", *W, "dgrad", *W, *W]
 
 
 def test_dualpipe_prices_the_work_of_1f1b():

@@ -55,15 +55,15 @@ def test_backward_gathers_start_at_the_end_of_the_forward():
     assert _issued_at(z, fwd_end) == 3
     assert rg[0].start == pytest.approx(fwd_end)
     assert all(b.start == pytest.approx(a.end) for a, b in zip(rg, rg[1:]))
-    # each module's backward (last module first: two GEMMs each, one for the first module,
-    # which reads data: no input gradient) waits for its own gather only
+    # each module's backward (last module first: two GEMMs and the bias's sum each, the
+    # first module, which reads data, no input gradient) waits for its own gather only
     lin = sorted((e for e in tr.events if e.stream == "compute" and 0 in e.ranks
                   and e.name == "linear" and e.args.get("phase") == "backward"),
                  key=lambda e: e.start)
-    assert len(lin) == 5
+    assert [e.args["part"] for e in lin] == ["dgrad", "wgrad", "bias"] * 2 + ["wgrad", "bias"]
     for j, g in enumerate(rg):
-        prev = lin[2 * j - 1].end if j else fwd_end
-        assert lin[2 * j].start == pytest.approx(max(g.end, prev))
+        prev = lin[3 * j - 1].end if j else fwd_end
+        assert lin[3 * j].start == pytest.approx(max(g.end, prev))
 
 
 @pytest.mark.parametrize("budget, at_end", [(0, 0), (1, 1), (NUMEL, 1), (NUMEL + 1, 2),

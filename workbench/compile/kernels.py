@@ -6,12 +6,13 @@ Forward: one kernel, one launch.  Backward (an op the backward runs through): th
 kernels ``pricing.backward_parts`` says autograd runs for the inputs that require grad
 (the dispatcher records the same): one kernel and one launch, or for a two-operand
 matmul whose cost the op table splits (``ops_table/pricing.py``'s :class:`SplitCost`)
-its dgrad and wgrad GEMMs, two of each, the dgrad left out when the first input does
-not require grad (the graph's data), the wgrad when the second does not (a frozen
-weight).  Each kernel's time is the roofline
-time of its FLOPs and bytes (``pricing._time``, the dispatcher's), or the profile's measured
-time of the kernel where it has one (the loss, ``loss_pricing``), without the launch; the
-launches are priced apart (``profiles.launch_overhead``, as ``schedule.replay`` records
+its dgrad and wgrad GEMMs and a bias's sum, a kernel and a launch each, the
+dgrad left out when the first input does not require grad (the graph's data), the wgrad
+when the second does not (a frozen weight), the sum when the bias does not.  Each
+kernel's time is the roofline time of its FLOPs and bytes (``pricing._time``, the
+dispatcher's, a GEMM's with its shape), or the profile's measured time of the kernel
+where it has one (the loss, ``loss_pricing``), without the launch; the launches are
+priced apart (``profiles.launch_overhead``, as ``schedule.replay`` records
 them).
 """
 from __future__ import annotations
@@ -70,13 +71,15 @@ def op_kernels(graph, mesh, profile, node, specs, cand, backward: bool) -> Kerne
     measured = pricing._measured(cost, profile)
     if cost.flops or cost.bytes:
         t = measured[0] if measured else pricing._time(cost.flops, cost.bytes, profile,
-                                                       dtype, entry.op_class, launches=1)
+                                                       dtype, entry.op_class,
+                                                       getattr(cost, "gemm", None), launches=1)
         fwd = (max(t - lt, 0.0), 1)
     needs = tuple(vid is not None and graph.values[vid].requires_grad for vid in node.inputs)
     parts = pricing.backward_parts(cost, needs) if backward else []
-    if parts:
-        t = measured[1] if measured and len(parts) == 1 else pricing._time(
-            sum(p[1] for p in parts), sum(p[2] for p in parts), profile, dtype,
-            entry.op_class, launches=1)
-        bwd = (max(t - lt, 0.0), len(parts))
+    if parts and measured and len(parts) == 1:
+        bwd = (max(measured[1] - lt, 0.0), 1)
+    elif parts:                    # each kernel on its own roofline, as the dispatcher's
+        bwd = (sum(max(pricing._time(f, b, profile, dtype, pricing.part_class(
+            part, entry.op_class), gemm, launches=1) - lt, 0.0)
+            for part, f, b, gemm in parts), len(parts))
     return Kernels(cost, dtype, fwd, bwd)

@@ -286,8 +286,8 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
     ``main_grad=False``: the weight gradient written in the 16-bit dtype (this library's
     recipe, autograd's ``param.grad``), not accumulated into Megatron-LM's fp32
     ``main_grad``.  ``split_qkv``: :func:`_forward`'s; autograd runs the three linears'
-    backward last-created first (v, k, q), each its dgrad then its wgrad, and the input
-    gradient's collective waits for all three dgrads (beside q's wgrad).  ``regather``:
+    backward last-created first (v, k, q), each its dgrad, its wgrad and its bias's sum,
+    and the input gradient's collective waits for all three dgrads (beside q's wgrad).  ``regather``:
     with ``sp``, the column-parallel inputs all-gathered again in backward (Megatron-LM;
     False: DTensor keeps the gathered input, no re-gather: ``llama_layer.backward_ops``).
     ``te``: :func:`_forward`'s; the QKV bias gradient out of the weight-gradient GEMM's
@@ -320,7 +320,8 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
     out_grad = [("sp_grad_all_gather", *ag, "")] if sp else []   # backward of reduce-scatter
 
     # the fused QKV's gradient: dQ, dK, dV concatenated, then its bias's sum; split
-    # (this library's GPT), each linear's bias gradient is summed by its wgrad
+    # (this library's GPT), each linear's bias gradient summed after its wgrad (autograd's
+    # sum of AddmmBackward0's bias gradient to the bias's shape: ``column``)
     qkv_grads = [] if split_qkv else [
         ("qkv_split_grad", "data_movement", 0, 2 * e * T * hq, 1)]   # cat of dQ, dK, dV
     if not split_qkv and not te:     # TE: cuBLASLt's BGRADB epilogue of the wgrad GEMM
@@ -333,8 +334,9 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
         if n == "qkv" and split_qkv:     # wq, wk, wv apart (docstring)
             comm = [c[:3] + ({"qkv_dgrad": "v_dgrad", "qkv_wgrad": "q_wgrad"}.get(c[3], c[3]),)
                     for c in comm]
-            return comm, [g for x in "vkq" for g in (dgrad(x + "_dgrad", T, h, N // 3),
-                                                     wgrad(x + "_wgrad", T, h, N // 3))]
+            return comm, [g for x in "vkq" for g in (
+                dgrad(x + "_dgrad", T, h, N // 3), wgrad(x + "_wgrad", T, h, N // 3),
+                (x + "_bias_grad", "reduction", T * N // 3, e * T * N // 3, 1))]
         w = wgrad(wgrad_name, T, h, N)
         if n == "qkv" and te:            # + the bias gradient the epilogue writes
             w = w[:3] + (w[3] + (4 if main_grad else e) * N,) + w[4:]

@@ -53,6 +53,7 @@ from .kernel_cost import finish_beside, overlap_rate
 __all__ = ["Event", "Trace", "trace", "current_trace"]
 
 STREAMS = ("compute", "comm")
+_TAIL = 4          # compute events per rank an async collective can be timed beside later
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +103,7 @@ class Trace:
         self._deferred: list = []      # (ready, record) of deferred async collectives
         self._async: dict[int, list] = defaultdict(list)   # rank -> (start, end, rate)
         self._last: dict[int, int] = {}       # rank -> index of its last compute event
+        self._recent: dict[int, list] = defaultdict(list)   # rank -> its last few, in order
         self._rates: dict[tuple, float] = {}  # group -> overlap_rate(profile, group)
         self.notes: list[str] = []            # what the clock leaves out, said once each
 
@@ -155,6 +157,9 @@ class Trace:
         for r in ranks:
             self._clock[(r, "compute")] = start + duration
             self._last[r] = len(self._events)
+            tail = self._recent[r]
+            tail.append(len(self._events))
+            del tail[:-_TAIL]
         ev = Event(name, "compute", start, duration, ranks, bytes, flops, label, args)
         self._events.append(ev)
         return ev
@@ -164,22 +169,42 @@ class Trace:
         i = self._last.get(rank)
         return None if i is None else (i, self._events[i])
 
-    def _restretch(self, ranks) -> None:
-        """An async collective recorded after the compute op it runs beside: that op,
-        the last on these ranks, is stretched as if the collective had come first."""
-        for i in {self._last[r] for r in ranks if r in self._last}:
+    def _restretch(self, ranks, since: float) -> None:
+        """An async collective recorded after the compute ops it runs beside (from
+        ``since``, its start): those ops, the last on these ranks (a matmul's weight
+        gradient, then its bias's sum), are timed again in order as if the collective
+        had come first, each from the end of the one before it on its ranks."""
+        chain = sorted({i for r in ranks for i in self._tail(r, since)})
+        if not chain:
+            return
+        held = {r for i in chain for r in self._events[i].ranks}
+        if any(self._last.get(r) not in chain
+               or self._clock[(r, "compute")] != self._events[self._last[r]].end
+               for r in held):
+            return                            # something ran or waited after them
+        cur: dict[int, float] = {}
+        for i in chain:
             ev = self._events[i]
-            if any(self._clock[(r, "compute")] != ev.end or self._last.get(r) != i
-                   for r in ev.ranks):
-                continue                      # something ran or waited after it
+            t = max([ev.start] + [cur[r] for r in ev.ranks if r in cur])
             alone = ev.args.get("alone", ev.duration)
-            end = max(self._beside(r, ev.start, alone) for r in ev.ranks)
-            if end > ev.end:
-                new = self._events[i] = Event(ev.name, ev.stream, ev.start, end - ev.start,
-                                              ev.ranks, ev.bytes, ev.flops, ev.label,
-                                              {**ev.args, "alone": alone})
-                for r in ev.ranks:       # the event's own end, to the last bit
-                    self._clock[(r, "compute")] = new.end
+            end = max(self._beside(r, t, alone) for r in ev.ranks)
+            if (t, end) != (ev.start, ev.end):
+                args = {**ev.args, "alone": alone} if end - t > alone else ev.args
+                self._events[i] = Event(ev.name, ev.stream, t, end - t, ev.ranks, ev.bytes,
+                                        ev.flops, ev.label, args)
+            for r in ev.ranks:
+                cur[r] = self._events[i].end       # the event's own end, to the last bit
+        for r, t in cur.items():
+            self._clock[(r, "compute")] = t
+
+    def _tail(self, rank: int, since: float) -> list:
+        """The indices of ``rank``'s last compute events that end after ``since``."""
+        out = []
+        for i in reversed(self._recent.get(rank, ())):
+            if self._events[i].end <= since:
+                break
+            out.append(i)
+        return out
 
     def _beside(self, rank: int, t: float, work: float) -> float:
         """When ``work`` seconds of compute started at ``t`` on ``rank`` end, at the
@@ -217,7 +242,7 @@ class Trace:
             elif end > start:
                 self._async[r].append((start, end, rate))
         if overlap and ready is not None and rate < 1.0:
-            self._restretch(ranks)
+            self._restretch(ranks, start)
         self._events.append(Event(name, "comm", start, duration, ranks, bytes, 0, label,
                                   args or {}))
         return Handle(ranks, end)

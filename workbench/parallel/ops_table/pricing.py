@@ -13,12 +13,13 @@ does (``cost.gemm_efficiency``).
 
 A matmul's backward is two GEMMs, as in PyTorch's and Megatron-LM's autograd: first the
 input gradient ("dgrad", dA = dC B^T: the forward's multiply-adds again; it reads dC and
-B and writes dA), then the weight gradient ("wgrad", dB = A^T dC, plus a bias's
-gradient: the rest of the op's backward FLOPs and bytes, reading A and writing dB).  The
-two events partition the op's backward FLOPs and bytes exactly (:class:`SplitCost`);
-each is a kernel priced on its own roofline with its launch (two GEMM launches, as
-``plan.layer_cost`` prices them), recorded one after the other, the wgrad last, so
-that a collective on the input gradient can run beside it (:func:`wgrad_overlap`;
+B and writes dA), then the weight gradient ("wgrad", dB = A^T dC: the rest of the op's
+backward FLOPs and bytes, reading A and writing dB), then, with a bias, its gradient, the sum of dC over its rows ("bias": a reduction kernel of its own that reads
+dC and writes dbias, one FLOP an element of C).  The GEMMs partition the op's backward
+FLOPs and bytes less the bias's sum exactly, the bias's sum adds its second read of dC
+(:class:`SplitCost`); each is a kernel priced on its own roofline with its launch (as
+``plan.layer_cost`` prices them), recorded one after the other, so that a collective on
+the input gradient can run beside the wgrad and the bias's sum (:func:`wgrad_overlap`;
 Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``:
 ``strategies.tensor_parallel``).
 
@@ -29,7 +30,7 @@ not require grad (the first layer's input) and the weight gradient of a frozen w
 (``requires_grad=False``, ``detach()``) are never run. :func:`backward_parts` is the one
 place that says which of an op's backward kernels run for which inputs needing grad; the
 dispatcher records those (:func:`on_backward` with ``needs``) and ``compile.kernels``
-counts the same. The gradient of the output is read once, by the first kernel that runs.
+counts the same. The GEMMs read the gradient of the output once, by the first that runs.
 A split backward (zero-bubble ``B`` and ``W``) prices in each pass only the GEMMs it runs
 (:mod:`.backward_split`), and nothing twice (``sim_mesh.backward_pass``).
 
@@ -53,7 +54,8 @@ from . import backward_split, linear_regather
 from .costs import Cost
 
 __all__ = ["local_cost", "record_forward", "on_backward", "pricing_dtype", "SplitCost",
-           "record_backward_now", "wgrad_overlap", "graph_sink", "backward_parts", "needs_grad"]
+           "record_backward_now", "wgrad_overlap", "graph_sink", "backward_parts", "needs_grad",
+           "part_class"]
 
 
 @dataclass(frozen=True)
@@ -67,9 +69,9 @@ class SplitCost(Cost):
     gemm: "tuple | None" = None
     dgrad_gemm: "tuple | None" = None
     wgrad_gemm: "tuple | None" = None
-    # the output gradient's bytes (read by the dgrad, or by the first kernel that runs),
-    # and a bias's gradient (third input: the sum of dC over its rows, one FLOP per
-    # element of C; its bytes written), part of the wgrad's share
+    # the output gradient's bytes (read by the dgrad, or by the first GEMM that runs),
+    # and a bias's gradient (third input: the sum of dC over its rows, one FLOP
+    # per element of C; its bytes written): a kernel of its own (``backward_parts``)
     dy_bytes: int = 0
     bias_flops: int = 0
     bias_bytes: int = 0
@@ -232,16 +234,16 @@ class _BackwardCompute(torch.autograd.Function):
         return (None,) + grads
 
 
-# per trace, per rank: (end of the dgrad, the wgrad's event index) of the last split
-# backward
+# per trace, per rank: (end of the dgrad, the index of the last event: the wgrad or the
+# bias's sum after it) of the last split backward
 _SPLITS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def wgrad_overlap(tr, ranks) -> "float | None":
-    """When the last compute on every rank of ``ranks`` is a matmul's wgrad (nothing
-    recorded on their compute streams since, no wait), the time its dgrad ended: the
-    input gradient is ready then, and a collective on it can run beside the wgrad (the
-    trace stretches the wgrad for it). Else None."""
+    """When the last compute on every rank of ``ranks`` is a matmul's wgrad, or its bias's
+    sum after it (nothing recorded on their compute streams since, no wait), the time its
+    dgrad ended: the input gradient is ready then, and a collective on it can run beside
+    them (the trace times them again for it). Else None."""
     seen = _SPLITS.get(tr, {})
     for r in ranks:
         e, last = seen.get(r), tr.last_compute(r)
@@ -261,12 +263,15 @@ def backward_parts(cost: Cost, needs=None) -> list:
     """The backward kernels that run, as ``(part, flops, bytes, gemm)``: ``part`` None for
     an op priced as one backward kernel (less the per-input terms of a
     :class:`~.costs.TermsCost` whose input needs no gradient: a norm's frozen weight),
-    else "dgrad" (the first input's gradient),
-    "wgrad" (the second's, with a bias's sum when the bias needs its gradient) or "bias"
-    (a bias's sum alone: its weight frozen). ``needs`` (:func:`needs_grad`) says which
-    inputs need their gradient; None: all of them. A split matmul's parts partition its
-    backward when every input needs its gradient (:class:`SplitCost`); a part that does
-    not run is dropped, and the output gradient is read by the first part that runs."""
+    else "dgrad" (the first input's gradient), "wgrad" (the second's) and "bias" (a
+    bias's sum, a reduction kernel of its own after the two GEMMs: autograd's
+    ``validate_outputs`` sums ``AddmmBackward0``'s gradient of the bias to its shape once
+    the node has run, as ``torch.profiler`` shows, ``aten::sum`` after the two
+    ``aten::mm``; Megatron-LM's ``grad_output.sum(dim=0)`` after the wgrad GEMM
+    likewise). ``needs`` (:func:`needs_grad`) says which inputs need their gradient;
+    None: all of them. A split matmul's GEMMs partition its backward less the bias's sum
+    (:class:`SplitCost`), the GEMMs' output gradient read by the first of them that runs;
+    the bias's sum reads it again. A part that does not run is dropped."""
     if not (cost.backward_flops or cost.backward_bytes):
         return []
     def need(i):
@@ -279,15 +284,19 @@ def backward_parts(cost: Cost, needs=None) -> list:
     if need(0):
         parts.append(("dgrad", cost.dgrad_flops, cost.dgrad_bytes, cost.dgrad_gemm))
         dy = 0                                    # counted in the dgrad's bytes
-    bias = need(2) and bool(cost.bias_flops or cost.bias_bytes)
     if need(1):
-        parts.append(("wgrad",
-                      cost.wgrad_flops - (0 if bias else cost.bias_flops),
-                      cost.wgrad_bytes - (0 if bias else cost.bias_bytes) + dy,
-                      cost.wgrad_gemm))
-    elif bias:
-        parts.append(("bias", cost.bias_flops, cost.bias_bytes + dy, None))
+        parts.append(("wgrad", cost.wgrad_flops - cost.bias_flops,
+                      cost.wgrad_bytes - cost.bias_bytes + dy, cost.wgrad_gemm))
+    if need(2) and (cost.bias_flops or cost.bias_bytes):
+        # a kernel of its own after the GEMMs: it reads the output gradient again
+        parts.append(("bias", cost.bias_flops, cost.bias_bytes + cost.dy_bytes, None))
     return parts
+
+
+def part_class(part, op_class: str) -> str:
+    """The op class a backward part (:func:`backward_parts`) is priced as: a bias's sum is
+    a reduction, the GEMMs and a whole backward the op's own class."""
+    return "reduction" if part == "bias" else op_class
 
 
 def _record_backward(name, op_class, ranks, cost, dtype, needs=None, edges=None,
@@ -304,7 +313,8 @@ def _record_backward(name, op_class, ranks, cost, dtype, needs=None, edges=None,
         parts = whole
         if in_weight_pass():                  # W walks B's graph again: the rest of it
             parts = [q for q in whole if q[0] not in done]
-            if done and parts and parts[0] is whole[0] and isinstance(cost, SplitCost):
+            if done and parts and parts[0] is whole[0] and isinstance(cost, SplitCost) \
+                    and parts[0][0] != "bias":
                 n, f, b, gm = parts[0]        # B's part read the output gradient already
                 parts[0] = (n, f, b - cost.dy_bytes, gm)
         elif isinstance(cost, SplitCost) and edges is not None:    # B: the GEMMs it runs
@@ -339,13 +349,13 @@ def _record_backward(name, op_class, ranks, cost, dtype, needs=None, edges=None,
                     tr.wait(h)
                 if waits and isinstance(regather, linear_regather.CastRegather):
                     _record_regather_cast(tr, ranks, regather, launches, sunk)
-            cls = "reduction" if part == "bias" else op_class
+            cls = part_class(part, op_class)
             dur = _time(flops, nbytes, tr.profile, dtype, cls, gemm, launches=launches)
             evs.append(tr.record_compute(ranks, name, dur, flops=flops, bytes=nbytes,
                                          label="backward",
                                          args={"op_class": cls, "phase": "backward",
                                                "part": part, **sunk}))
-        if [p[0] for p in parts] == ["dgrad", "wgrad"]:
+        if [p[0] for p in parts][:2] == ["dgrad", "wgrad"]:     # (then the bias's sum)
             seen = _SPLITS.setdefault(tr, {})
             for r in ranks:
                 seen[r] = (evs[0].end, tr.last_compute(r)[0])
