@@ -183,16 +183,17 @@ def test_a_gpt_without_dropout_recomputes_up_to_fc2s_input(kw):
     dropout at p = 0 runs no kernel (the runtime's op and the estimate's GPT layer alike:
     ATen returns the input), 0.996 (ZeRO-0) and 0.998 (ZeRO-3); with dropout 1.0006.  Since
     the recipe looks the learned positions up per token (no all-reduce of their gradient
-    over dp), 0.991 both, with dropout 0.996: the estimate's GPT layer prices the bias
+    over dp), 0.991 both, with dropout 0.996: the estimate's GPT layer priced the bias
     gradients' reductions (PyTorch's linear backward sums ``grad`` for the bias in a kernel
-    of its own; Megatron-LM's layer the same), which the op table's linear folds into its
-    two GEMMs (not priced: ~10 us a layer here, 0.9% of the step)."""
+    of its own; Megatron-LM's layer the same), which the op table's linear folded into its
+    two GEMMs.  Since the op table's linear runs that sum as its own kernel (and the
+    estimate prices the split q, k, v's three): 0.995 both, with dropout 1.000."""
     lay = Layout(framework="workbench", global_batch=4, recompute="full", **kw)
     cl = Cluster("a100", lay.world)
     for cfg in (GPT, GPT.replace(dropout=0.1)):
         ratio = dry_run(cfg, lay, cl).step_time / estimate(cfg, lay, cl,
                                                            attention="flash").step_time
-        assert ratio == pytest.approx(1.0, abs=0.01), cfg.dropout
+        assert ratio == pytest.approx(1.0, abs=0.007), cfg.dropout
 
 
 def test_the_layer_with_cp_stops_its_recompute_early_too():
