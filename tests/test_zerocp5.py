@@ -187,7 +187,10 @@ def test_a_gpt_without_dropout_recomputes_up_to_fc2s_input(kw):
     gradients' reductions (PyTorch's linear backward sums ``grad`` for the bias in a kernel
     of its own; Megatron-LM's layer the same), which the op table's linear folded into its
     two GEMMs.  Since the op table's linear runs that sum as its own kernel (and the
-    estimate prices the split q, k, v's three): 0.995 both, with dropout 1.000."""
+    estimate prices the split q, k, v's three): 0.995 both, with dropout 1.000; since the
+    estimate prices no copy of the fused attention's output (a view: SDPA writes it
+    [b, s, a, d], tests/test_attention_output_view.py): 0.999 and 0.998, with dropout
+    1.004."""
     lay = Layout(framework="workbench", global_batch=4, recompute="full", **kw)
     cl = Cluster("a100", lay.world)
     for cfg in (GPT, GPT.replace(dropout=0.1)):

@@ -189,11 +189,13 @@ def _flash(b, ah, s, d, e):
         c.saved_bytes_fused
 
 
-def _attention(b, ah, s, d, t, T, h, e, attention, te=False):
+def _attention(b, ah, s, d, t, T, h, e, attention, te=False, permute=True):
     """The attention core's forward kernels (what selective recompute re-runs).  ``te``:
     Megatron-LM's ``TEDotProductAttention`` (``TE_SOURCES``): the three ``transpose(0, 1)
     .contiguous()`` copies of q, k, v into bshd before TE's fused (cuDNN) kernel, whose
-    output goes back as a ``transpose`` view (no permute here: :func:`_forward`)."""
+    output goes back as a ``transpose`` view (no permute here: :func:`_forward`).
+    ``permute=False``: the fused kernel's output needs no copy before the output
+    projection (this library's GPT, ``split_qkv``: :func:`_forward`)."""
     if attention == "materialized":
         return _core(b, ah, s, d, t, T, h, e)
     ff, fb, _, _ = _flash(b, ah, s, d, e)
@@ -202,7 +204,8 @@ def _attention(b, ah, s, d, t, T, h, e, attention, te=False):
           _cost.AttentionShape(b * ah, s, d, True, False, True))
     if te:   # q, k, v: each T x h / t read (strided) and written
         return [("qkv_transpose", "data_movement", 0, 2 * e * T * 3 * h // t, 3), fa]
-    return [fa, ("context_permute", "data_movement", 0, 2 * e * T * h // t, 1)]
+    return [fa] + ([("context_permute", "data_movement", 0, 2 * e * T * h // t, 1)]
+                   if permute else [])
 
 
 def _forward(h, a, s, b, t, sp, f, e, attention="materialized", split_qkv=False, te=False,
@@ -247,7 +250,11 @@ def _forward(h, a, s, b, t, sp, f, e, attention="materialized", split_qkv=False,
     else:
         ops += [gemm("qkv_gemm", T, h, hq),
                 ("qkv_bias_add", "elementwise", T * hq, e * (2 * T * hq + hq), 1)]
-    ops += _attention(b, ah, s, d, t, T, h, e, attention, te)
+    # this library's GPT (split_qkv) calls wb.ops.flash_attention, on CUDA PyTorch's
+    # scaled_dot_product_attention, whose flash kernel writes its output as [b, s, a, d]
+    # and returns the [b, a, s, d] transpose of it: the model's transpose(1, 2).reshape
+    # to [b, s, h] is then a view, no copy (as plan.llama_layer prices the Llama's)
+    ops += _attention(b, ah, s, d, t, T, h, e, attention, te, permute=not split_qkv)
     if te and b > 1:    # linear_proj's prepare_forward: inp.contiguous() of the transposed
         # [s, b, h / t] context (a view, already contiguous where b = 1)
         ops.append(("context_permute", "data_movement", 0, 2 * e * T * h // t, 1))
@@ -351,10 +358,11 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
     ops += [dgrad("proj_dgrad", T, h // t, h), wgrad("proj_wgrad", T, h // t, h)]
     if recompute == "selective":
         ops += [("recompute:" + o[0],) + o[1:]
-                for o in _attention(b, ah, s, d, t, T, h, e, attention, te)]
+                for o in _attention(b, ah, s, d, t, T, h, e, attention, te,
+                                    permute=not split_qkv)]
     if attention == "flash":
         _, _, bf, bb = _flash(b, ah, s, d, e)
-        ops += [] if te and b == 1 else [
+        ops += [] if (te and b == 1) or split_qkv else [      # split_qkv: _forward's
             ("context_permute_grad", "data_movement", 0, 2 * e * T * h // t, 1)]
         ops += [("flash_attention_grad", "attention", bf, bb, 1,
                  _cost.AttentionShape(b * ah, s, d, True, True, True))] + qkv_grads
