@@ -294,9 +294,10 @@ def _backward(h, a, s, b, t, sp, f, e, recompute, attention="materialized",
     recipe, autograd's ``param.grad``), not accumulated into Megatron-LM's fp32
     ``main_grad``.  ``split_qkv``: :func:`_forward`'s; autograd runs the three linears'
     backward last-created first (v, k, q), each its dgrad, its wgrad and its bias's sum,
-    and the input gradient's collective waits for all three dgrads (beside q's wgrad).  ``regather``:
-    with ``sp``, the column-parallel inputs all-gathered again in backward (Megatron-LM;
-    False: DTensor keeps the gathered input, no re-gather: ``llama_layer.backward_ops``).
+    and the input gradient's collective waits for all three dgrads (beside q's wgrad).
+    ``regather``: with ``sp``, the column-parallel inputs all-gathered again in backward
+    (Megatron-LM; False: DTensor keeps the gathered input, no re-gather:
+    ``llama_layer.backward_ops``).
     ``te``: :func:`_forward`'s; the QKV bias gradient out of the weight-gradient GEMM's
     epilogue (written in the weight gradient's dtype), the output gradient copied to
     contiguous only where b > 1, dQ, dK, dV still concatenated (``TE_SOURCES``)."""

@@ -14,8 +14,9 @@ does (``cost.gemm_efficiency``).
 A matmul's backward is two GEMMs, as in PyTorch's and Megatron-LM's autograd: first the
 input gradient ("dgrad", dA = dC B^T: the forward's multiply-adds again; it reads dC and
 B and writes dA), then the weight gradient ("wgrad", dB = A^T dC: the rest of the op's
-backward FLOPs and bytes, reading A and writing dB), then, with a bias, its gradient, the sum of dC over its rows ("bias": a reduction kernel of its own that reads
-dC and writes dbias, one FLOP an element of C).  The GEMMs partition the op's backward
+backward FLOPs and bytes, reading A and writing dB), then, with a bias, its gradient,
+the sum of dC over its rows ("bias": a reduction kernel of its own that reads dC and
+writes dbias, one FLOP an element of C).  The GEMMs partition the op's backward
 FLOPs and bytes less the bias's sum exactly, the bias's sum adds its second read of dC
 (:class:`SplitCost`); each is a kernel priced on its own roofline with its launch (as
 ``plan.layer_cost`` prices them), recorded one after the other, so that a collective on
