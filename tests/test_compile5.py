@@ -253,3 +253,31 @@ def test_tiny_llama_o0_records_the_eager_step():
     assert lc == pytest.approx(le, rel=1e-6)
     assert cc == ce
     assert trc.time() == pytest.approx(tre.time(), rel=1e-9)
+
+
+def test_tiny_llama_greedy_price_is_the_eager_step_less_the_loss_outside():
+    """The search's price of the dispatcher's placements (``prog.greedy``, summed by
+    ``compile.kernels``) is the eager step less what the loss runs outside the program,
+    its two all-reduces of the target count (notebook 16): each kernel priced as the
+    dispatcher prices it, a matmul's forward and backward GEMMs with their shapes and a
+    bias's sum on its own roofline (the sum priced the backward's kernels on one
+    roofline and the forward GEMM without its shape: 0.02 us apart)."""
+    from workbench.models import build_model, get_config
+    cfg = get_config("tiny")
+    mesh = wb.Mesh.grid((2, 2), ("dp", "tp"))
+
+    def llama():
+        m = build_model(cfg, seed=0)
+        return wb.parallelize(m, mesh, m.tp_plan(2), mesh_dim="tp")
+    g = torch.Generator().manual_seed(0)
+    ids, targets = (torch.randint(0, cfg.vocab_size, (4, 32), generator=g) for _ in range(2))
+    xi, yi = (wb.shard_tensor(t, mesh, [S(0), R()]) for t in (ids, targets))
+    with wb.trace(profile=PROFILE) as tre:
+        _, loss = llama()(xi, yi)
+        loss.backward()
+    outside = [e for e in tre.events if e.label == "cross_entropy: global count of targets"
+               and 0 in e.ranks]
+    assert len(outside) == 2
+    prog = wb.compile(llama(), xi, yi, level="O0", profile=PROFILE)
+    assert prog.greedy.time == pytest.approx(
+        tre.time() - sum(e.duration for e in outside), rel=1e-9)
