@@ -230,9 +230,9 @@ def test_o1_keeps_one_gather_and_one_reduction():
         torch.testing.assert_close(p.grad.full(), q.grad.full(), msg=name)
 
 
-def test_tiny_llama_o0_records_the_eager_step():
-    """Notebook 16's repro: the O0 program recorded 53 collectives and 336.32 us, eager
-    51 and 327.97 (each MLP input's gradient reduced once per gathered copy)."""
+def _tiny_llama():
+    """Notebook 16's tiny Llama on a 2 x 2 (dp, tp) mesh: a function building the
+    tensor-parallel model afresh, and its ids and targets sharded over dp."""
     from workbench.models import build_model, get_config
     cfg = get_config("tiny")
     mesh = wb.Mesh.grid((2, 2), ("dp", "tp"))
@@ -243,6 +243,13 @@ def test_tiny_llama_o0_records_the_eager_step():
     g = torch.Generator().manual_seed(0)
     ids, targets = (torch.randint(0, cfg.vocab_size, (4, 32), generator=g) for _ in range(2))
     xi, yi = (wb.shard_tensor(t, mesh, [S(0), R()]) for t in (ids, targets))
+    return llama, xi, yi
+
+
+def test_tiny_llama_o0_records_the_eager_step():
+    """Notebook 16's repro: the O0 program recorded 53 collectives and 336.32 us, eager
+    51 and 327.97 (each MLP input's gradient reduced once per gathered copy)."""
+    llama, xi, yi = _tiny_llama()
     runs = []
     for fn in (llama(), wb.compile(llama(), xi, yi, level="O0", profile=PROFILE)):
         with wb.trace(profile=PROFILE) as tr:
@@ -262,16 +269,7 @@ def test_tiny_llama_greedy_price_is_the_eager_step_less_the_loss_outside():
     dispatcher prices it, a matmul's forward and backward GEMMs with their shapes and a
     bias's sum on its own roofline (the sum priced the backward's kernels on one
     roofline and the forward GEMM without its shape: 0.02 us apart)."""
-    from workbench.models import build_model, get_config
-    cfg = get_config("tiny")
-    mesh = wb.Mesh.grid((2, 2), ("dp", "tp"))
-
-    def llama():
-        m = build_model(cfg, seed=0)
-        return wb.parallelize(m, mesh, m.tp_plan(2), mesh_dim="tp")
-    g = torch.Generator().manual_seed(0)
-    ids, targets = (torch.randint(0, cfg.vocab_size, (4, 32), generator=g) for _ in range(2))
-    xi, yi = (wb.shard_tensor(t, mesh, [S(0), R()]) for t in (ids, targets))
+    llama, xi, yi = _tiny_llama()
     with wb.trace(profile=PROFILE) as tre:
         _, loss = llama()(xi, yi)
         loss.backward()
