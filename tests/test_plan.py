@@ -212,6 +212,23 @@ def test_search_ranks_fitting_layouts_and_explains():
     assert "#" in str(best) and "MFU" in best.table()
 
 
+def test_explain_names_the_framework_each_layout_runs():
+    """A layout left at framework=None runs its ZeRO stage's default (Layout.engine): the
+    explanation names that framework, never None, and lists no change where two layouts
+    resolve to the same one."""
+    from workbench.plan.search import Ranking
+    cfg, cl = get_config("gpt-22b"), P.Cluster("a100", 64)
+    lays = [P.Layout(dp=8, tp=8, zero=z, recompute="selective", micro_batch=1,
+                     global_batch=64, framework=f)
+            for z, f in ((1, None), (1, "megatron"), (2, "workbench"))]
+    assert [lay.engine for lay in lays] == ["megatron", "megatron", "workbench"]
+    ranked = Ranking([(lay, P.estimate(cfg, lay, cl)) for lay in lays])
+    why = ranked.explain()
+    assert "framework" not in why[0]                      # None and "megatron": the same
+    assert "framework workbench -> megatron" in why[1]
+    assert "None" not in " ".join(why)
+
+
 # ---- bad input ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("make, words", [

@@ -36,6 +36,13 @@ _SCHED = {"1f1b": "1f1b", "gpipe": "gpipe", "interleaved_1f1b": "i1f1b"}
 _RC = {"selective": "sel"}
 
 
+def _field(lay, f: str):
+    """A layout field as :meth:`SearchResult.explain` names it: the framework the layout
+    runs (``Layout.engine``: ``framework=None`` resolved to its ZeRO stage's default),
+    the field itself otherwise."""
+    return lay.engine if f == "framework" else getattr(lay, f)
+
+
 def _share(frac: float) -> str:
     """``frac`` as a percentage with the fewest digits (one at least) that keep it off
     ``TIE`` and on its side: a tie of 0.96% and a win of 1.04% print "0.96%" and "1.04%",
@@ -151,8 +158,8 @@ class Ranking(list):
         for i in range(len(self) - 1):
             (la, ea), (lb, eb) = self[i], self[i + 1]
             # no-break spaces: a field's change stays on one line (text_width.wrap)
-            diff = [f"{f}\u00a0{getattr(lb, f)} -> {getattr(la, f)}" for f in _FIELDS
-                    if getattr(la, f) != getattr(lb, f)]
+            diff = [f"{f}\u00a0{_field(lb, f)} -> {_field(la, f)}" for f in _FIELDS
+                    if _field(la, f) != _field(lb, f)]
             delta = {k: ea.breakdown[k] - eb.breakdown[k] for k in ea.breakdown}
             saves = [k for k in delta if delta[k] < 0]
             pays = [k for k in delta if delta[k] > 0]
