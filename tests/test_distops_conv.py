@@ -229,6 +229,25 @@ def test_uneven_filters_leave_a_rank_no_output_channels():
     torch.testing.assert_close(b.grad.full(), b0.grad)
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.float64])
+def test_empty_pools_keep_torchs_dtype(dtype):
+    # torch pools an EMPTY bool or integer input without its dtype check and returns its
+    # own dtype (random sweep seed 1007444: an empty bool pool came back int64, the empty
+    # block's graph link x.sum() promoting it)
+    for fn in (lambda t: F.adaptive_avg_pool1d(t, 2), lambda t: F.avg_pool1d(t, 2)):
+        x = torch.zeros(0, 5, 4, dtype=dtype)
+        try:
+            ref = fn(x)
+        except (RuntimeError, NotImplementedError) as e:   # avg_pool1d checks it: so do we
+            for mesh, ps in ((M2, [S0]), (M3, [S1]), (M1, [R])):
+                with pytest.raises(type(e)):
+                    fn(wb.shard_tensor(x, mesh, ps))
+            continue
+        for mesh, ps in ((M2, [S0]), (M3, [S1]), (M1, [R])):
+            out = fn(wb.shard_tensor(x, mesh, ps))
+            assert out.dtype == ref.dtype and out.shape == ref.shape, (out.dtype, ref.dtype)
+
+
 # ---- batch norm's running statistics ---------------------------------------------------
 
 @pytest.mark.parametrize("mesh,ps", [(M1, [S0]), (M2, [S0]), (M3, [S0]), (M22, [S0, S2]),

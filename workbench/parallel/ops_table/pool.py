@@ -72,11 +72,14 @@ def _pool_local(nd, ctx, x, *, k, kind, fn, args):
 
 def empty_like_op(x, c, fn):
     """``fn`` of an empty shard (no channels, or no samples): an empty tensor of the shape
-    ``fn`` gives (run on a meta tensor with one channel and one sample), in ``x``'s graph."""
+    ``fn`` gives (run on no sample of at least one channel: torch's own kernel, so that its
+    checks of an empty input are torch's, ``avg_pool`` refusing a bool or integer input
+    where ``adaptive_avg_pool`` returns it), in ``x``'s graph and in the dtype ``fn``
+    gives (``x.sum()``, an int64 for those, must not promote it)."""
     probe = [max(n, 1) for n in x.shape]
-    y = fn(torch.empty(probe[c:], dtype=x.dtype, device="meta").unsqueeze(0))
+    y = fn(torch.empty((0, *probe[c:]), dtype=x.dtype))
     shape = tuple(x.shape[:c + 1]) + tuple(y.shape[2:])
-    return x.new_zeros(shape) + x.sum()
+    return x.new_zeros(shape, dtype=y.dtype) + x.sum().to(y.dtype)
 
 
 def _tuple(v, k, name, op):
