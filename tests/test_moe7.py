@@ -85,3 +85,23 @@ def test_expert_parallel_bytes_per_rank_are_the_rows_each_rank_sent():
     assert m.last_stats["tokens_per_expert"].tolist() == [0, 0, 0, 10]
     row = 5 * 8 * 8                                  # 5 tokens of h = 8 in float64
     assert tr.bytes_per_rank("all_to_all") == {0: row + 16, 1: row + 16}
+
+
+# ---- context parallelism: the two attentions on one layout ----------------------------------
+
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2)])
+def test_ulysses_by_default_reads_the_layout_ring_attention_reads(Hq, Hkv):
+    """q, k, v laid out by ``ring_order``'s default (load-balanced, as ``to_ring_layout``
+    and ``ring_attention`` take them); both attentions with their defaults (causal) give
+    one device's output.  Was: ``ulysses_attention`` defaulted to contiguous slots and put
+    the causal mask on the wrong positions (1.2 off; the ring 7e-16)."""
+    from workbench.parallel.strategies import context_parallel as cp
+    from workbench.parallel.strategies.context_parallel_a2a import ulysses_attention
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 16, 8, generator=g, dtype=F64) for h in (Hq, Hkv, Hkv))
+    mesh = wb.Mesh([0, 1], dim_names=["cp"])
+    d = [wb.shard_tensor(cp.ring_order(t, 2, 2), mesh, [Sh(2)]) for t in (q, k, v)]
+    want = cp.ring_order(wb.ops.flash_attention(q, k, v, causal=True), 2, 2)
+    for attend in (cp.ring_attention, ulysses_attention):
+        torch.testing.assert_close(attend(*d, "cp").full(), want, rtol=1e-12, atol=1e-12,
+                                   msg=attend.__name__)
