@@ -105,3 +105,16 @@ def test_ulysses_by_default_reads_the_layout_ring_attention_reads(Hq, Hkv):
     for attend in (cp.ring_attention, ulysses_attention):
         torch.testing.assert_close(attend(*d, "cp").full(), want, rtol=1e-12, atol=1e-12,
                                    msg=attend.__name__)
+
+
+def test_ulysses_balanced_on_a_sequence_it_cannot_balance_says_balanced_false():
+    """With the default now balanced=True, 6 tokens on cp = 2 (3 a rank, contiguous) are
+    refused before any all-to-all, naming ``balanced=False``."""
+    from workbench.parallel.strategies.context_parallel_a2a import ulysses_attention
+    mesh = wb.Mesh([0, 1], dim_names=["cp"])
+    d = [wb.shard_tensor(torch.randn(1, 2, 6, 4), mesh, [Sh(2)]) for _ in range(3)]
+    with wb.trace() as tr, pytest.raises(ValueError, match=r"sequence of 6 tokens.*pass "
+                                                         r"balanced=False"):
+        ulysses_attention(*d, "cp")
+    assert not tr.events
+    assert ulysses_attention(*d, "cp", balanced=False).shape == (1, 2, 6, 4)

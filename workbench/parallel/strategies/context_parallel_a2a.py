@@ -222,6 +222,11 @@ def ulysses_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: 
                         "(dim 2) is sharded over the cp mesh dim")
     axis = q.mesh.dim(mesh_dim)
     p, heads = _check_inputs(q, k, v, axis, where)
+    if balanced and q.shape[2] % (2 * p):
+        raise ValueError(f"{where}: balanced=True (the ring's load-balanced order, 2 x cp = "
+                         f"{2 * p} chunks) on a sequence of {q.shape[2]} tokens, which does not "
+                         f"divide by {2 * p}; pass balanced=False if q, k, v are in contiguous "
+                         f"slots, or use a sequence length that is a multiple of {2 * p}")
     mesh = q.mesh
 
     def to(t, dim):
