@@ -118,3 +118,20 @@ def test_ulysses_balanced_on_a_sequence_it_cannot_balance_says_balanced_false():
         ulysses_attention(*d, "cp")
     assert not tr.events
     assert ulysses_attention(*d, "cp", balanced=False).shape == (1, 2, 6, 4)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(rows=[[0, 2.5], [2, 0]]), r"rows hold 2.5; give whole token counts"),
+    (dict(rows=[[0, -3], [2, 0]]), r"rows hold -3"),
+    (dict(chunks=0), r"chunks=0; give an int >= 1"),
+    (dict(per_expert=0), r"per_expert=0; give an int >= 1"),
+    (dict(experts_per_rank=0), r"experts_per_rank=0; give an int >= 1")])
+def test_exchange_report_refuses_what_it_would_price_wrong(kw, match):
+    """Was: 2.5 tokens priced as 2 (``int()``), chunks=0 an IndexError, no experts or no
+    weights priced as the kernels' launches alone."""
+    from workbench.parallel.strategies.expert_parallel import exchange_report
+    args = dict(rows=[[0, 3], [2, 0]], row_bytes=8192, per_expert=3 * 4096 * 1792,
+                experts_per_rank=2, profile="h100")
+    with pytest.raises(ValueError, match=match):
+        exchange_report(**{**args, **kw})
+    assert exchange_report(**args).comm > 0
