@@ -18,6 +18,8 @@ sequence do not depend on how the batch is split over ranks or micro-batches.
     gate is 1 and the router learns from the load-balancing loss alone), Qwen-MoE's
     ``norm_topk_prob=False``.
   ``slot``: where each (token, choice) lands in its expert's buffer, -1 when dropped.
+  Ties in the scores go to the lower expert index (torch.argmax's rule, Switch's and
+  GShard's argmax), the same on every backend (``torch.topk`` leaves their order open).
   Priority as GShard's Algorithm 1: every token's first choice, in sequence order,
   before any second choice.  With ``capacity`` C an expert takes at most C per group;
   the rest are dropped (they add nothing: the residual carries the token).
@@ -120,7 +122,12 @@ def _router_topk(logits, k, gating, cap, normalize=True):
     else:
         scores = torch.sigmoid(z)                                       # s (..., S, E)
         probs = scores / scores.sum(-1, keepdim=True)                   # s' (DeepSeek-V3)
-    top, experts = scores.topk(k, -1)                                   # (..., S, k)
+    # the k largest, ties to the lower expert index (torch.argmax's rule, as Switch's and
+    # GShard's argmax routers take it); torch.topk leaves the order of equal scores
+    # unspecified (torch 2.13 on CPU put the higher index first), so a tie routed a token
+    # by the backend's kernel: a stable sort is the same on every device
+    top, experts = torch.sort(scores, stable=True, dim=-1, descending=True)
+    top, experts = top[..., :k], experts[..., :k]                       # (..., S, k)
     weights = (top / top.sum(-1, keepdim=True) if normalize else top).to(logits.dtype)
     hot = F.one_hot(experts, E)                                         # (..., S, k, E)
     # k-major priority: first choices of every token, then second choices (GShard)

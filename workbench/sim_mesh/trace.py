@@ -301,12 +301,21 @@ class Trace:
         return sum(e.bytes for e in self.collectives() if name is None or e.name == name)
 
     def bytes_per_rank(self, name: str | None = None) -> dict[int, int]:
-        """Bytes each rank sent in the recorded collectives (of ``name``)."""
+        """Bytes each rank sent in the recorded collectives (of ``name``).  An uneven
+        all-to-all (``all_to_all_v``: its ``send_bytes`` matrix, row i what ``ranks[i]``
+        sends each) counts each rank's own off-rank sends, not the busiest rank's
+        ``bytes`` (was: every rank charged the busiest sender's, so a router sending all
+        its tokens one way counted the dispatch and the combine twice on every rank)."""
         out: dict[int, int] = defaultdict(int)
         for e in self.collectives():
             if name is None or e.name == name:
                 if e.name == "send_recv" and "src" in e.args:
                     out[e.args["src"]] += e.bytes
+                    continue
+                matrix = e.args.get("send_bytes") if e.args else None
+                if matrix is not None and len(matrix) == len(e.ranks):
+                    for i, (r, row) in enumerate(zip(e.ranks, matrix)):
+                        out[r] += sum(row) - row[i]
                     continue
                 for r in e.ranks:
                     out[r] += e.bytes

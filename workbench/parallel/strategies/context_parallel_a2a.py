@@ -198,12 +198,15 @@ def _swap(t, axis: int, to_heads: bool):
                       t.names)
 
 
-def ulysses_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: bool = False,
+def ulysses_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: bool = True,
                       scale: float | None = None):
     """DeepSpeed-Ulysses attention (module docstring) of q (B, Hq, S, D) against k, v
     (B, Hkv, S, D*), DistTensors whose sequence is sharded (``Shard(2)``) over
     ``mesh_dim``; ``balanced``: the sequence is in the ring's load-balanced order
-    (:func:`~.context_parallel.to_ring_layout`), else contiguous. Returns the output
+    (:func:`~.context_parallel.to_ring_layout`), else contiguous: the default, True, is
+    :func:`~.context_parallel.ring_attention`'s, ``to_ring_layout``'s and ``ring_order``'s
+    (was False: q, k, v laid out by those defaults got a causal mask over the wrong
+    positions, 1.2 off one device's output where the ring was exact). Returns the output
     (B, Hq, S, Dv), laid out as q; equal to ``flash_attention(q, k, v, causal=causal)``
     of the sequences in their own order. Four all-to-alls forward, four backward. The
     heads may be sharded on other mesh dims too (tensor parallelism), alike for q, k and
@@ -219,6 +222,11 @@ def ulysses_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: 
                         "(dim 2) is sharded over the cp mesh dim")
     axis = q.mesh.dim(mesh_dim)
     p, heads = _check_inputs(q, k, v, axis, where)
+    if balanced and q.shape[2] % (2 * p):
+        raise ValueError(f"{where}: balanced=True (the ring's load-balanced order, 2 x cp = "
+                         f"{2 * p} chunks) on a sequence of {q.shape[2]} tokens, which does not "
+                         f"divide by {2 * p}; pass balanced=False if q, k, v are in contiguous "
+                         f"slots, or use a sequence length that is a multiple of {2 * p}")
     mesh = q.mesh
 
     def to(t, dim):

@@ -127,6 +127,12 @@ def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
                 tr.wait(hc)
 
 
+def _count(v, lo: int) -> bool:
+    """``v`` is an int >= ``lo`` (not a bool; a numpy or torch integer counts)."""
+    import numbers
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) >= lo
+
+
 def _share(nbytes: int, row_bytes: int, c: int, chunks: int) -> int:
     """Bytes of piece c of ``chunks`` of an exchange of ``nbytes``: whole rows, split as
     evenly as they go (the first pieces one row fewer), or the bytes themselves when they
@@ -152,6 +158,18 @@ def exchange_report(rows, row_bytes: int, per_expert: int, experts_per_rank: int
     if ep < 1 or any(len(r) != ep for r in rows):
         raise ValueError(f"exchange_report: rows must be an ep x ep matrix of token counts; "
                          f"got {rows!r:.80}")
+    # (was: 2.5 tokens silently counted as 2 by int(), chunks=0 an IndexError, no expert
+    # or no weight priced as launches alone)
+    bad = [n for r in rows for n in r if not _count(n, 0)]
+    if bad:
+        raise ValueError(f"exchange_report: rows hold {bad[0]!r}; give whole token counts "
+                         "(ints >= 0), rows[i][j] the tokens rank i sends rank j")
+    for name, v in (("row_bytes", row_bytes), ("per_expert", per_expert),
+                    ("experts_per_rank", experts_per_rank), ("chunks", chunks)):
+        if not _count(v, 1):
+            raise ValueError(f"exchange_report: {name}={v!r}; give an int >= 1 (row_bytes: h x "
+                             "element size; per_expert: the weights a token multiplies; "
+                             "experts_per_rank: E / ep; chunks: pieces of the exchange)")
     item = torch.empty((), dtype=dtype).element_size()
     matrix = [[int(n) * row_bytes for n in r] for r in rows]
     got = [sum(int(rows[i][r]) for i in range(ep)) for r in range(ep)]
