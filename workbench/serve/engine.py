@@ -259,7 +259,8 @@ class Engine:
         return {k: list(v) for k, v in self.outputs.items()}
 
     def generate_all(self, prompts, max_new_tokens, **kwargs) -> list[list[int]]:
-        """Serve ``prompts`` (lists of token ids) as requests 0, 1, ...; ``max_new_tokens``
+        """Serve ``prompts`` (lists of token ids) as requests 0, 1, ... (the next ids no
+        earlier request of this engine holds); ``max_new_tokens``
         one int or one per prompt; ``kwargs`` as :meth:`add_request`'s, for all."""
         prompts = list(prompts)
         news = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) \
@@ -267,14 +268,19 @@ class Engine:
         if len(news) != len(prompts):
             raise ValueError(f"generate_all: {len(news)} max_new_tokens for {len(prompts)} "
                              "prompts; give one int, or one per prompt")
-        base = len(self.outputs)
-        ids = [base + i for i in range(len(prompts))]
+        ids, i = [], len(self.outputs)
+        while len(ids) < len(prompts):          # ids no earlier request holds (one added
+            if i not in self.outputs:           # with add_request(1, ...) keeps its own)
+                ids.append(i)
+            i += 1
+        added = []
         try:
             for i, p, m in zip(ids, prompts, news):
                 self.add_request(i, p, m, **kwargs)
+                added.append(i)
         except Exception:                       # all or nothing: unqueue this call's ones
-            self.waiting = [r for r in self.waiting if r.id not in ids]
-            for i in ids:
+            self.waiting = [r for r in self.waiting if r.id not in added]
+            for i in added:                     # only those: an earlier request's stay
                 self.outputs.pop(i, None)
                 self._steps.pop(i, None)
             raise
