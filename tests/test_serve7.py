@@ -43,6 +43,45 @@ def test_generate_all_keeps_an_earlier_requests_results_and_takes_free_ids():
     assert not eng.has_unfinished()
 
 
+
+@pytest.mark.parametrize("seeded", [True, False], ids=["own_seed", "global_rng"])
+def test_a_failed_draw_leaves_every_request_with_the_keys_its_cache_holds(seeded):
+    """A step samples request by request after the forward: a draw that raised (a
+    temperature of 1e-45 makes logits / T overflow, torch.multinomial refuses the nan
+    probabilities) left the requests after it in the loop one chunk behind the cache,
+    which had stored their keys; once the bad request was aborted, the next step fed the
+    prompt again, duplicated in the cache (logits 0.037 off the recomputed ones).  The
+    step now draws every token first, and a failure gives the cache's slots and the
+    generators back."""
+    m = model()
+    prompt = [15, 27, 9, 44, 61]
+    kw = dict(temperature=0.9, top_k=20)
+    eng = Engine(m, num_blocks=16, block_size=4)
+    eng.add_request("early", [8, 1], 4, seed=3 if seeded else None, **kw)
+    eng.step()                                           # "early" has its first token
+    eng.add_request("bad", [3, 4], 5, temperature=1e-45)
+    eng.add_request("ok", prompt, 6)
+    torch.manual_seed(11)
+    with pytest.raises(RuntimeError, match="probability tensor"):
+        eng.step()
+    assert eng.cache.tables.lengths == {"early": 2}     # "bad", "ok": no slot kept
+    eng.abort_request("bad")
+    torch.manual_seed(11)                               # the draws the failed step would take
+    logits = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            logits.setdefault(o.request_id, []).append(o.logits)
+    seq = prompt + eng.outputs["ok"]
+    with torch.no_grad():
+        ref, _ = m(torch.tensor([seq]))
+    torch.testing.assert_close(torch.stack(logits["ok"]), ref[0, len(prompt) - 1:-1],
+                               atol=1e-5, rtol=0)
+    assert eng.outputs["ok"] == alone(m, prompt, 6)
+    if seeded:                                          # its generator as if nothing failed
+        assert eng.outputs["early"] == alone(m, [8, 1], 4, generator=torch.Generator()
+                                             .manual_seed(3), **kw)
+    assert eng.cache.allocator.num_used == 0
+
 # ---- a checkpoint's model config -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def topk1(tmp_path_factory):

@@ -222,13 +222,12 @@ class Engine:
                           if n == 1 and r.output and r.computed == len(r.tokens) - 1]
             laid_out = isinstance(logits, DistTensor)
             rows = logits.full() if laid_out else logits    # (R, V): one gather (engine_tp)
+            toks = self._sample(sched, logits, rows, laid_out)
             for i, ((r, n), row) in enumerate(zip(sched, rows)):
                 r.computed += n
                 if r.computed < len(r.tokens):
                     continue                    # a prompt chunk: nothing sampled yet
-                tok = int(sample_next(logits[i:i + 1], r.params, r.generator).full()[0]) \
-                    if laid_out and not r.params.greedy else \
-                    int(sample_next(row[None], r.params, r.generator)[0])
+                tok = toks[i]
                 r.output.append(tok)
                 if len(r.output) == 1:
                     self._steps[r.id][1] = len(self.log)
@@ -251,6 +250,32 @@ class Engine:
                 tuple(finished), sum(n for _, n in sched), self.cache.allocator.num_used,
                 len(self.running), len(self.waiting)))
         return outs
+
+    def _sample(self, sched, logits, rows, laid_out) -> dict:
+        """{row: token} of every request whose sequence reached its end this step, drawn
+        before any request changes: a draw that fails (e.g. a temperature so small that
+        logits / T overflow: nan probabilities) leaves every request as before the step's
+        forward (the cache's new slots given back, the generators as they were; one
+        admitted this step stays running, with nothing computed), not some requests a
+        step behind the keys their cache holds."""
+        gens = [r.generator for r, _ in sched if r.generator is not None]
+        states = [g.get_state() for g in gens]
+        rng = torch.get_rng_state()
+        toks = {}
+        try:
+            for i, ((r, n), row) in enumerate(zip(sched, rows)):
+                if r.computed + n < len(r.tokens):
+                    continue                    # a prompt chunk: nothing sampled yet
+                toks[i] = int(sample_next(logits[i:i + 1], r.params, r.generator).full()[0]) \
+                    if laid_out and not r.params.greedy else \
+                    int(sample_next(row[None], r.params, r.generator)[0])
+        except BaseException:
+            for g, st in zip(gens, states):
+                g.set_state(st)
+            torch.set_rng_state(rng)
+            self.cache.rollback()
+            raise
+        return toks
 
     def run(self) -> dict:
         """Step until every request has finished; returns request id -> its tokens."""
