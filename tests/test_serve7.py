@@ -82,6 +82,29 @@ def test_a_failed_draw_leaves_every_request_with_the_keys_its_cache_holds(seeded
                                              .manual_seed(3), **kw)
     assert eng.cache.allocator.num_used == 0
 
+
+def test_freed_blocks_poisoned_with_nan_serve_the_next_requests_exactly():
+    """Fill, free, reuse: after every step each free block of every pool is set to nan, so
+    a read of any slot no live token wrote (a stale key of a finished or preempted request,
+    a padded table entry, the tail of a last block) would turn the logits nan.  Each
+    request still gets its tokens alone (a pool of 7 blocks of 2: preemption included)."""
+    m = model("tiny", n_kv_head=2)
+    prompts = [[5, 7, 9], [1, 2, 3, 4, 5, 6, 7, 8], [11], [4, 4, 4, 4, 4, 4], [9, 8]]
+    news = [6, 4, 7, 5, 3]
+    eng = Engine(m, num_blocks=7, block_size=2, max_batch=3, token_budget=5)
+    for i, (p, n) in enumerate(zip(prompts, news)):
+        eng.add_request(i, p, n)
+    preempted = 0
+    while eng.has_unfinished():
+        eng.step()
+        preempted += len(eng.log[-1].preempted)
+        used = {b for bl in eng.cache.tables.blocks.values() for b in bl}
+        free = [b for b in range(eng.num_blocks) if b not in used]
+        for pool in eng.cache.k_pools + eng.cache.v_pools:
+            pool[free] = float("nan")
+    assert preempted > 0
+    assert [eng.outputs[i] for i in range(5)] == [alone(m, p, n) for p, n in zip(prompts, news)]
+
 # ---- a checkpoint's model config -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def topk1(tmp_path_factory):
