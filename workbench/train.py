@@ -146,7 +146,7 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
         if resume is not None:          # model, optimizer, step and RNG of the saved run
             from .checkpoint.training import resume_training
             start = resume_training(resume, strategy, model, optimizer, seed, batch_size,
-                                    lr, weight_decay)
+                                    lr, weight_decay, cfg=cfg)
             if steps < start:           # steps counts from 0, the checkpoint's steps included
                 raise ValueError(f"train(steps={steps}, resume={resume!r}): the checkpoint has "
                                  f"run {start} steps already; give steps >= {start} (the total "
@@ -174,7 +174,7 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
         if save is not None:
             from .checkpoint.training import save_training
             save_training(save, strategy, model, optimizer, max(steps, start), seed, batch_size,
-                          lr, weight_decay)
+                          lr, weight_decay, cfg=cfg)
     return records
 
 

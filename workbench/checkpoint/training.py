@@ -45,6 +45,42 @@ __all__ = ["save_training", "resume_training", "optimizer_states"]
 
 STATES = ("exp_avg", "exp_avg_sq")
 
+# ModelConfig fields that change what the weights compute but not their shapes, so
+# ``model_mismatch`` cannot see them: a checkpoint read into a model with other values
+# serves (or resumes) another function of the same weights, silently.  The MoE ones are
+# recorded only for a model with experts.
+FORWARD_FIELDS = ("n_head", "norm_eps", "rope_theta", "tie_embeddings", "moe_topk",
+                  "moe_gating", "moe_norm_topk")
+# ... and those that change only the training steps (a resume must keep them too)
+TRAIN_FIELDS = ("dropout", "dtype", "moe_capacity_factor", "moe_aux_loss_coef")
+
+
+def config_record(cfg) -> dict:
+    """The fields of ``cfg`` a checkpoint keeps (:data:`FORWARD_FIELDS`, :data:`TRAIN_FIELDS`)
+    as plain data, in the metadata (``md.workbench["info"]["config"]``)."""
+    return {k: getattr(cfg, k) for k in FORWARD_FIELDS + TRAIN_FIELDS
+            if hasattr(cfg, k) and (getattr(cfg, "moe_experts", 0) or not k.startswith("moe_"))}
+
+
+def config_mismatch(md, cfg, fields=FORWARD_FIELDS) -> str | None:
+    """Why ``cfg`` is not the config the checkpoint (its metadata ``md``) was saved with,
+    in one of ``fields``, or None (also for a checkpoint that recorded none)."""
+    saved = ((getattr(md, "workbench", None) or {}).get("info") or {}).get("config") or {}
+    for k in fields:
+        if k in saved and hasattr(cfg, k) and getattr(cfg, k) != saved[k]:
+            v = saved[k]
+            flag = {"moe_topk": f"--moe-topk {v}", "moe_gating": f"--moe-gating {v}",
+                    "moe_norm_topk": "--moe-no-norm-topk" if v is False
+                    else "no --moe-no-norm-topk",
+                    "moe_capacity_factor": f"--moe-capacity-factor {v}",
+                    "moe_aux_loss_coef": f"--moe-aux-loss-coef {v}"}.get(k)
+            how = f"give {flag}, or " if flag else ""
+            return (f"the checkpoint was saved from a model with {k}={v!r}, this one has "
+                    f"{k}={getattr(cfg, k)!r} (the weights' shapes are the same, what they "
+                    f"compute is not): {how}build the model with {k}={v!r} "
+                    f"(get_config(preset, {k}={v!r}))")
+    return None
+
 
 def _distributed(strategy) -> bool:
     return bool(getattr(strategy, "distributed", False))
@@ -197,8 +233,10 @@ def _copy(t):
 
 def save_training(path, strategy, model, optimizer, step: int, seed: int,
                   batch_size: int, lr: float | None = None,
-                  weight_decay: float | None = None) -> None:
-    """Save the state a run needs to continue at ``step`` (the next step to run)."""
+                  weight_decay: float | None = None, cfg=None) -> None:
+    """Save the state a run needs to continue at ``step`` (the next step to run);
+    ``cfg``: the model's config, whose fields the weights' shapes do not show are kept in
+    the metadata (:func:`config_record`) and checked on resume and on serving."""
     hyper = {k: float(v) for k, v in (("lr", lr), ("weight_decay", weight_decay))
              if v is not None}
     with torch.no_grad():
@@ -206,16 +244,21 @@ def save_training(path, strategy, model, optimizer, step: int, seed: int,
                  "optim": optimizer_states(strategy, model, optimizer),
                  "train": {"step": step, "seed": seed, "batch_size": batch_size,
                            "rng": torch.get_rng_state(), **hyper}}
-    save(path, state)
+    save(path, state, _info=None if cfg is None else {"config": config_record(cfg)})
 
 
 def resume_training(path, strategy, model, optimizer, seed: int, batch_size: int,
-                    lr: float | None = None, weight_decay: float | None = None) -> int:
+                    lr: float | None = None, weight_decay: float | None = None,
+                    cfg=None) -> int:
     """Load a :func:`save_training` checkpoint into this run's model and optimizer (any
     layout); restores torch's RNG; returns the step to continue from.  ``lr`` and
-    ``weight_decay``, when given, must be the saved run's (module docstring)."""
+    ``weight_decay``, when given, must be the saved run's (module docstring), and so
+    must ``cfg``'s fields the checkpoint recorded (:func:`config_mismatch`)."""
     md = F.read_metadata(path)
     keys = md.state_dict_metadata
+    bad = None if cfg is None else config_mismatch(md, cfg, FORWARD_FIELDS + TRAIN_FIELDS)
+    if bad:
+        raise ValueError(f"resume={path!r}: {bad}")
     train = {"step": 0, "seed": 0, "batch_size": 0, "rng": torch.get_rng_state()}
     hyper = {k: v for k, v in (("lr", lr), ("weight_decay", weight_decay))
              if v is not None and f"train.{k}" in keys}
@@ -306,7 +349,7 @@ def check_cli(args, strategy) -> str | None:
             return (f"--resume {resume_dir}: the run was saved with --{k.replace('_', '-')} "
                     f"{train[k]}, this one has {getattr(args, k)}; the batches after step "
                     f"{train['step']} would differ: give --{k.replace('_', '-')} {train[k]}")
-    bad = _cli_model_mismatch(args, keys)
+    bad = _cli_model_mismatch(args, keys) or _cli_config_mismatch(args, resume_dir)
     if bad:
         return f"--resume {resume_dir}: {bad}"
     steps = getattr(args, "steps", None)
@@ -362,3 +405,11 @@ def _cli_model_mismatch(args, keys) -> str | None:
     with torch.device("meta"):
         model = build_model(cfg, seed=0)
     return model_mismatch(keys, {k: v.shape for k, v in model.state_dict().items()})
+
+
+def _cli_config_mismatch(args, path) -> str | None:
+    """The config the flags build against the one the checkpoint recorded."""
+    from ..models.config import get_config
+    from ..recipes.moe import moe_overrides
+    cfg = get_config(getattr(args, "preset", "tiny"), **moe_overrides(args))
+    return config_mismatch(F.read_metadata(path), cfg, FORWARD_FIELDS + TRAIN_FIELDS)

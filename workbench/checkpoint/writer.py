@@ -118,7 +118,7 @@ def _write_file(directory: str, name: str, blobs: list[bytes], fsync: bool) -> d
     return {"bytes": off, "sha256": whole.hexdigest(), "pieces": pieces}
 
 
-def save(path, state, *, fsync: bool = True) -> None:
+def save(path, state, *, fsync: bool = True, _info: dict | None = None) -> None:
     """Save ``state`` (a state dict: tensors, DistTensors, nested dicts and lists,
     Python values) to the directory ``path`` in DCP's format, atomically.  A top-level
     value with ``state_dict`` and ``load_state_dict`` (a module, an optimizer: DCP's
@@ -126,7 +126,10 @@ def save(path, state, *, fsync: bool = True) -> None:
 
     Each rank writes its own pieces; one ``.metadata`` file records global shapes,
     dtypes, chunk offsets, the meshes and placements, and a sha256 of every file.  On
-    torch.distributed every process calls it with its own state (a collective)."""
+    torch.distributed every process calls it with its own state (a collective).
+    ``_info``: plain data kept in the metadata beside them (``md.workbench["info"]``; no
+    state-dict key: :mod:`.training` records the model config a resume is checked
+    against)."""
     path = F.check_path("save", path, state)
     flat, paths = F.flatten(F.stateful_to_state_dict(state))
     for key, value in flat.items():
@@ -185,13 +188,13 @@ def save(path, state, *, fsync: bool = True) -> None:
             for k, v in lay.items():
                 layouts.setdefault(k, v)
     if lead:
-        _commit(path, gen, sd_md, paths, results, files, layouts, fsync)
+        _commit(path, gen, sd_md, paths, results, files, layouts, fsync, _info)
     if dist:
         import torch.distributed as tdist
         tdist.barrier()             # every rank returns once the checkpoint is committed
 
 
-def _commit(path, gen, sd_md, paths, results, files, layouts, fsync) -> None:
+def _commit(path, gen, sd_md, paths, results, files, layouts, fsync, info=None) -> None:
     storage, checks = {}, {}
     for key, offs, name, off, n, h in results:
         idx = F.MetadataIndex(key, None if offs is None else torch.Size(offs))
@@ -203,6 +206,8 @@ def _commit(path, gen, sd_md, paths, results, files, layouts, fsync) -> None:
     md.storage_meta = StorageMeta(checkpoint_id=path, save_id=f"g{gen}")
     md.workbench = {"format": 1, "generation": gen, "files": files, "pieces": checks,
                     "layouts": layouts}
+    if info:
+        md.workbench["info"] = dict(info)
     F.dump_metadata(md, path, fsync)
     for n in os.listdir(path):          # what no metadata names any more
         if F.is_data_file(n) and n not in files:

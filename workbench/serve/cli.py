@@ -104,12 +104,15 @@ def load_served(preset, checkpoint=None, *, dp: int = 1, tp: int = 1, seed: int 
         import torch
 
         from ..checkpoint import load, read_metadata
-        from ..checkpoint.training import model_mismatch
+        from ..checkpoint.training import config_mismatch, model_mismatch
         sd = served.model.state_dict()
         # another model's checkpoint (e.g. trained with --moe-experts): named before the
-        # load, whose own message would suggest strict=False (weights left at their init)
-        bad = model_mismatch(read_metadata(checkpoint).state_dict_metadata,
-                             {k: v.shape for k, v in sd.items()}, every=not distributed)
+        # load, whose own message would suggest strict=False (weights left at their init);
+        # or one of the same shapes that computes otherwise (--moe-topk, --moe-gating...)
+        md = read_metadata(checkpoint)
+        bad = model_mismatch(md.state_dict_metadata,
+                             {k: v.shape for k, v in sd.items()}, every=not distributed) \
+            or config_mismatch(md, served.model.cfg)
         if bad:
             raise ValueError(f"--checkpoint {checkpoint}: {bad} (in Python: load_served("
                              "get_config(preset, moe_experts=...), checkpoint))")

@@ -222,13 +222,12 @@ class Engine:
                           if n == 1 and r.output and r.computed == len(r.tokens) - 1]
             laid_out = isinstance(logits, DistTensor)
             rows = logits.full() if laid_out else logits    # (R, V): one gather (engine_tp)
+            toks = self._sample(sched, logits, rows, laid_out)
             for i, ((r, n), row) in enumerate(zip(sched, rows)):
                 r.computed += n
                 if r.computed < len(r.tokens):
                     continue                    # a prompt chunk: nothing sampled yet
-                tok = int(sample_next(logits[i:i + 1], r.params, r.generator).full()[0]) \
-                    if laid_out and not r.params.greedy else \
-                    int(sample_next(row[None], r.params, r.generator)[0])
+                tok = toks[i]
                 r.output.append(tok)
                 if len(r.output) == 1:
                     self._steps[r.id][1] = len(self.log)
@@ -252,6 +251,32 @@ class Engine:
                 len(self.running), len(self.waiting)))
         return outs
 
+    def _sample(self, sched, logits, rows, laid_out) -> dict:
+        """{row: token} of every request whose sequence reached its end this step, drawn
+        before any request changes: a draw that fails (e.g. a temperature so small that
+        logits / T overflow: nan probabilities) leaves every request as before the step's
+        forward (the cache's new slots given back, the generators as they were; one
+        admitted this step stays running, with nothing computed), not some requests a
+        step behind the keys their cache holds."""
+        gens = [r.generator for r, _ in sched if r.generator is not None]
+        states = [g.get_state() for g in gens]
+        rng = torch.get_rng_state()
+        toks = {}
+        try:
+            for i, ((r, n), row) in enumerate(zip(sched, rows)):
+                if r.computed + n < len(r.tokens):
+                    continue                    # a prompt chunk: nothing sampled yet
+                toks[i] = int(sample_next(logits[i:i + 1], r.params, r.generator).full()[0]) \
+                    if laid_out and not r.params.greedy else \
+                    int(sample_next(row[None], r.params, r.generator)[0])
+        except BaseException:
+            for g, st in zip(gens, states):
+                g.set_state(st)
+            torch.set_rng_state(rng)
+            self.cache.rollback()
+            raise
+        return toks
+
     def run(self) -> dict:
         """Step until every request has finished; returns request id -> its tokens."""
         while self.has_unfinished():
@@ -259,7 +284,8 @@ class Engine:
         return {k: list(v) for k, v in self.outputs.items()}
 
     def generate_all(self, prompts, max_new_tokens, **kwargs) -> list[list[int]]:
-        """Serve ``prompts`` (lists of token ids) as requests 0, 1, ...; ``max_new_tokens``
+        """Serve ``prompts`` (lists of token ids) as requests 0, 1, ... (the next ids no
+        earlier request of this engine holds); ``max_new_tokens``
         one int or one per prompt; ``kwargs`` as :meth:`add_request`'s, for all."""
         prompts = list(prompts)
         news = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) \
@@ -267,14 +293,19 @@ class Engine:
         if len(news) != len(prompts):
             raise ValueError(f"generate_all: {len(news)} max_new_tokens for {len(prompts)} "
                              "prompts; give one int, or one per prompt")
-        base = len(self.outputs)
-        ids = [base + i for i in range(len(prompts))]
+        ids, i = [], len(self.outputs)
+        while len(ids) < len(prompts):          # ids no earlier request holds (one added
+            if i not in self.outputs:           # with add_request(1, ...) keeps its own)
+                ids.append(i)
+            i += 1
+        added = []
         try:
             for i, p, m in zip(ids, prompts, news):
                 self.add_request(i, p, m, **kwargs)
+                added.append(i)
         except Exception:                       # all or nothing: unqueue this call's ones
-            self.waiting = [r for r in self.waiting if r.id not in ids]
-            for i in ids:
+            self.waiting = [r for r in self.waiting if r.id not in added]
+            for i in added:                     # only those: an earlier request's stay
                 self.outputs.pop(i, None)
                 self._steps.pop(i, None)
             raise

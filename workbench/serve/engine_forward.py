@@ -71,6 +71,7 @@ class RaggedPagedCache:
 
     def release(self, seq) -> None:
         """Give ``seq``'s blocks back (it finished, or was preempted)."""
+        self._undo = None                       # the last step can no longer be undone
         if seq in self.tables.blocks:
             self.tables.free(seq)
 
@@ -100,8 +101,9 @@ class RaggedPagedCache:
             for n, g in groups.items()])
 
     def rollback(self) -> None:
-        """Undo :meth:`begin` (the forward failed): the tables and the allocator as before
-        it (slots past a sequence's length may hold the failed step's keys: never read)."""
+        """Undo the last :meth:`begin` (the forward failed, or the sampling after it: until
+        the next begin or :meth:`release`): the tables and the allocator as before it
+        (slots past a sequence's length may hold the failed step's keys: never read)."""
         if self._undo is None:
             return
         for s, old in self._undo.items():
@@ -114,7 +116,9 @@ class RaggedPagedCache:
         self._step = self._undo = None
 
     def end(self) -> None:
-        self._step = self._undo = None
+        """The step's forward is done (its undo is kept until the next begin or release:
+        the engine's sampling may still fail)."""
+        self._step = None
 
     # ---- the models' cache interface ---------------------------------------------------------
     def attend(self, layer: int, q, k, v):
