@@ -177,7 +177,8 @@ def _out(p, cur, k):
             raise AssertionError("out= did not return its out tensor")
         return z
     txt = f"z = distribute(<{list(zs)} {zdt}>, mesh, {[str(q) for q in zps]}); " \
-          f"torch.{op}({nm}{'' if keep else '.detach()'}{', ' + yn if yn else ''}, out=z); z"
+          f"torch.{op}({nm}{'' if keep else '.detach()'}{', ' + yn if yn else ''}" \
+          f"{f', {dim}' if op == 'sum' and dim is not None else ''}, out=z); z"
     return txt, f
 
 

@@ -44,6 +44,12 @@ T = torch.Tensor
 
 RANDOM = ("normal_", "uniform_", "bernoulli_", "exponential_", "geometric_", "log_normal_",
           "cauchy_", "random_")
+# reductions whose ``out=`` sets the dtype they compute in, as their ``dtype=`` does (aten's
+# ``sum_out`` / ``prod_out`` / ``mean_out`` / ``cumsum_out``... infer it from the result:
+# torch.sum(x, 1, out=z) equals torch.sum(x, 1, dtype=z.dtype), the input cast first, for
+# every dtype of z; checked against torch 2.13 in tests/test_inplace_out_dtype.py)
+_DTYPE_FROM_OUT = (torch.sum, torch.prod, torch.nansum, torch.mean, torch.nanmean,
+                   torch.cumsum, torch.cumprod)
 _VIEWS = ("squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_")
 _UNSUPPORTED = ("resize_", "resize_as_", "set_", "as_strided_", "share_memory_", "map_",
                 "apply_", "map2_", "record_stream")
@@ -398,6 +404,17 @@ def out_call(func, args, kwargs):
         raise RuntimeError(f"{name}(): functions with out=... arguments don't support "
                            "automatic differentiation, but one of the arguments requires "
                            "grad; assign the result instead (y = op(...))")
+    if func in _DTYPE_FROM_OUT and kwargs.get("dtype") is None and \
+            isinstance(out, (DistTensor, torch.Tensor)):
+        if func in (torch.nansum, torch.nanmean) and not (
+                out.dtype.is_floating_point or out.dtype.is_complex):
+            # torch's nansum kernel runs in out's dtype and has none for these (its dtype=
+            # path casts instead): "nansum_cpu" not implemented for 'Long'
+            raise NotImplementedError(
+                f"{name}(out=...): torch computes it in out's dtype {out.dtype} and its "
+                "nansum kernel is not implemented for it; give a floating out, or assign "
+                "the result and cast it")
+        kwargs["dtype"] = out.dtype           # computed in out's dtype, as torch's
     _out_dtype_check(func, args, kwargs, out)
     res = func(*args, **kwargs)
     if not isinstance(res, (DistTensor, torch.Tensor)):
@@ -438,6 +455,8 @@ def _out_dtype_check(func, args, kwargs, out):
             raise RuntimeError(f"{getattr(func, '__name__', func)}(out=...): {e} (torch's "
                                "out= dtype rule). Fix: give an out of the result's dtype, "
                                "or assign the result and cast it") from None
+    except TypeError as e:       # torch's argument parser: no overload takes these types
+        raise TypeError(str(e)) from None   # (torch.sum(x, out=z) needs a dim, seed 1008276)
     except Exception:            # noqa: BLE001 - the stand-ins' own errors: judged below
         pass
 
