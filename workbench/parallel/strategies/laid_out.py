@@ -107,6 +107,9 @@ class LaidOutParameter(nn.Parameter):
         # p[0].norm(): a view's reduction reads the storage (laid_out_views)
         refuse_storage_leaf(func, args, kwargs, (_LaidOutData, LaidOutValue), _LaidOutView)
         refuse_storage_read(func, args, kwargs, _LaidOutView)
+        if func == _DATA_SET and len(args) > 1 and isinstance(args[0], LaidOutParameter) \
+                and _module_shaped_data(args[0], args[1]):
+            return None         # p.data = t of the module's shape: written as p.copy_(t)
         target = None
         if func in _GUARDED:            # nn.init's overrides pass the tensor by keyword
             target = args[0] if args else kwargs.get("tensor")
@@ -332,6 +335,38 @@ def _one_draw(func, p, args, kwargs):
         with torch.no_grad():
             p.copy_(_draw_store(p)(fresh))
     return p
+
+
+def _module_shaped_data(p, value) -> bool:
+    """A user's ``p.data = value`` on a laid-out parameter.  torch's assignment swaps
+    ``p``'s storage for ``value``'s, so a ``value`` of the module's shape (a manual weight
+    load, ``p.data = w.clone()``) became the storage: DDP's ``state_dict()`` then read
+    row 0 of it as the parameter (a ``(3,)`` tensor for a ``(6, 3)`` weight, saved as
+    such by ``torch.save``), FSDP's forward raised torch's "shape '[4, -1]' is invalid"
+    (habits7b).  Here such a ``value`` of ``p``'s dtype and device is written into every
+    rank's row or chunk, as ``p.copy_(value)`` (one device's values; ``p`` keeps its own
+    storage, so a later in-place write into ``value`` does not reach it, unlike torch's
+    alias): True.  A ``value`` of the storage's shape (the wrappers' own swaps,
+    ``Module._apply``'s casts) is torch's assignment: False.  Any other raises naming
+    the fix, nothing assigned."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        stored = tuple(p.shape)
+    got, shape = tuple(value.shape), getattr(p, "_wb_shape", None)
+    if got == stored or shape is None:
+        return False
+    if got == tuple(shape) and value.dtype == p.dtype and value.device == p.device and \
+            _draw_store(p) is not None:
+        with torch.no_grad():
+            p.copy_(value.detach())     # laid out as p is (_module_shaped_operands)
+        return True
+    raise RuntimeError(
+        f"p.data = t with t of shape {got}, dtype {value.dtype} on a parameter after "
+        f"wrapping: {p._wb_layout}, so t cannot become its storage (the module's "
+        f"parameter is {tuple(shape)}, {p.dtype}).  Write values of the module's shape and "
+        "dtype with p.data.copy_(t) (or p.data = t of that shape and dtype), change the "
+        "dtype with model.to(dtype), or load tensors with the wrapper's load_state_dict")
 
 
 def _draw_store(p):

@@ -43,6 +43,7 @@ _T = torch.Tensor
 _DIMS = (_T.dim, _T.ndimension)
 _NDIM = _T.ndim.__get__
 _SHAPE = _T.shape.__get__
+_DATA_SET = _T.data.__set__     # ``p.data = t`` (compared with ==)
 
 
 def _is(func, fs) -> bool:
@@ -71,6 +72,8 @@ class ReplicaStorage(torch.Tensor):
                 if not shape:
                     raise TypeError("len() of a 0-d tensor")
                 return shape[0]
+            if func == _DATA_SET and len(args) > 1 and _module_shaped_data(t, args[1], shape):
+                return None     # p.data = t of the module's shape: written as p.copy_(t)
             if func is _T.copy_ and len(args) > 1 and users_call(True, depth=-1):
                 args = (t, _module_shaped_source(t, args[1], shape)) + tuple(args[2:])
             if (func in VIEWS or _is(func, _PROPS)) and (
@@ -102,6 +105,33 @@ def _module_shaped_source(t, src, shape):
             or tuple(src.shape) != tuple(shape) or tuple(t.as_subclass(_T).shape) == tuple(shape):
         return src
     return store(src)
+
+
+def _module_shaped_data(t, value, shape) -> bool:
+    """``p.data = value`` with ``value`` of the module parameter's ``shape`` (not the
+    storage's): torch's assignment made it the storage, so every later read of the
+    replicas failed (``state_dict()``: "all_gather: the input is the same on every rank",
+    habits7b).  Written into every replica's shards as ``p.copy_(value)`` instead (of
+    ``p``'s dtype and device; ``p`` keeps its storage, not ``value``'s alias): True.  A
+    ``value`` of the storage's shape is torch's assignment (False); any other raises."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, ReplicaStorage):
+        return False
+    got, stored = tuple(value.shape), tuple(t.as_subclass(_T).shape)
+    if got == stored:
+        return False
+    store = getattr(t, "_wb_store", None)
+    if got == tuple(shape) and value.dtype == t.dtype and value.device == t.device and \
+            store is not None:
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            t.copy_(store(value.detach()))
+        return True
+    raise RuntimeError(
+        f"p.data = t with t of shape {got}, dtype {value.dtype} on "
+        "DistributedDataParallel's parameter over tensor-parallel DistTensors: its storage "
+        f"holds the replicas' shards (shape {stored}), so t cannot become it (the module's "
+        f"parameter is {tuple(shape)}, {t.dtype}).  Write values of the module's shape and "
+        "dtype with p.data.copy_(t) (or p.data = t of that shape and dtype), or load "
+        "tensors with ddp.load_state_dict")
 
 
 def _flat_view(func, args, shape) -> bool:
