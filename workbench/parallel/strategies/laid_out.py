@@ -61,10 +61,11 @@ from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place, map_sharers
-from .laid_out_reads import LaidOutValue, keep_layout, module_shaped_sources, pointwise_reads
+from .laid_out_reads import (LIKES, LaidOutValue, keep_layout, module_shaped_sources,
+                             pointwise_reads)
 from .laid_out_whole import check_view_as, module_dims, module_flat_view, whole_reads
 from .laid_out_shape import module_shape_read, module_view
-from .laid_out_views import (gradient_edges, mark_module_view, read_value,
+from .laid_out_views import (gradient_edges, mark_module_view, read_value, users_call,
                              refuse_storage_leaf, refuse_storage_read)
 from .replaced_params import follow_successors
 from .replica_writes import after_write, before_write, handed_out
@@ -153,6 +154,9 @@ class LaidOutParameter(nn.Parameter):
             args, kwargs = module_shaped_sources(func, args, kwargs, _READS)
         # an EMA's avg_fn: 0.1 * ema + 0.9 * p, one device's (laid_out_reads)
         args, kwargs, keep = pointwise_reads(func, args, kwargs, _READS)
+        if keep is None and func in LIKES and args and isinstance(args[0], _WHOLE_READS) \
+                and users_call(True, depth=-1):
+            keep = args[0]      # a user's torch.zeros_like(p): p's layout (laid_out_reads)
         written = isinstance(p, _LAID_OUT) and in_place(func)
         view = isinstance(p, _LaidOutView)     # its writes: checked lazily, as torch's views
         if written and not view:

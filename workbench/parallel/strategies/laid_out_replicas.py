@@ -34,7 +34,7 @@ import torch
 
 from .laid_out_shape import VIEWS, _PROPS
 from .laid_out_views import users_call
-from .laid_out_reads import _CASTS, _is_pointwise
+from .laid_out_reads import _CASTS, LIKES, _is_pointwise
 from .laid_out_whole import NUMEL, WHOLE, storage_shape
 
 __all__ = ["ReplicaStorage", "as_replica_storage"]
@@ -180,14 +180,17 @@ def _keep(func, args, kwargs, out):
     """``out`` as a :class:`ReplicaStorage` of the same layout where a user's ``func`` is
     elementwise over one replica storage and numbers (``p.pow(2)``, ``p.abs()``,
     ``2 * p``), or its alias, copy or cast (``p.detach()``, ``p.data``, ``p.clone()``,
-    ``p.double()``): so its reductions read the module's values too; else ``out``."""
+    ``p.double()``), or a user's own ``torch.zeros_like(p)`` (a hand-written optimizer's
+    state, :data:`.laid_out_reads.LIKES`): so its reductions read the module's values
+    too; else ``out``."""
     if not isinstance(out, torch.Tensor) or isinstance(out, ReplicaStorage):
         return out
     flat = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     src = next((a for a in flat if isinstance(a, ReplicaStorage)), None)
-    if src is None or not all(a is src or a.dim() == 0 for a in flat) or \
+    if src is None or not all(a is src or a.dim() == 0 or _same_layout(a, src) for a in flat) or \
             storage_shape(out) != storage_shape(src) or \
-            not (_is_pointwise(func) or func in _CASTS or _is(func, _KEEP)) or \
+            not (_is_pointwise(func) or func in _CASTS or _is(func, _KEEP) or
+                 func in LIKES and users_call(True)) or \
             not users_call(depth=-1):
         return out
     with torch._C.DisableTorchFunctionSubclass():
@@ -197,6 +200,15 @@ def _keep(func, args, kwargs, out):
     if getattr(src, "_wb_store", None) is not None and func is not _T.clone:
         v._wb_store = src._wb_store     # p.data.copy_(w): laid out into p's storage
     return v
+
+
+def _same_layout(a, src) -> bool:
+    """Is ``a`` another :class:`ReplicaStorage` of ``src``'s parameter and storage shape
+    (``p - p0`` of a copy ``p0``, ``m / (m.abs() + eps)`` of a state ``m``)?  Their
+    pointwise result keeps that layout (it was a plain storage: its norm read every
+    replica's shards, 2x a LAMB step's trust ratio on 2 x 2, habits7b)."""
+    return isinstance(a, ReplicaStorage) and a._wb_full is src._wb_full and \
+        storage_shape(a) == storage_shape(src)
 
 
 def _whole(func, args, kwargs):
