@@ -18,10 +18,19 @@ parallelism on 2 x 2) and failed before its fix.
    ``torch.zeros_like(p.grad)`` / ``p.grad.clone()`` (DDP 0.036, DDP over TP 0.021).  Now
    a user's own ``*_like`` of a wrapped parameter or gradient keeps its layout, as a copy
    does, and so does a pointwise op over two such states (``m / (v.sqrt() + eps)``);
-   torch.optim's own states stay plain storages.
+   torch.optim's own states stay plain storages;
+3. ``torch.nn.utils.vector_to_parameters`` over DistTensor parameters (ZeRO-1/2 over tensor
+   parallelism) raised ``AttributeError: 'NoneType' object has no attribute 'ndim'`` (a
+   plain ``t.view_as(d)``: no DistTensor among the op's inputs, so no mesh), over DDP's
+   replicas torch's "shape '[2, 2, 3, 3]' is invalid for input of size 18": now
+   ``t.view_as(d)`` / ``reshape_as`` / ``expand_as`` / ``type_as`` are torch's plain
+   results (as of a DTensor), and both raise naming the fix (``d.copy_``), nothing written.
 """
 import pytest
 import torch
+from torch import nn
+
+import workbench as wb
 
 from .test_habits11 import close
 from .test_habits15 import KINDS, Wrapped, batches, full_state, mk, ref_backward
@@ -135,3 +144,30 @@ def test_torch_optim_states_stay_plain_storages(kind):
     opt.step()
     assert {type(v) for s in opt.state.values() for k, v in s.items() if k != "step"} == \
         {torch.Tensor}
+
+
+# ---- 3. vector_to_parameters, t.view_as(d) ----------------------------------------------
+def test_a_plain_tensor_viewed_as_a_dist_tensor_is_torchs_plain_view():
+    """``t.view_as(d)`` and its kin of a plain ``t``: ``t`` in ``d``'s global shape / dtype,
+    a plain tensor (torch's ``view_as`` of a DTensor); it raised AttributeError."""
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    d = wb.shard_tensor(torch.randn(6, 3, dtype=torch.float64), mesh,
+                        [wb.Replicate(), wb.Shard(0)])
+    t = torch.arange(18.0)
+    v = t.view_as(d)
+    assert type(v) is torch.Tensor and v.shape == (6, 3)
+    assert v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()   # a view
+    assert torch.equal(t.reshape_as(d), t.view(6, 3))
+    assert torch.arange(3.0).expand_as(d).shape == (6, 3)
+    assert t.type_as(d).dtype == torch.float64
+
+
+@pytest.mark.parametrize("kind", ["ddp_tp", "zero_tp"])
+def test_vector_to_parameters_over_dist_tensors_raises_naming_the_fix(kind):
+    """Before: AttributeError (ZeRO over DistTensors) or torch's storage-shape error (DDP
+    over tensor parallelism); now an error naming copy_, every parameter untouched."""
+    ref, wr = mk(), Wrapped(kind)
+    vec = nn.utils.parameters_to_vector(ref.parameters()).detach() * 0.5
+    with pytest.raises((RuntimeError, TypeError), match=r"copy_"):
+        nn.utils.vector_to_parameters(vec, wr.params())
+    assert_same_model(wr, ref)

@@ -86,6 +86,20 @@ class ReplicaStorage(torch.Tensor):
                 raise NotImplementedError(view_refusal(
                     getattr(func, '__name__', 'a view'), tuple(t.as_subclass(_T).shape),
                     tuple(shape), getattr(t, "_wb_distributed", False)))
+        if func is _T.view_as and len(args) == 2 and isinstance(args[1], ReplicaStorage) \
+                and not isinstance(t, ReplicaStorage) and isinstance(t, torch.Tensor) and \
+                t.numel() == math.prod(args[1]._wb_shape) and users_call(depth=-1):
+            # t.view_as(p) (vector_to_parameters): torch's shape error named the storage's
+            # shape ("shape '[2, 2, 3, 3]' is invalid for input of size 18", habits7b);
+            # this names the fix, as over DDP's rows (laid_out_whole.check_view_as)
+            shape = tuple(args[1]._wb_shape)
+            raise RuntimeError(
+                "t.view_as(p) of DistributedDataParallel's parameter over tensor-parallel "
+                "DistTensors (torch.nn.utils.vector_to_parameters): its storage holds the "
+                f"replicas' shards (shape {tuple(args[1].as_subclass(_T).shape)}), not the "
+                f"module's shape {shape}.  Write the values in: with torch.no_grad(): "
+                f"p.copy_(t.view({shape})) for each parameter (every replica's shards), or "
+                "load them with ddp.load_state_dict")
         if func in WHOLE and func not in NUMEL and users_call(depth=-1):
             done, out = _whole(func, args, kwargs)
             if done:
