@@ -99,6 +99,25 @@ class LaidOutParameter(nn.Parameter):
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             return full(self.detach()).clone()
 
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy`` (of the wrapped module: ``copy.deepcopy(ddp.module)``,
+        ``AveragedModel(ddp.module)``, an EMA's copy): a plain ``nn.Parameter`` of the
+        module's shape holding its values, as torch DDP's module deep-copies into a plain
+        module (torch's default raised "Creating a Parameter from an instance of type
+        LaidOutValue requires that detach() returns an instance of the same type",
+        habits7b).  The copy is no part of the wrapper: no rank's storage, hook or
+        optimizer holds it.  Where this process does not hold every rank's part, raises."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if getattr(self, "_wb_full", None) is None or not getattr(self, "_wb_here", False):
+            raise NotImplementedError(
+                f"copy.deepcopy of a parameter after wrapping: {self._wb_layout}, and this "
+                "process does not hold every rank's part.  Deepcopy the module before "
+                "wrapping it, or load the wrapper's full_state_dict() into a plain copy")
+        out = nn.Parameter(self.full_tensor(), self.requires_grad)
+        memo[id(self)] = out
+        return out
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -109,6 +109,24 @@ class ReplicaStorage(torch.Tensor):
         return _keep(func, args, kwargs, out)
 
 
+def _deepcopy(self, memo):
+    """``copy.deepcopy`` of a replica storage (of its DistTensor: ``copy.deepcopy(ddp.module)``,
+    ``AveragedModel(ddp.module)``): a plain copy of the storage, the copied DistTensor's
+    own (torch's default raised "The default implementation of __deepcopy__() for
+    non-wrapper subclasses only works for subclass types that implement new_empty()",
+    habits7b), so the copy reads and computes as the module, and no gradient hook or
+    optimizer of this wrapper holds it."""
+    if id(self) in memo:
+        return memo[id(self)]
+    with torch.no_grad():
+        out = self.as_subclass(_T).clone().requires_grad_(self.requires_grad)
+    memo[id(self)] = out
+    return out
+
+
+ReplicaStorage.__deepcopy__ = _deepcopy
+
+
 def _module_shaped_source(t, src, shape):
     """A user's ``p.copy_(src)`` (``p.data.copy_``: a manual weight load) with ``src`` of
     the module parameter's shape: ``src`` laid out as the storage (every replica's shards
