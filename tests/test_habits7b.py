@@ -35,8 +35,14 @@ parallelism on 2 x 2) and failed before its fix.
    did ``torch._foreach_lerp_`` / ``torch.is_floating_point`` of DistTensors: NoRuleError).
    Now the deep copy is a plain module of the module's values (DDP / FSDP, as torch DDP's
    module) or of DistTensors, and the average (SWA default, ``get_ema_multi_avg_fn``) is
-   one device's.  fully_shard / FSDP and Zero3 over DistTensors keep refusing the copy.
+   one device's.  fully_shard / FSDP and Zero3 over DistTensors keep refusing the copy;
+5. torch's ZeroRedundancyOptimizer checkpoint habit, ``opt.consolidate_state_dict()`` then
+   ``opt.state_dict()``, raised AttributeError ("'ChunkedZeroOptimizer' object has no
+   attribute 'group'") with ``partition="chunks"`` (ZeRO-1/2 over DistTensors): now the
+   state dict's round trip trains on as one device.
 """
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -243,3 +249,35 @@ def test_foreach_ops_of_dist_tensors_are_per_tensor_ops():
     torch._foreach_addcdiv_(xs, ys, ys, [0.5, 0.25])
     for d, a in zip(dx, xs):
         close(d.full(), a)
+
+
+# ---- 5. consolidate_state_dict ----------------------------------------------------------
+@pytest.mark.parametrize("kind", ["zero", "zero_tp", "zero2_tp"])
+def test_consolidate_then_state_dict_round_trip_trains_on_as_one_device(kind):
+    """torch's order: ``consolidate_state_dict()`` on every rank, then ``state_dict()``;
+    the model's and optimizer's dicts into a fresh wrapper: its next step is one device's
+    second.  Before (chunks): AttributeError.  A rank outside the group raises."""
+    ref, wr = mk(), Wrapped(kind)
+    ref.eval()
+    wr.w.eval()
+    opt, ro = wr.optimizer(), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    data = batches(2)
+    wr.backward(*data[0])
+    ref_backward(ref, *data[0])
+    opt.step()
+    ro.step()
+    with pytest.raises(ValueError, match=r"consolidate_state_dict\(to=9\)"):
+        opt.consolidate_state_dict(to=9)
+    opt.consolidate_state_dict(to=0)
+    msd, osd = copy.deepcopy(wr.w.state_dict()), copy.deepcopy(opt.state_dict())
+    fresh = Wrapped(kind, mk(seed=5))
+    fresh.w.eval()
+    fresh.w.load_state_dict(msd)
+    opt2 = fresh.optimizer()
+    opt2.load_state_dict(osd)
+    ro.zero_grad()
+    fresh.backward(*data[1])
+    ref_backward(ref, *data[1])
+    opt2.step()
+    ro.step()
+    assert_same_model(fresh, ref)
