@@ -39,7 +39,9 @@ parallelism on 2 x 2) and failed before its fix.
 5. torch's ZeroRedundancyOptimizer checkpoint habit, ``opt.consolidate_state_dict()`` then
    ``opt.state_dict()``, raised AttributeError ("'ChunkedZeroOptimizer' object has no
    attribute 'group'") with ``partition="chunks"`` (ZeRO-1/2 over DistTensors): now the
-   state dict's round trip trains on as one device.
+   state dict's round trip trains on as one device; over DistTensors the "owners"
+   partition raised torch.optim's "can only optimize Tensors" (no fix named): now names
+   ``partition="chunks"``.
 """
 import copy
 
@@ -281,3 +283,21 @@ def test_consolidate_then_state_dict_round_trip_trains_on_as_one_device(kind):
     opt2.step()
     ro.step()
     assert_same_model(fresh, ref)
+
+
+@pytest.mark.parametrize("as_groups", [False, True])
+def test_owners_partition_over_dist_tensors_names_the_chunks_partition(as_groups):
+    """``ZeroRedundancyOptimizer`` (PyTorch's "owners" partition) over a parallelized
+    module's DistTensors: torch.optim's "can only optimize Tensors" named no fix; now the
+    error names partition='chunks'.  Plain tensors in groups (generators) still build."""
+    wr = Wrapped("zero_tp")
+    ps = wr.params()
+    params = [{"params": iter(ps[:2])}, {"params": iter(ps[2:]), "lr": 0.1}] if as_groups \
+        else iter(ps)
+    with pytest.raises(TypeError, match=r"partition='chunks'"):
+        wb.ZeroRedundancyOptimizer(params, torch.optim.AdamW, wr.mesh, "dp", lr=1e-2)
+    plain = Wrapped("zero")
+    qs = plain.params()
+    opt = wb.ZeroRedundancyOptimizer([{"params": iter(qs[:2])}, {"params": iter(qs[2:])}],
+                                     torch.optim.AdamW, plain.mesh, lr=1e-2)
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
