@@ -13,6 +13,8 @@ from .dtensor_api import zeros, ones, empty, full, rand, randn  # torch.distribu
 from .clip_grad import clip_grad_norm_, clip_grad_value_, get_total_norm
 from . import clip_grad_torch as _clip_grad_torch  # noqa: E402
 _clip_grad_torch.install()      # torch.nn.utils.clip_grad_norm_ & co. take DistTensors
+from . import foreach_ops as _foreach_ops  # noqa: E402
+_foreach_ops.install()          # torch._foreach_* / AveragedModel's grouping take DistTensors
 from .tp_styles import ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel
 from .tp_prepare import PrepareModuleInput, PrepareModuleOutput, PrepareModuleInputOutput
 from .tp_api import parallelize_module

@@ -206,7 +206,28 @@ def _numpy_names(func, kwargs):
     return out
 
 
+_AS = (torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as,
+       torch.Tensor.type_as)
+
+
+def _plain_as(func, args, kwargs):
+    """``t.view_as(d)`` (``reshape_as`` / ``expand_as`` / ``type_as``) of a plain ``t`` and
+    a DistTensor ``d``: torch's op on ``t`` with ``d``'s global shape and dtype, a plain
+    tensor, as torch's ``view_as`` of a DTensor (``self.view(other.size())``).  It raised
+    AttributeError: no DistTensor among the op's inputs, so no mesh (habits7b: torch's
+    ``vector_to_parameters`` over DistTensors, which then raises naming
+    ``d.copy_(t)``)."""
+    def like(d):
+        if not isinstance(d, DistTensor):
+            return d
+        return torch.empty((), dtype=d.dtype).expand(tuple(d.shape))  # its shape, no bytes
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*[like(a) for a in args], **{k: like(v) for k, v in kwargs.items()})
+
+
 def dispatch(func, args, kwargs):
+    if func in _AS and args and not isinstance(args[0], DistTensor):
+        return _plain_as(func, args, kwargs or {})
     if kwargs and ("axis" in kwargs or "keepdims" in kwargs):
         kwargs = _numpy_names(func, kwargs)
     if kwargs and (kwargs.get("out") is not None or kwargs.get("inplace") is True):

@@ -61,10 +61,11 @@ from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place, map_sharers
-from .laid_out_reads import LaidOutValue, keep_layout, module_shaped_sources, pointwise_reads
+from .laid_out_reads import (LIKES, LaidOutValue, keep_layout, module_shaped_sources,
+                             pointwise_reads)
 from .laid_out_whole import check_view_as, module_dims, module_flat_view, whole_reads
 from .laid_out_shape import module_shape_read, module_view
-from .laid_out_views import (gradient_edges, mark_module_view, read_value,
+from .laid_out_views import (gradient_edges, mark_module_view, read_value, users_call,
                              refuse_storage_leaf, refuse_storage_read)
 from .replaced_params import follow_successors
 from .replica_writes import after_write, before_write, handed_out
@@ -98,6 +99,25 @@ class LaidOutParameter(nn.Parameter):
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             return full(self.detach()).clone()
 
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy`` (of the wrapped module: ``copy.deepcopy(ddp.module)``,
+        ``AveragedModel(ddp.module)``, an EMA's copy): a plain ``nn.Parameter`` of the
+        module's shape holding its values, as torch DDP's module deep-copies into a plain
+        module (torch's default raised "Creating a Parameter from an instance of type
+        LaidOutValue requires that detach() returns an instance of the same type",
+        habits7b).  The copy is no part of the wrapper: no rank's storage, hook or
+        optimizer holds it.  Where this process does not hold every rank's part, raises."""
+        if id(self) in memo:
+            return memo[id(self)]
+        if getattr(self, "_wb_full", None) is None or not getattr(self, "_wb_here", False):
+            raise NotImplementedError(
+                f"copy.deepcopy of a parameter after wrapping: {self._wb_layout}, and this "
+                "process does not hold every rank's part.  Deepcopy the module before "
+                "wrapping it, or load the wrapper's full_state_dict() into a plain copy")
+        out = nn.Parameter(self.full_tensor(), self.requires_grad)
+        memo[id(self)] = out
+        return out
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -107,6 +127,9 @@ class LaidOutParameter(nn.Parameter):
         # p[0].norm(): a view's reduction reads the storage (laid_out_views)
         refuse_storage_leaf(func, args, kwargs, (_LaidOutData, LaidOutValue), _LaidOutView)
         refuse_storage_read(func, args, kwargs, _LaidOutView)
+        if func == _DATA_SET and len(args) > 1 and isinstance(args[0], LaidOutParameter) \
+                and _module_shaped_data(args[0], args[1]):
+            return None         # p.data = t of the module's shape: written as p.copy_(t)
         target = None
         if func in _GUARDED:            # nn.init's overrides pass the tensor by keyword
             target = args[0] if args else kwargs.get("tensor")
@@ -150,6 +173,9 @@ class LaidOutParameter(nn.Parameter):
             args, kwargs = module_shaped_sources(func, args, kwargs, _READS)
         # an EMA's avg_fn: 0.1 * ema + 0.9 * p, one device's (laid_out_reads)
         args, kwargs, keep = pointwise_reads(func, args, kwargs, _READS)
+        if keep is None and func in LIKES and args and isinstance(args[0], _WHOLE_READS) \
+                and users_call(True, depth=-1):
+            keep = args[0]      # a user's torch.zeros_like(p): p's layout (laid_out_reads)
         written = isinstance(p, _LAID_OUT) and in_place(func)
         view = isinstance(p, _LaidOutView)     # its writes: checked lazily, as torch's views
         if written and not view:
@@ -332,6 +358,38 @@ def _one_draw(func, p, args, kwargs):
         with torch.no_grad():
             p.copy_(_draw_store(p)(fresh))
     return p
+
+
+def _module_shaped_data(p, value) -> bool:
+    """A user's ``p.data = value`` on a laid-out parameter.  torch's assignment swaps
+    ``p``'s storage for ``value``'s, so a ``value`` of the module's shape (a manual weight
+    load, ``p.data = w.clone()``) became the storage: DDP's ``state_dict()`` then read
+    row 0 of it as the parameter (a ``(3,)`` tensor for a ``(6, 3)`` weight, saved as
+    such by ``torch.save``), FSDP's forward raised torch's "shape '[4, -1]' is invalid"
+    (habits7b).  Here such a ``value`` of ``p``'s dtype and device is written into every
+    rank's row or chunk, as ``p.copy_(value)`` (one device's values; ``p`` keeps its own
+    storage, so a later in-place write into ``value`` does not reach it, unlike torch's
+    alias): True.  A ``value`` of the storage's shape (the wrappers' own swaps,
+    ``Module._apply``'s casts) is torch's assignment: False.  Any other raises naming
+    the fix, nothing assigned."""
+    if not isinstance(value, torch.Tensor):
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        stored = tuple(p.shape)
+    got, shape = tuple(value.shape), getattr(p, "_wb_shape", None)
+    if got == stored or shape is None:
+        return False
+    if got == tuple(shape) and value.dtype == p.dtype and value.device == p.device and \
+            _draw_store(p) is not None:
+        with torch.no_grad():
+            p.copy_(value.detach())     # laid out as p is (_module_shaped_operands)
+        return True
+    raise RuntimeError(
+        f"p.data = t with t of shape {got}, dtype {value.dtype} on a parameter after "
+        f"wrapping: {p._wb_layout}, so t cannot become its storage (the module's "
+        f"parameter is {tuple(shape)}, {p.dtype}).  Write values of the module's shape and "
+        "dtype with p.data.copy_(t) (or p.data = t of that shape and dtype), change the "
+        "dtype with model.to(dtype), or load tensors with the wrapper's load_state_dict")
 
 
 def _draw_store(p):

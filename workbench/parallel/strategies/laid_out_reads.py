@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["module_shaped_sources", "pointwise_reads", "LaidOutValue"]
+__all__ = ["module_shaped_sources", "pointwise_reads", "LaidOutValue", "LIKES"]
 
 
 class LaidOutValue(torch.Tensor):
@@ -83,6 +83,12 @@ def module_shaped_sources(func, args, kwargs, laid_out):
 
 _T = torch.Tensor
 _CASTS = {_T.clone, torch.clone, _T.to, _T.float, _T.double, _T.half, _T.bfloat16}
+# a user's own ``torch.zeros_like(p)`` (a hand-written optimizer's state: LAMB's moments,
+# whose norms give its trust ratio): a tensor of p's storage, so its reductions read the
+# storage (DDP: every rank's row, 2x the norm on 4 ranks, a LAMB step 0.036 off one
+# device's, silently, habits7b): kept in p's layout as a copy is (the caller checks the
+# call is the user's own, not torch.optim's states)
+LIKES = {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
 _ATEN_NAMES = {"truediv": "div", "radd": "add", "rmul": "mul", "rtruediv": "div",
                "rpow": "pow"}
 _POINTWISE: dict = {}

@@ -34,7 +34,7 @@ import torch
 
 from .laid_out_shape import VIEWS, _PROPS
 from .laid_out_views import users_call
-from .laid_out_reads import _CASTS, _is_pointwise
+from .laid_out_reads import _CASTS, LIKES, _is_pointwise
 from .laid_out_whole import NUMEL, WHOLE, storage_shape
 
 __all__ = ["ReplicaStorage", "as_replica_storage"]
@@ -43,6 +43,7 @@ _T = torch.Tensor
 _DIMS = (_T.dim, _T.ndimension)
 _NDIM = _T.ndim.__get__
 _SHAPE = _T.shape.__get__
+_DATA_SET = _T.data.__set__     # ``p.data = t`` (compared with ==)
 
 
 def _is(func, fs) -> bool:
@@ -71,6 +72,8 @@ class ReplicaStorage(torch.Tensor):
                 if not shape:
                     raise TypeError("len() of a 0-d tensor")
                 return shape[0]
+            if func == _DATA_SET and len(args) > 1 and _module_shaped_data(t, args[1], shape):
+                return None     # p.data = t of the module's shape: written as p.copy_(t)
             if func is _T.copy_ and len(args) > 1 and users_call(True, depth=-1):
                 args = (t, _module_shaped_source(t, args[1], shape)) + tuple(args[2:])
             if (func in VIEWS or _is(func, _PROPS)) and (
@@ -83,6 +86,20 @@ class ReplicaStorage(torch.Tensor):
                 raise NotImplementedError(view_refusal(
                     getattr(func, '__name__', 'a view'), tuple(t.as_subclass(_T).shape),
                     tuple(shape), getattr(t, "_wb_distributed", False)))
+        if func is _T.view_as and len(args) == 2 and isinstance(args[1], ReplicaStorage) \
+                and not isinstance(t, ReplicaStorage) and isinstance(t, torch.Tensor) and \
+                t.numel() == math.prod(args[1]._wb_shape) and users_call(depth=-1):
+            # t.view_as(p) (vector_to_parameters): torch's shape error named the storage's
+            # shape ("shape '[2, 2, 3, 3]' is invalid for input of size 18", habits7b);
+            # this names the fix, as over DDP's rows (laid_out_whole.check_view_as)
+            shape = tuple(args[1]._wb_shape)
+            raise RuntimeError(
+                "t.view_as(p) of DistributedDataParallel's parameter over tensor-parallel "
+                "DistTensors (torch.nn.utils.vector_to_parameters): its storage holds the "
+                f"replicas' shards (shape {tuple(args[1].as_subclass(_T).shape)}), not the "
+                f"module's shape {shape}.  Write the values in: with torch.no_grad(): "
+                f"p.copy_(t.view({shape})) for each parameter (every replica's shards), or "
+                "load them with ddp.load_state_dict")
         if func in WHOLE and func not in NUMEL and users_call(depth=-1):
             done, out = _whole(func, args, kwargs)
             if done:
@@ -90,6 +107,24 @@ class ReplicaStorage(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
         return _keep(func, args, kwargs, out)
+
+
+def _deepcopy(self, memo):
+    """``copy.deepcopy`` of a replica storage (of its DistTensor: ``copy.deepcopy(ddp.module)``,
+    ``AveragedModel(ddp.module)``): a plain copy of the storage, the copied DistTensor's
+    own (torch's default raised "The default implementation of __deepcopy__() for
+    non-wrapper subclasses only works for subclass types that implement new_empty()",
+    habits7b), so the copy reads and computes as the module, and no gradient hook or
+    optimizer of this wrapper holds it."""
+    if id(self) in memo:
+        return memo[id(self)]
+    with torch.no_grad():
+        out = self.as_subclass(_T).clone().requires_grad_(self.requires_grad)
+    memo[id(self)] = out
+    return out
+
+
+ReplicaStorage.__deepcopy__ = _deepcopy
 
 
 def _module_shaped_source(t, src, shape):
@@ -102,6 +137,33 @@ def _module_shaped_source(t, src, shape):
             or tuple(src.shape) != tuple(shape) or tuple(t.as_subclass(_T).shape) == tuple(shape):
         return src
     return store(src)
+
+
+def _module_shaped_data(t, value, shape) -> bool:
+    """``p.data = value`` with ``value`` of the module parameter's ``shape`` (not the
+    storage's): torch's assignment made it the storage, so every later read of the
+    replicas failed (``state_dict()``: "all_gather: the input is the same on every rank",
+    habits7b).  Written into every replica's shards as ``p.copy_(value)`` instead (of
+    ``p``'s dtype and device; ``p`` keeps its storage, not ``value``'s alias): True.  A
+    ``value`` of the storage's shape is torch's assignment (False); any other raises."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, ReplicaStorage):
+        return False
+    got, stored = tuple(value.shape), tuple(t.as_subclass(_T).shape)
+    if got == stored:
+        return False
+    store = getattr(t, "_wb_store", None)
+    if got == tuple(shape) and value.dtype == t.dtype and value.device == t.device and \
+            store is not None:
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            t.copy_(store(value.detach()))
+        return True
+    raise RuntimeError(
+        f"p.data = t with t of shape {got}, dtype {value.dtype} on "
+        "DistributedDataParallel's parameter over tensor-parallel DistTensors: its storage "
+        f"holds the replicas' shards (shape {stored}), so t cannot become it (the module's "
+        f"parameter is {tuple(shape)}, {t.dtype}).  Write values of the module's shape and "
+        "dtype with p.data.copy_(t) (or p.data = t of that shape and dtype), or load "
+        "tensors with ddp.load_state_dict")
 
 
 def _flat_view(func, args, shape) -> bool:
@@ -150,14 +212,17 @@ def _keep(func, args, kwargs, out):
     """``out`` as a :class:`ReplicaStorage` of the same layout where a user's ``func`` is
     elementwise over one replica storage and numbers (``p.pow(2)``, ``p.abs()``,
     ``2 * p``), or its alias, copy or cast (``p.detach()``, ``p.data``, ``p.clone()``,
-    ``p.double()``): so its reductions read the module's values too; else ``out``."""
+    ``p.double()``), or a user's own ``torch.zeros_like(p)`` (a hand-written optimizer's
+    state, :data:`.laid_out_reads.LIKES`): so its reductions read the module's values
+    too; else ``out``."""
     if not isinstance(out, torch.Tensor) or isinstance(out, ReplicaStorage):
         return out
     flat = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     src = next((a for a in flat if isinstance(a, ReplicaStorage)), None)
-    if src is None or not all(a is src or a.dim() == 0 for a in flat) or \
+    if src is None or not all(a is src or a.dim() == 0 or _same_layout(a, src) for a in flat) or \
             storage_shape(out) != storage_shape(src) or \
-            not (_is_pointwise(func) or func in _CASTS or _is(func, _KEEP)) or \
+            not (_is_pointwise(func) or func in _CASTS or _is(func, _KEEP) or
+                 func in LIKES and users_call(True)) or \
             not users_call(depth=-1):
         return out
     with torch._C.DisableTorchFunctionSubclass():
@@ -167,6 +232,15 @@ def _keep(func, args, kwargs, out):
     if getattr(src, "_wb_store", None) is not None and func is not _T.clone:
         v._wb_store = src._wb_store     # p.data.copy_(w): laid out into p's storage
     return v
+
+
+def _same_layout(a, src) -> bool:
+    """Is ``a`` another :class:`ReplicaStorage` of ``src``'s parameter and storage shape
+    (``p - p0`` of a copy ``p0``, ``m / (m.abs() + eps)`` of a state ``m``)?  Their
+    pointwise result keeps that layout (it was a plain storage: its norm read every
+    replica's shards, 2x a LAMB step's trust ratio on 2 x 2, habits7b)."""
+    return isinstance(a, ReplicaStorage) and a._wb_full is src._wb_full and \
+        storage_shape(a) == storage_shape(src)
 
 
 def _whole(func, args, kwargs):

@@ -36,6 +36,7 @@ unchanged (the same storage, plain results; the optimizer's math is untouched):
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -44,9 +45,10 @@ __all__ = ["RankRows", "ChunkRows", "ReplicaGrad", "ShardGrad", "PartialNorm",
            "ReplicaStorageGrad", "GatheredGrad", "as_gathered_grad", "as_rank_rows", "as_chunk_rows", "as_replica_grad",
            "as_shard_grad"]
 
-from .laid_out_reads import _is_pointwise
+from .laid_out_reads import LIKES, _is_pointwise
 from .laid_out_shape import module_ndim, module_shape_read, module_view
 from .laid_out_whole import WHOLE, storage_shape, whole_reads
+from .laid_out_views import users_call
 
 _NORMS = (torch.linalg.vector_norm, torch._foreach_norm, torch.norm, torch.Tensor.norm)
 
@@ -145,21 +147,48 @@ _DATA_GET = _T.data.__get__     # compared with ==: a fresh method-wrapper each 
 def _keep_grad(func, args, kwargs, out):
     """``out`` as the gradient's subclass where ``func`` is pointwise over that one
     gradient and numbers (``g.abs()``, ``g * 2``, ``g * g``), or its alias, copy or cast
-    (``g.data``, ``g.detach()``, ``g.clone()``, ``g.float()``: :data:`_COPIES`)."""
+    (``g.data``, ``g.detach()``, ``g.clone()``, ``g.float()``: :data:`_COPIES`), or a
+    user's own ``torch.zeros_like(g)`` (a hand-written optimizer's state); also where the
+    other operands are gradients of ``g``'s very layout (``m / (v.sqrt() + eps)`` of two
+    such states: it was a plain storage, its norm 2x one device's on 4 DDP ranks, a LAMB
+    trust ratio 0.036 off, silently, habits7b)."""
     if not isinstance(out, torch.Tensor):
         return out
     flat = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     g = flat[0] if flat else None
     if not isinstance(g, _WHOLE_GRADS) or (isinstance(g, ShardGrad) and not _gathers(g)) or \
-            any(a is not g for a in flat) or \
+            any(a is not g and not _same_grad_layout(a, g) for a in flat) or \
             out.shape != g.shape or \
-            not (func in _COPIES or func == _DATA_GET or _is_pointwise(func)):
+            not (func in _COPIES or func == _DATA_GET or _is_pointwise(func) or
+                 func in LIKES and _users_own_call()):
         return out
     kept = out.as_subclass(type(g))
     for k in _KEPT:
         if k in g.__dict__:
             setattr(kept, k, g.__dict__[k])
     return kept
+
+
+def _users_own_call() -> bool:
+    """Is the function being served called by a user's own code (the first frame outside
+    this module: :func:`.laid_out_views.users_call` with ``direct``), not torch.optim's
+    (whose states stay plain storages)?"""
+    f, i = sys._getframe(0), 0
+    while f is not None and f.f_code.co_filename == __file__:
+        f, i = f.f_back, i + 1
+    return f is not None and users_call(True, depth=i - 2)
+
+
+def _same_grad_layout(a, g) -> bool:
+    """Is ``a`` a gradient (or a state kept as one) of ``g``'s class, storage shape and
+    read-back (:data:`_KEPT`)?"""
+    if type(a) is not type(g) or storage_shape(a) != storage_shape(g):
+        return False
+    for k in _KEPT:
+        x, y = a.__dict__.get(k), g.__dict__.get(k)
+        if x is not y and not (isinstance(x, (tuple, int, str)) and x == y):
+            return False
+    return True
 
 
 class RankRows(_NormedGrad):

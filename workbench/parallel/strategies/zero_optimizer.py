@@ -68,6 +68,22 @@ def run_closure(optimizer_class, closure):
         return closure()
 
 
+def _refuse_dist_tensors(params) -> None:
+    """DistTensor parameters (``wb.parallelize``d) for the "owners" partition: torch.optim's
+    "optimizer can only optimize Tensors, but one of the params is DistTensor" named no
+    fix (habits7b); the "chunks" partition takes them."""
+    from ..dist_tensor import DistTensor
+    flat = [q for p in params for q in (
+        (p.get("params", ()) if isinstance(p.get("params"), (list, tuple)) else
+         [p.get("params")]) if isinstance(p, dict) else [p])]
+    if any(isinstance(q, DistTensor) for q in flat):
+        raise TypeError(
+            "ZeroRedundancyOptimizer(params=DistTensors, partition='owners'): the 'owners' "
+            "partition (PyTorch's) steps whole plain tensors after DDP's all-reduce; for "
+            "DistTensor parameters give partition='chunks' (the ZeRO paper's, ZeRO-1; "
+            "overlap_comm=True for ZeRO-2) and the mesh dim they are replicated on")
+
+
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer_class(params, **kwargs)`` so that each of the N ranks along
     ``dim`` of ``mesh`` (``mesh=None``: torch.distributed's default group) keeps
@@ -92,6 +108,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class={optimizer_class!r}: give a torch.optim.Optimizer "
                             "subclass, e.g. torch.optim.AdamW")
+        params = [dict(p, params=list(p["params"])) if isinstance(p, dict) and not
+                  isinstance(p.get("params"), torch.Tensor) and "params" in p else p
+                  for p in params]      # generators read once, here (torch's take lists)
+        _refuse_dist_tensors(params)
         super().__init__(params, dict(kwargs))
         self.group = g = RankGroup(mesh, dim, "ZeroRedundancyOptimizer")
         self.optimizer_class = optimizer_class

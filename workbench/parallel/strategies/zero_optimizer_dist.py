@@ -630,6 +630,15 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
             self._busy -= 1
         self._gshard.clear()
 
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """torch's ``ZeroRedundancyOptimizer.consolidate_state_dict(to)``, which a user calls
+        before ``state_dict()``: nothing to gather here (it raised AttributeError "no
+        attribute 'group'", habits7b), as :meth:`state_dict` gives this layout's states,
+        each shard's (the dict loads into the same layout)."""
+        if not isinstance(to, int) or isinstance(to, bool) or not 0 <= to < self.n:
+            raise ValueError(f"consolidate_state_dict(to={to!r}): give a rank index in "
+                             f"[0, {self.n - 1}] of the data-parallel group")
+
     def state_dict(self):
         # the current hyperparameters (an lr scheduler sets them here; step copies them in)
         _copy_hyper(self.param_groups, self.optimizer.param_groups)
