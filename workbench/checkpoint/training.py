@@ -256,9 +256,6 @@ def resume_training(path, strategy, model, optimizer, seed: int, batch_size: int
     must ``cfg``'s fields the checkpoint recorded (:func:`config_mismatch`)."""
     md = F.read_metadata(path)
     keys = md.state_dict_metadata
-    bad = None if cfg is None else config_mismatch(md, cfg, FORWARD_FIELDS + TRAIN_FIELDS)
-    if bad:
-        raise ValueError(f"resume={path!r}: {bad}")
     train = {"step": 0, "seed": 0, "batch_size": 0, "rng": torch.get_rng_state()}
     hyper = {k: v for k, v in (("lr", lr), ("weight_decay", weight_decay))
              if v is not None and f"train.{k}" in keys}
@@ -281,6 +278,9 @@ def resume_training(path, strategy, model, optimizer, seed: int, batch_size: int
     bad = model_mismatch(keys, {k: v.shape for k, v in
                                 _model_state(strategy, model).items()},
                          every=not _distributed(strategy))
+    # the shapes first (another model is named as such), then what they do not show
+    if not bad and cfg is not None:
+        bad = config_mismatch(md, cfg, FORWARD_FIELDS + TRAIN_FIELDS)
     if bad:
         raise ValueError(f"resume={path!r}: {bad}")
     _load_copy(path, strategy, model, optimizer, names)
