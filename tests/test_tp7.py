@@ -13,7 +13,6 @@ DTensor's from_local / redistribute / full_tensor gradients.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections import Counter
 
@@ -81,6 +80,7 @@ def test_mlp_uneven_equals_one_device_with_one_all_reduce_each_way(d, h, tp, bia
     assert fwd == Counter(all_reduce=1) and bwd == Counter(all_reduce=1)
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")   # CommDebugMode's
 def test_mlp_as_pytorch_dtensor(oracle):  # noqa: F811
     """torch's own parallelize_module on the same MLP (bias, tp 2): the same parameter
     layouts, the same output, one all-reduce forward and one backward on both sides."""
@@ -112,6 +112,56 @@ def test_mlp_as_pytorch_dtensor(oracle):  # noqa: F811
     assert {n: to_dtensor_placements(p.placements) for n, p in ours.named_parameters()} \
         == t_places
     torch.testing.assert_close(y.full(), torch.as_tensor(y_t0))
+    torch.testing.assert_close(xo.grad, torch.as_tensor(xt_grad0))
+    assert (fwd, bwd) == (fwd_t, bwd_t) == (1, 1)
+
+
+class _Attn(nn.Module):
+    """torchtitan's attention without its norm: the input prepared once for wq/wk/wv."""
+
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = [nn.Linear(8, 8) for _ in range(4)]
+
+    def forward(self, h):
+        B, T, _ = h.shape
+        q, k, v = [w(h).view(B, T, -1, 2).transpose(1, 2) for w in (self.wq, self.wk, self.wv)]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(o.transpose(1, 2).reshape(B, T, -1))
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")   # CommDebugMode's
+def test_prepared_attention_as_pytorch_dtensor(oracle):  # noqa: F811
+    """PrepareModuleInput(Replicate -> Replicate) then three colwise linears reading one
+    DTensor input: torch reduces the input gradient once (the three Partial gradients are
+    summed, then one all-reduce); so do we (Megatron's f applied once, not per linear)."""
+    import torch.distributed.tensor.parallel as tp
+    from torch.distributed.tensor import Replicate as TR
+
+    def plan(ns, rep):
+        return {"": ns.PrepareModuleInput(input_layouts=(rep(),), desired_input_layouts=(rep(),)),
+                **{k: ns.ColwiseParallel() for k in ("wq", "wk", "wv")},
+                "wo": ns.RowwiseParallel()}
+
+    torch.manual_seed(14)
+    ref, x0 = _Attn().to(DT), torch.randn(2, 4, 8, dtype=DT)
+    theirs, xt = copy.deepcopy(ref), x0.clone().requires_grad_()
+    with LocalTensorMode(4):
+        tp.parallelize_module(theirs, oracle.mesh((4,)), plan(tp, TR))
+        with CommDebugMode() as cm:
+            y_t = theirs(xt)
+            fwd_t = sum(cm.get_comm_counts().values())
+            y_t.sum().backward()
+            bwd_t = sum(cm.get_comm_counts().values()) - fwd_t
+        xt_grad0 = xt.grad._local_tensors[0] if hasattr(xt.grad, "_local_tensors") else xt.grad
+    ours, xo = copy.deepcopy(ref), x0.clone().requires_grad_()
+    wb.parallelize_module(ours, wb.Mesh.grid(4, ["tp"]), plan(wb, R))
+    with wb.trace("a100") as tr:
+        y = ours(xo)
+        fwd = sum(tr.counts().values())
+        y.sum().backward()
+        bwd = sum(tr.counts().values()) - fwd
+    torch.testing.assert_close(y.full(), ref(x0))
     torch.testing.assert_close(xo.grad, torch.as_tensor(xt_grad0))
     assert (fwd, bwd) == (fwd_t, bwd_t) == (1, 1)
 
