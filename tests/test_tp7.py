@@ -544,3 +544,21 @@ def test_plan_keys_that_match_nothing_raise_and_change_nothing():
             wb.parallelize_module(m, mesh, {"layers.0.w2": wb.RowwiseParallel(),
                                             key: wb.ColwiseParallel()})
         assert not any(isinstance(p, wb.DistTensor) for p in m.parameters())
+
+
+@pytest.mark.parametrize("out, fwd_want, bwd_want", [
+    (R(), Counter(all_reduce=1), Counter()),
+    (S(1), Counter(reduce_scatter=1), Counter(all_gather=1)),
+])
+def test_vocab_sharded_embedding_communication(out, fwd_want, bwd_want):
+    """Megatron's VocabParallelEmbedding: the masked lookups' partial sums leave through
+    one all-reduce (or a reduce-scatter onto the sequence); backward needs none (its
+    all-gather is the reduce-scatter's own backward)."""
+    e = wb.parallelize_module(nn.Embedding(10, 6), wb.Mesh.grid(4, ["tp"]),
+                              wb.RowwiseParallel(input_layouts=R(), output_layouts=out))
+    ids = torch.randint(0, 10, (2, 8), generator=torch.Generator().manual_seed(15))
+    with wb.trace("a100") as tr:
+        y = e(ids)
+        fwd = Counter(tr.counts())
+        (y * y).sum().backward()
+    assert fwd == fwd_want and Counter(tr.counts()) - fwd == bwd_want
