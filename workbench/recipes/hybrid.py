@@ -401,6 +401,13 @@ class Hybrid:
             mesh = self._mesh_of(s)
             if not self._own(mesh):
                 continue
+            if not any(True for name in self.stages[s]["modules"]
+                       for _ in model.get_submodule(name).parameters()):
+                # a middle stage of 0 layers (stage_sizes=[2, 0, 2]) holds no parameter:
+                # nothing to step (was: its DataParallel raised "no parameter has a
+                # gradient" in every optimizer_step, its ZeRO-3 "the module has none")
+                self._shards[s] = []
+                continue
             if self.zero == 3:
                 holder = nn.ModuleList([model.get_submodule(n)
                                         for n in self.stages[s]["modules"]])

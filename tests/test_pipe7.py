@@ -1,0 +1,56 @@
+"""Adversarial pipeline-parallel checks (pipe7): each held to one device's training loop."""
+import pytest
+import torch
+
+import workbench as wb
+from workbench.models import build_model, get_batch, get_config
+from workbench.recipes.hybrid import Hybrid
+from workbench.sim_mesh import rng
+
+LR = 3e-3
+
+
+def _full(model):
+    return {k: (v.full() if isinstance(v, wb.DistTensor) else v).detach()
+            for k, v in model.state_dict().items()}
+
+
+def _steps(cfg, batch, steps, strategy=None):
+    """Losses and parameters after ``steps`` AdamW steps: one device (``strategy`` None,
+    plain torch) or ``strategy``'s; dropout masks keyed per step as ``wb.train`` keys them."""
+    torch.manual_seed(0)
+    if strategy is None:
+        model = build_model(cfg, seed=0).train()
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    else:
+        model = strategy.build_model(cfg, 0)
+        opt = strategy.build_optimizer(model, LR, 0.01)
+    losses = []
+    for step in range(steps):
+        x, y = get_batch(cfg, batch, 0, step)
+        with rng.keyed(1000 + step):
+            if strategy is None:
+                loss = model(x, y)[1]
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            else:
+                loss = strategy.forward_backward(model, x, y)
+                strategy.optimizer_step(opt)
+        losses.append(float(loss))
+    return losses, _full(model)
+
+
+@pytest.mark.parametrize("kw", [dict(pp=3), dict(pp=3, dp=2, zero=3, microbatches=3),
+                                dict(pp=3, dp=2, zero=1, microbatches=3, schedule="zb-h1")],
+                         ids=["1f1b", "dp2-zero3", "dp2-zero1-zbh1"])
+def test_an_empty_middle_stage_trains_as_one_device(kw):
+    # stage_sizes=[2, 0, 2]: the middle stage holds no layer and no parameter; its
+    # optimizer_step raised "DataParallel.step(): no parameter has a gradient" (ZeRO-3:
+    # "the module has none") on every step, though its forward passed the activations on
+    cfg = get_config("tiny").replace(n_layer=4, dropout=0.1)
+    want_losses, want = _steps(cfg, 6, 2)
+    got_losses, got = _steps(cfg, 6, 2, Hybrid(stage_sizes=[2, 0, 2], **kw))
+    assert got_losses == pytest.approx(want_losses, abs=1e-5)
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, atol=1e-4, rtol=0, msg=name)
