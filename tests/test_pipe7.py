@@ -54,3 +54,21 @@ def test_an_empty_middle_stage_trains_as_one_device(kw):
     assert got_losses == pytest.approx(want_losses, abs=1e-5)
     for name, p in want.items():
         torch.testing.assert_close(got[name], p, atol=1e-4, rtol=0, msg=name)
+
+
+def test_dualpipe_with_too_few_micro_batches_given_names_microbatches_not_the_batch():
+    # was: "use a batch_size that divides by dp x 2 pp = 4 (got batch_size=8)": 8 does
+    with pytest.raises(ValueError, match=r"Hybrid\(microbatches=2\).*needs an even number "
+                       r">= 2 pp = 4; give Hybrid\(microbatches=4\)") as e:
+        Hybrid(pp=2, schedule="dualpipe", microbatches=2).check(get_config("tiny"), 8)
+    assert "batch_size" not in str(e.value)
+
+
+def test_tied_embeddings_in_virtual_stages_on_one_rank_do_not_advise_pp1():
+    # pp=1 with the interleaved schedule (2 chunks): was "tie_embeddings=True with pp > 1
+    # ... use pp=1", with pp already 1
+    cfg = get_config("tiny").replace(tie_embeddings=True)
+    with pytest.raises(NotImplementedError, match=r"schedule='interleaved' and 2 model chunks "
+                       r"on one rank \(pp=1\).*schedule='1f1b'") as e:
+        Hybrid(pp=1, schedule="interleaved").check(cfg, 8)
+    assert "use pp=1" not in str(e.value)

@@ -263,6 +263,12 @@ class Hybrid:
         if getattr(cfg, "tie_embeddings", False) and pp * v > 1 and self.device.type != "meta":
             # Megatron keeps a copy of the word embedding on the last stage and all-reduces
             # the two copies' gradients every step; without that the copies drift apart
+            if pp == 1:                 # virtual stages on one rank (was: "with pp > 1
+                raise NotImplementedError(  # ... use pp=1" when pp was 1)
+                    f"tie_embeddings=True with schedule={self.schedule_name!r} and {v} "
+                    "model chunks on one rank (pp=1): the head's stage needs its copy of "
+                    "the embedding's gradient summed with the first stage's, not built yet; "
+                    "use schedule='1f1b' (one stage), or cfg.replace(tie_embeddings=False)")
             raise NotImplementedError(
                 "tie_embeddings=True with pp > 1: the last stage's copy of the embedding "
                 "needs Megatron's embedding-gradient all-reduce, not built yet; use pp=1, or "
