@@ -72,3 +72,19 @@ def test_tied_embeddings_in_virtual_stages_on_one_rank_do_not_advise_pp1():
                        r"on one rank \(pp=1\).*schedule='1f1b'") as e:
         Hybrid(pp=1, schedule="interleaved").check(cfg, 8)
     assert "use pp=1" not in str(e.value)
+
+
+def test_an_empty_middle_stage_saves_and_resumes_its_neighbours_optimizers(tmp_path):
+    # ZeRO-3 with stage_sizes=[2, 0, 2]: the checkpoint paired the stages with the
+    # optimizers in order, so the empty stage took the last stage's (IndexError on its
+    # modules); resumed on one device and on the same layout, the losses are one device's
+    from workbench.train import train
+    cfg = get_config("tiny").replace(n_layer=4)
+    want = [r["loss"] for r in train(cfg, steps=2, timing=False, batch_size=6)]
+    lay = dict(pp=3, stage_sizes=[2, 0, 2], dp=2, zero=3, microbatches=3)
+    first = train(cfg, steps=1, timing=False, batch_size=6, strategy=Hybrid(**lay),
+                  save=str(tmp_path / "ck"))
+    for strategy in (None, Hybrid(**lay)):
+        then = train(cfg, steps=2, timing=False, batch_size=6, strategy=strategy,
+                     resume=str(tmp_path / "ck"))
+        assert [first[0]["loss"], then[0]["loss"]] == pytest.approx(want, abs=1e-5)

@@ -394,6 +394,12 @@ class Hybrid:
         from ..sim_mesh import backends as _B
         return _B.rank() in mesh
 
+    def _stage_holds_params(self, model, s) -> bool:
+        """Does layer-stage ``s`` hold a parameter? (a middle stage of 0 layers does not,
+        and gets no optimizer: :meth:`build_optimizer`)"""
+        return any(True for name in self.stages[s]["modules"]
+                   for _ in model.get_submodule(name).parameters())
+
     def _stage_params(self, model, s):
         if self.zero == 3:              # the leaves autograd reaches are the dp shards
             return self._shards[s]
@@ -407,8 +413,7 @@ class Hybrid:
             mesh = self._mesh_of(s)
             if not self._own(mesh):
                 continue
-            if not any(True for name in self.stages[s]["modules"]
-                       for _ in model.get_submodule(name).parameters()):
+            if not self._stage_holds_params(model, s):
                 # a middle stage of 0 layers (stage_sizes=[2, 0, 2]) holds no parameter:
                 # nothing to step (was: its DataParallel raised "no parameter has a
                 # gradient" in every optimizer_step, its ZeRO-3 "the module has none")
