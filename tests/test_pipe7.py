@@ -88,3 +88,11 @@ def test_an_empty_middle_stage_saves_and_resumes_its_neighbours_optimizers(tmp_p
         then = train(cfg, steps=2, timing=False, batch_size=6, strategy=strategy,
                      resume=str(tmp_path / "ck"))
         assert [first[0]["loss"], then[0]["loss"]] == pytest.approx(want, abs=1e-5)
+
+
+def test_zb_v_with_fewer_micro_batches_than_ranks_is_refused_by_check_naming_microbatches():
+    # was raised from inside forward_backward as "zb_v(p=2, m=1): ... use m >= p"
+    with pytest.raises(ValueError, match=r"Hybrid\(microbatches=1\) with schedule='zb-v' and "
+                       r"pp=2: .*give Hybrid\(microbatches=2\)"):
+        Hybrid(pp=2, schedule="zb-v", microbatches=1).check(
+            get_config("tiny").replace(n_layer=4), 8)

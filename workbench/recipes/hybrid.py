@@ -286,6 +286,13 @@ class Hybrid:
         if self.schedule_name == "interleaved" and self.m % pp:
             raise ValueError(f"interleaved schedule: {self.m} micro-batches must be a multiple "
                              f"of pp={pp}")
+        if self.schedule_name == "zb-v" and self.m < pp and pp > 1:
+            # before the step (was: zb_v's "zb_v(p=2, m=1)" from inside forward_backward,
+            # naming the schedule function's arguments, not Hybrid's)
+            raise ValueError(f"Hybrid(microbatches={self.m}) with schedule='zb-v' and "
+                             f"pp={pp}: the V schedule fills its warm-up with the first pp "
+                             f"micro-batches; give Hybrid(microbatches={pp}) or more (a "
+                             f"batch_size that divides by dp x it), or schedule='1f1b'")
         if self.schedule_name == "dualpipe":
             _dualpipe.check(self, batch_size)
 
