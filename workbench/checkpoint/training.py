@@ -106,8 +106,11 @@ def _entries(strategy, model, optimizer):
             out.append((name, p, optimizer, p, lambda s: s, lambda g, leaf: g))
         return out
     names = {id(p): n for n, p in dist_parameters(model)}
-    stages = [s for s in range(len(strategy.stage_layers))       # this process's stages
-              if strategy._own(strategy.meshes[s % strategy.pp])]
+    # this process's stages that have an optimizer (a middle stage of 0 layers has none:
+    # counted, it took the next stage's optimizer, ZeRO-3 an IndexError on its modules)
+    holds = getattr(strategy, "_stage_holds_params", lambda model, s: True)
+    stages = [s for s in range(len(strategy.stage_layers))
+              if strategy._own(strategy.meshes[s % strategy.pp]) and holds(model, s)]
     for s, opt in _stage_optimizers(stages, optimizer):
         if hasattr(opt, "entries"):                    # Zero3: the shards are the leaves
             mods = strategy.stages[s]["modules"]       # its module: a list of these

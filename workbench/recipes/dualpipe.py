@@ -56,6 +56,14 @@ def check(h, batch_size: int) -> None:
     """The micro-batches DualPipe needs: an even number, at least 2 pp (the reference
     implementation asserts it; :func:`workbench.schedules.dualpipe`)."""
     m, pp, dp = h.m, h.pp, h.dp
+    if (m % 2 or m < 2 * pp) and h._m is not None:
+        # the count was given: the batch is not the cause (was: "use a batch_size that
+        # divides by dp x 2 pp = 4 (got batch_size=8)" for Hybrid(microbatches=2), 8
+        # dividing by 4)
+        raise ValueError(f"Hybrid(microbatches={m}) with schedule='dualpipe': DualPipe feeds "
+                         f"half of them from each end and needs an even number >= 2 pp = "
+                         f"{2 * pp}; give Hybrid(microbatches={2 * pp}) (or None for the "
+                         "default)")
     if m % 2 or m < 2 * pp:
         raise ValueError(f"schedule='dualpipe' with {m} micro-batches: DualPipe feeds half "
                          f"of them from each end and needs an even number >= 2 pp = {2 * pp}; "

@@ -263,6 +263,12 @@ class Hybrid:
         if getattr(cfg, "tie_embeddings", False) and pp * v > 1 and self.device.type != "meta":
             # Megatron keeps a copy of the word embedding on the last stage and all-reduces
             # the two copies' gradients every step; without that the copies drift apart
+            if pp == 1:                 # virtual stages on one rank (was: "with pp > 1
+                raise NotImplementedError(  # ... use pp=1" when pp was 1)
+                    f"tie_embeddings=True with schedule={self.schedule_name!r} and {v} "
+                    "model chunks on one rank (pp=1): the head's stage needs its copy of "
+                    "the embedding's gradient summed with the first stage's, not built yet; "
+                    "use schedule='1f1b' (one stage), or cfg.replace(tie_embeddings=False)")
             raise NotImplementedError(
                 "tie_embeddings=True with pp > 1: the last stage's copy of the embedding "
                 "needs Megatron's embedding-gradient all-reduce, not built yet; use pp=1, or "
@@ -280,6 +286,13 @@ class Hybrid:
         if self.schedule_name == "interleaved" and self.m % pp:
             raise ValueError(f"interleaved schedule: {self.m} micro-batches must be a multiple "
                              f"of pp={pp}")
+        if self.schedule_name == "zb-v" and self.m < pp and pp > 1:
+            # before the step (was: zb_v's "zb_v(p=2, m=1)" from inside forward_backward,
+            # naming the schedule function's arguments, not Hybrid's)
+            raise ValueError(f"Hybrid(microbatches={self.m}) with schedule='zb-v' and "
+                             f"pp={pp}: the V schedule fills its warm-up with the first pp "
+                             f"micro-batches; give Hybrid(microbatches={pp}) or more (a "
+                             f"batch_size that divides by dp x it), or schedule='1f1b'")
         if self.schedule_name == "dualpipe":
             _dualpipe.check(self, batch_size)
 
@@ -388,6 +401,12 @@ class Hybrid:
         from ..sim_mesh import backends as _B
         return _B.rank() in mesh
 
+    def _stage_holds_params(self, model, s) -> bool:
+        """Does layer-stage ``s`` hold a parameter? (a middle stage of 0 layers does not,
+        and gets no optimizer: :meth:`build_optimizer`)"""
+        return any(True for name in self.stages[s]["modules"]
+                   for _ in model.get_submodule(name).parameters())
+
     def _stage_params(self, model, s):
         if self.zero == 3:              # the leaves autograd reaches are the dp shards
             return self._shards[s]
@@ -400,6 +419,12 @@ class Hybrid:
         for s in range(len(self.stage_layers)):
             mesh = self._mesh_of(s)
             if not self._own(mesh):
+                continue
+            if not self._stage_holds_params(model, s):
+                # a middle stage of 0 layers (stage_sizes=[2, 0, 2]) holds no parameter:
+                # nothing to step (was: its DataParallel raised "no parameter has a
+                # gradient" in every optimizer_step, its ZeRO-3 "the module has none")
+                self._shards[s] = []
                 continue
             if self.zero == 3:
                 holder = nn.ModuleList([model.get_submodule(n)
