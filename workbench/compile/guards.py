@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys as _sys
 import types
 
 import torch
@@ -254,26 +255,58 @@ def _functions_of(cls):
                 yield f
 
 
+def _library(f) -> bool:
+    """A function of torch, workbench or another installed library (not the user's)."""
+    mod = getattr(f, "__module__", None) or ""
+    return mod.split(".")[0] in _LIBRARIES or mod in _sys.stdlib_module_names
+
+
+_LIBRARIES = {"torch", "workbench", "numpy", "builtins", "functools", "typing", "einops",
+              "transformers", "triton"}
+
+
+def _user_functions(f, seen: dict) -> dict:
+    """``f`` and the user's functions its code reaches through the globals and closure
+    variables it names (a helper ``scale(self, y)`` that reads ``self.eps`` or a global:
+    ``torch.compile`` guards what it reads too), by id."""
+    if not isinstance(f, types.FunctionType) or id(f) in seen or _library(f) or \
+            len(seen) > 256:
+        return seen
+    seen[id(f)] = f
+    g = f.__globals__
+    for n in _code_names(f.__code__, set()):
+        _user_functions(g.get(n), seen)
+    for cell in f.__closure__ or ():
+        try:
+            _user_functions(cell.cell_contents, seen)
+        except ValueError:                      # an empty closure cell
+            pass
+    return seen
+
+
 def references(fn) -> dict:
     """{label: getter} of what ``fn``'s code reads besides its arguments: the globals and
     closure variables its code names and, for a module, the instance attributes the
-    methods of each submodule's class name (``self.scale``)."""
+    methods of each submodule's class name (``self.scale``); the code of the user's
+    functions it calls (by a global or closure name) counts as its own."""
     out: dict = {}
 
     def add(f):
-        names = _code_names(f.__code__, set())
-        g = f.__globals__
-        for n in names:
-            if n in g:
-                out.setdefault(f"global {n}", lambda g=g, n=n: g.get(n, _MISSING))
-        for n, cell in zip(f.__code__.co_freevars, f.__closure__ or ()):
-            out.setdefault(f"closure variable {n}", lambda c=cell: c.cell_contents)
+        for h in _user_functions(f, {}).values():
+            names = _code_names(h.__code__, set())
+            g = h.__globals__
+            for n in names:
+                if n in g:
+                    out.setdefault(f"global {n}", lambda g=g, n=n: g.get(n, _MISSING))
+            for n, cell in zip(h.__code__.co_freevars, h.__closure__ or ()):
+                out.setdefault(f"closure variable {n}", lambda c=cell: c.cell_contents)
     if isinstance(fn, nn.Module):
         for mname, mod in fn.named_modules():
             names: set = set()
             for f in _functions_of(type(mod)):
                 add(f)
-                _code_names(f.__code__, names)
+                for h in _user_functions(f, {}).values():
+                    _code_names(h.__code__, names)
             d = vars(mod)
             for n in sorted(names & set(d)):
                 if n != "training":

@@ -1,0 +1,89 @@
+"""Adversarial user trial of ``wb.compile`` (helper compile7): each compiled result is held
+to the same program run eagerly on plain tensors (one device); where the graph would
+silently hold a value eager reads afresh, the call must be refused with the fix."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import workbench as wb
+
+R, S = wb.Replicate, wb.Shard
+PROFILE = "a100"
+
+
+def _x(shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# ---- what a helper function the program calls reads --------------------------------
+_K = 2.0
+
+
+def _times_k(y):
+    return y * _K
+
+
+def _calls_helper(x):
+    return _times_k(x) + 1
+
+
+def test_a_global_read_by_a_helper_the_program_calls_is_checked(monkeypatch):
+    # the guard read only the names of fn's own code: _K, read by the helper it calls,
+    # changed from 2.0 to 5.0 and the graph still multiplied by 2.0 (4.45 off)
+    mesh = wb.Mesh.grid((2,))
+    a = wb.shard_tensor(_x((4, 6)), mesh, [R()])
+    prog = wb.compile(_calls_helper, a, profile=PROFILE)
+    torch.testing.assert_close(prog(a).full(), _calls_helper(a.full()))
+    monkeypatch.setitem(globals(), "_K", 5.0)
+    with pytest.raises(ValueError, match="global _K was 2.0 at capture and is now 5.0"):
+        prog(a)
+
+
+def test_a_closure_read_by_a_closure_the_program_calls_is_checked():
+    scales = [2.0]
+
+    def scale(y):
+        return y * scales[0]
+
+    def fn(x):
+        return scale(x) - 1
+    mesh = wb.Mesh.grid((2,))
+    a = wb.shard_tensor(_x((4, 6)), mesh, [S(0)])
+    prog = wb.compile(fn, a, profile=PROFILE)
+    torch.testing.assert_close(prog(a).full(), fn(a.full()))
+    scales[0] = 7.0
+    with pytest.raises(ValueError, match="closure variable scales changed"):
+        prog(a)
+
+
+def _scaled(module, y):
+    return y * module.eps
+
+
+class _HelperReadsAttr(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 6)
+        self.eps = 2.0
+
+    def forward(self, x):
+        return _scaled(self, self.lin(x))
+
+
+def test_a_module_attribute_read_by_a_helper_function_is_checked():
+    # forward passes self to a module-level helper that reads self.eps: the guard saw
+    # only the names the class's methods spell, so eps = 5.0 ran with 2.0 (3.66 off)
+    m = _HelperReadsAttr()
+    mesh = wb.Mesh.grid((2,))
+    a = wb.shard_tensor(_x((4, 6)), mesh, [R()])
+    prog = wb.compile(m, a, profile=PROFILE)
+    torch.testing.assert_close(prog(a).full(), m(a.full()))
+    m.eps = 5.0
+    with pytest.raises(ValueError, match="module attribute eps was 2.0 at capture and is "
+                                         "now 5.0"):
+        prog(a)
+    m.eps = 2.0                                 # set back: runs again
+    torch.testing.assert_close(prog(a).full(), m(a.full()))
