@@ -87,3 +87,68 @@ def test_a_module_attribute_read_by_a_helper_function_is_checked():
         prog(a)
     m.eps = 2.0                                 # set back: runs again
     torch.testing.assert_close(prog(a).full(), m(a.full()))
+
+
+def test_a_torch_modules_own_attribute_is_still_checked():
+    # nn.LayerNorm.forward reads self.eps (torch's code, the module's own method)
+    m = nn.LayerNorm(6)
+    mesh = wb.Mesh.grid((2,))
+    a = wb.shard_tensor(_x((4, 6)), mesh, [S(0)])
+    prog = wb.compile(m, a, profile=PROFILE)
+    m.eps = 1.0
+    with pytest.raises(ValueError, match="module attribute eps was 1e-05"):
+        prog(a)
+
+
+class _Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = 2.0
+
+
+class _ReadsChild(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.sub, self.lin = _Holder(), nn.Linear(6, 6)
+        self._gain, self.act, self.shift = 3.0, torch.relu, 1.0
+
+    @property
+    def gain(self):
+        return self._gain
+
+    def forward(self, x):
+        y = self.act(self.lin(x)) * self.sub.scale * self.gain
+        return y + getattr(self, "shift")
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda m: setattr(m.sub, "scale", 5.0), "sub.scale was 2.0"),       # 4.42 off
+    (lambda m: setattr(m, "_gain", 5.0), "_gain was 3.0"),               # a property: 3.61
+    (lambda m: setattr(m, "shift", 5.0), "shift was 1.0"),               # getattr: 4.0
+    (lambda m: setattr(m, "act", torch.tanh), "attribute act changed"),  # 0.82
+])
+def test_module_attributes_read_another_way_are_checked(change, match):
+    # each ran silently with its value at capture
+    m = _ReadsChild()
+    mesh = wb.Mesh.grid((2,))
+    a = wb.shard_tensor(_x((4, 6)), mesh, [R()])
+    prog = wb.compile(m, a, profile=PROFILE)
+    torch.testing.assert_close(prog(a).full(), m(a.full()))
+    change(m)
+    with pytest.raises(ValueError, match=match):
+        prog(a)
+
+
+def test_a_parameter_added_since_capture_is_refused():
+    # bias=False, then m.bias = Parameter(ones): the graph has no add, 1.0 off
+    torch.manual_seed(0)
+    m = nn.Linear(6, 6, bias=False)
+    mesh = wb.Mesh.grid((2,))
+    a = wb.shard_tensor(_x((4, 6)), mesh, [R()])
+    prog = wb.compile(m, a, profile=PROFILE)
+    m.bias = nn.Parameter(torch.ones(6))
+    with pytest.raises(ValueError, match="parameter 'bias' added to the module since capture"):
+        prog(a)
+    m.bias = None                               # (the module's own None entry: as captured)
+    torch.testing.assert_close(prog(a).full(), m(a.full()))

@@ -230,11 +230,15 @@ def is_scalar(v) -> bool:
                                        all(isinstance(x, _SCALARS) for x in v))
 
 
-def _code_names(code, out: set) -> set:
+def _code_names(code, out: set, strings: bool = False) -> set:
+    """The names ``code`` (and the code nested in it) reads; ``strings``: with its string
+    constants that could name an attribute (``getattr(self, "scale")``)."""
     out.update(code.co_names)
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
-            _code_names(c, out)
+            _code_names(c, out, strings)
+        elif strings and isinstance(c, str) and c.isidentifier() and c[0] != "_":
+            out.add(c)
     return out
 
 
@@ -250,8 +254,13 @@ def _functions_of(cls):
         if not issubclass(k, nn.Module):        # a mixin (the parallel wrappers' state)
             continue
         for name, v in vars(k).items():
+            if name in _NOT_FORWARD:
+                continue
+            if isinstance(v, property):         # ``self.scale`` read through a getter
+                yield from (f for f in (v.fget,) if isinstance(f, types.FunctionType))
+                continue
             f = getattr(v, "__func__", v)
-            if isinstance(f, types.FunctionType) and name not in _NOT_FORWARD:
+            if isinstance(f, types.FunctionType):
                 yield f
 
 
@@ -269,8 +278,8 @@ def _user_functions(f, seen: dict) -> dict:
     """``f`` and the user's functions its code reaches through the globals and closure
     variables it names (a helper ``scale(self, y)`` that reads ``self.eps`` or a global:
     ``torch.compile`` guards what it reads too), by id."""
-    if not isinstance(f, types.FunctionType) or id(f) in seen or _library(f) or \
-            len(seen) > 256:
+    if not isinstance(f, types.FunctionType) or id(f) in seen or len(seen) > 256 or \
+            (seen and _library(f)):            # (fn itself, or a module's own method: read)
         return seen
     seen[id(f)] = f
     g = f.__globals__
@@ -301,12 +310,15 @@ def references(fn) -> dict:
             for n, cell in zip(h.__code__.co_freevars, h.__closure__ or ()):
                 out.setdefault(f"closure variable {n}", lambda c=cell: c.cell_contents)
     if isinstance(fn, nn.Module):
-        for mname, mod in fn.named_modules():
-            names: set = set()
+        # an attribute any of the code names, on any submodule: a parent's forward reads
+        # ``self.sub.scale``, a helper ``getattr(self, "scale")``
+        names: set = set()
+        for _, mod in fn.named_modules():
             for f in _functions_of(type(mod)):
                 add(f)
                 for h in _user_functions(f, {}).values():
-                    _code_names(h.__code__, names)
+                    _code_names(h.__code__, names, strings=True)
+        for mname, mod in fn.named_modules():
             d = vars(mod)
             for n in sorted(names & set(d)):
                 if n != "training":
@@ -388,7 +400,9 @@ class Frozen:
                 self.scalars[label] = v
             elif type(v) is torch.Tensor and not v.is_meta and v.numel():
                 tensors.setdefault(_key(v), label)
-            elif not isinstance(v, (torch.Tensor, DistTensor) + _OPAQUE) and v is not _MISSING:
+            elif not isinstance(v, (torch.Tensor, DistTensor)) and v is not _MISSING:
+                # (a function, a class or a module by its identity: ``self.act = torch.tanh``
+                # after capture ran relu)
                 self.objects[label] = snapshot(v)
         self.consts = {vid: tensors[_key(c)] for vid, c in consts.items()
                        if type(c) is torch.Tensor and not c.is_meta and c.numel()
