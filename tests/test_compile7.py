@@ -152,3 +152,38 @@ def test_a_parameter_added_since_capture_is_refused():
         prog(a)
     m.bias = None                               # (the module's own None entry: as captured)
     torch.testing.assert_close(prog(a).full(), m(a.full()))
+
+
+class _ClassScale(nn.Module):
+    scale = 2.0                                  # a class attribute
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.lin(x) * self.scale
+        if hasattr(self, "extra"):              # one the code asks for by its name
+            y = y + self.extra
+        return y
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda m: setattr(type(m), "scale", 5.0), "scale was 2.0 at capture and is now 5.0"),
+    (lambda m: setattr(m, "scale", 5.0), "scale was 2.0 at capture and is now 5.0"),
+    (lambda m: setattr(m, "extra", 1.0), "extra was absent at capture and is now 1.0"),
+])
+def test_class_attributes_and_attributes_added_later_are_checked(change, match):
+    # each ran silently with the graph of the capture (5.56, 3.58 and 1.0 off eager)
+    m = _ClassScale()
+    mesh = wb.Mesh.grid((2,))
+    a = wb.shard_tensor(_x((4, 6)), mesh, [R()])
+    prog = wb.compile(m, a, profile=PROFILE)
+    torch.testing.assert_close(prog(a).full(), m(a.full()))
+    try:
+        change(m)
+        with pytest.raises(ValueError, match=match):
+            prog(a)
+    finally:
+        _ClassScale.scale = 2.0

@@ -231,9 +231,10 @@ def is_scalar(v) -> bool:
 
 
 def _code_names(code, out: set, strings: bool = False) -> set:
-    """The names ``code`` (and the code nested in it) reads; ``strings``: with its string
-    constants that could name an attribute (``getattr(self, "scale")``)."""
-    out.update(code.co_names)
+    """The names ``code`` (and the code nested in it) reads; ``strings``: instead, its
+    string constants that could name an attribute (``getattr(self, "scale")``)."""
+    if not strings:
+        out.update(code.co_names)
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
             _code_names(c, out, strings)
@@ -313,22 +314,43 @@ def references(fn) -> dict:
         # an attribute any of the code names, on any submodule: a parent's forward reads
         # ``self.sub.scale``, a helper ``getattr(self, "scale")``
         names: set = set()
+        strings: set = set()        # (names the code may look up by a string: hasattr)
         for _, mod in fn.named_modules():
             for f in _functions_of(type(mod)):
                 add(f)
                 for h in _user_functions(f, {}).values():
-                    _code_names(h.__code__, names, strings=True)
+                    _code_names(h.__code__, names)
+                    _code_names(h.__code__, strings, strings=True)
+        names |= strings
         for mname, mod in fn.named_modules():
-            d = vars(mod)
-            for n in sorted(names & set(d)):
-                if n != "training":
+            d, cls = vars(mod), type(mod)
+            held = set(mod._parameters) | set(mod._buffers) | set(mod._modules)
+            for n in sorted(names):
+                if n == "training" or n.startswith("__") or n in held:
+                    continue
+                on_class = _class_value(cls, n)
+                # an instance attribute, a class attribute (``scale = 2.0`` in the class
+                # body: the class's value changed, or an instance's shadows it since), or
+                # one the code asks for by name and that is absent (``hasattr(self, n)``)
+                if n in d or on_class is not _MISSING or \
+                        (n in strings and not hasattr(cls, n)):
                     out.setdefault(f"module attribute {mname + '.' if mname else ''}{n}",
-                                   lambda d=d, n=n: d.get(n, _MISSING))
+                                   lambda d=d, n=n, c=cls: d.get(n, _class_value(c, n)))
     else:
         f = getattr(fn, "__func__", fn)
         if isinstance(f, types.FunctionType):
             add(f)
     return out
+
+
+def _class_value(cls, n):
+    """The data attribute ``n`` of a module class (a value in its body, not a method,
+    property or other descriptor), or ``_MISSING``."""
+    for k in cls.__mro__:
+        if n in vars(k):
+            v = vars(k)[n]
+            return _MISSING if hasattr(v, "__get__") or isinstance(v, type) else v
+    return _MISSING
 
 
 _OPAQUE = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
@@ -396,7 +418,7 @@ class Frozen:
                 v = get()
             except ValueError:                  # an empty closure cell
                 continue
-            if is_scalar(v):
+            if is_scalar(v) or v is _MISSING:
                 self.scalars[label] = v
             elif type(v) is torch.Tensor and not v.is_meta and v.numel():
                 tensors.setdefault(_key(v), label)
@@ -414,7 +436,8 @@ class Frozen:
             now = self.refs[label]()
             if now is not was and not (type(now) is type(was) and now == was):
                 shown = "gone" if now is _MISSING else repr(now)
-                raise ValueError(f"compiled program: {label} was {was!r} at capture and is "
+                then = "absent" if was is _MISSING else repr(was)
+                raise ValueError(f"compiled program: {label} was {then} at capture and is "
                                  f"now {shown}; the graph holds the value it read: compile "
                                  "again (or pass the value in as a tensor input)")
         for label, was in self.objects.items():
