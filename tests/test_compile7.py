@@ -187,3 +187,31 @@ def test_class_attributes_and_attributes_added_later_are_checked(change, match):
             prog(a)
     finally:
         _ClassScale.scale = 2.0
+
+
+class _Scaler:
+    def __init__(self):
+        self.k = 2.0
+
+    def apply(self, x):
+        return x * self.k
+
+    def __call__(self, x):
+        return x * self.k - 1
+
+
+@pytest.mark.parametrize("bound", [True, False], ids=["bound method", "callable object"])
+def test_the_attributes_of_the_object_a_program_is_bound_to_are_checked(bound):
+    # wb.compile(scaler.apply, x) or wb.compile(scaler, x), then scaler.k = 5.0: the graph
+    # kept multiplying by 2.0 (5.65 off eager)
+    sc = _Scaler()
+    fn = sc.apply if bound else sc
+    mesh = wb.Mesh.grid((2,))
+    a = wb.shard_tensor(_x((4, 6)), mesh, [S(0)])
+    prog = wb.compile(fn, a, profile=PROFILE)
+    torch.testing.assert_close(prog(a).full(), fn(a.full()))
+    sc.k = 5.0
+    with pytest.raises(ValueError, match="the object _Scaler the program is bound to changed"):
+        prog(a)
+    sc.k = 2.0
+    torch.testing.assert_close(prog(a).full(), fn(a.full()))

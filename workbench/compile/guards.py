@@ -338,8 +338,17 @@ def references(fn) -> dict:
                                    lambda d=d, n=n, c=cls: d.get(n, _class_value(c, n)))
     else:
         f = getattr(fn, "__func__", fn)
+        obj = getattr(fn, "__self__", None)
+        if not isinstance(f, types.FunctionType) and not isinstance(
+                fn, (types.BuiltinFunctionType, types.MethodType, type)):
+            obj, f = fn, getattr(type(fn), "__call__", None)    # a callable object
         if isinstance(f, types.FunctionType):
             add(f)
+        # the object a method is bound to, or the callable object (``self.k`` its code
+        # reads): compared by its attributes (a module's are read afresh, as above)
+        if obj is not None and not isinstance(obj, (nn.Module, types.ModuleType, type)):
+            out.setdefault(f"the object {type(obj).__name__} the program is bound to",
+                           lambda o=obj: o)
     return out
 
 
