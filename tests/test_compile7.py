@@ -215,3 +215,26 @@ def test_the_attributes_of_the_object_a_program_is_bound_to_are_checked(bound):
         prog(a)
     sc.k = 2.0
     torch.testing.assert_close(prog(a).full(), fn(a.full()))
+
+
+_ACT = torch.relu
+
+
+def _calls_global_act(x):
+    return _ACT(x) * 2
+
+
+def test_a_global_function_rebound_since_capture_is_refused():
+    # act = torch.tanh after capturing relu: the graph kept relu (2.37 off); a function,
+    # a class or a module a global names is compared by identity
+    mesh = wb.Mesh.grid((2,))
+    a = wb.shard_tensor(_x((4, 6)), mesh, [R()])
+    prog = wb.compile(_calls_global_act, a, profile=PROFILE)
+    torch.testing.assert_close(prog(a).full(), _calls_global_act(a.full()))
+    global _ACT
+    try:
+        _ACT = torch.tanh
+        with pytest.raises(ValueError, match="global _ACT changed since capture"):
+            prog(a)
+    finally:
+        _ACT = torch.relu
