@@ -78,6 +78,17 @@ def _signature(a):
     return snapshot(a)
 
 
+def _named_parameters(module) -> dict:
+    """{name: parameter} of the module's parameters now (a tied one under its first name;
+    ``None`` entries, a ``bias=False`` linear's, left out)."""
+    named = {}
+    for mname, mod in module.named_modules(remove_duplicate=False):
+        for pname, p in mod._parameters.items():
+            if p is not None:
+                named.setdefault(f"{mname}.{pname}" if mname else pname, p)
+    return named
+
+
 def _fulls(tree):
     """``tree`` with each DistTensor as its global tensor (``.full()``: autograd flows)."""
     if isinstance(tree, DistTensor):
@@ -177,6 +188,7 @@ class CompiledProgram:
         self.captured = graph
         self._placements = placements
         if self.module is not None:         # what the call checks and re-reads (guards.py)
+            self._param_names = tuple(_named_parameters(self.module))
             self._modes = training_flags(self.module)
             self._tree = module_tree(self.module)
             self._attrs = tensor_attributes(self.module, graph.consts)
@@ -274,11 +286,14 @@ class CompiledProgram:
         for vid, a in zip(g.inputs, tensors):
             bind[vid] = a
         if self.module is not None:
-            named = {}
-            for mname, mod in self.module.named_modules(remove_duplicate=False):
-                for pname, p in mod._parameters.items():
-                    if p is not None:
-                        named.setdefault(f"{mname}.{pname}" if mname else pname, p)
+            named = _named_parameters(self.module)
+            new = sorted(set(named) - set(self._param_names))
+            if new:     # (``m.bias = nn.Parameter(...)``: the graph has no op that reads it)
+                raise ValueError(f"compiled program: parameter{'s' if len(new) > 1 else ''} "
+                                 f"{', '.join(map(repr, new[:4]))} added to the module since "
+                                 "capture; the graph does not read "
+                                 f"{'them' if len(new) > 1 else 'it'}: compile the module "
+                                 "again")
             for name, vid in g.params.items():
                 bind[vid] = check_parameter(name, named.get(name), g.values[vid],
                                             self._placements.get(vid))
