@@ -286,6 +286,12 @@ def test_optimizer_state_dict_round_trip_trains_on_as_one_device(kind):
     ref_backward(ref, *data[0])
     opt.step()
     ro.step()
+    resumed_step_is_one_devices(kind, wr, opt, ref, ro, data[1])
+
+
+def resumed_step_is_one_devices(kind, wr, opt, ref, ro, batch):
+    """``wr``'s model and optimizer state dicts (after a step) loaded into a fresh wrapped
+    model and optimizer: its step on ``batch`` is one device's (``ref`` / ``ro``) next."""
     msd, osd = copy.deepcopy(wr.w.state_dict()), copy.deepcopy(opt.state_dict())
     fresh = Wrapped(kind, mk(seed=5))
     fresh.w.eval()
@@ -293,8 +299,8 @@ def test_optimizer_state_dict_round_trip_trains_on_as_one_device(kind):
     opt2 = fresh.optimizer()
     opt2.load_state_dict(osd)
     ro.zero_grad()
-    fresh.backward(*data[1])
-    ref_backward(ref, *data[1])
+    fresh.backward(*batch)
+    ref_backward(ref, *batch)
     opt2.step()
     ro.step()
     assert_same_model(fresh, ref)

@@ -43,7 +43,6 @@ parallelism on 2 x 2) and failed before its fix.
    partition raised torch.optim's "can only optimize Tensors" (no fix named): now names
    ``partition="chunks"``.
 """
-import copy
 
 import pytest
 import torch
@@ -52,7 +51,9 @@ from torch import nn
 import workbench as wb
 
 from .test_habits11 import close
-from .test_habits15 import KINDS, Wrapped, batches, full_state, mk, ref_backward
+from .test_habits15 import KINDS, Wrapped, batches, full_state, mk, ref_backward, \
+    resumed_step_is_one_devices
+from .test_habits18 import train_step
 
 # ZeRO-1/2 over DistTensors hand the optimizer the module's DistTensors, whose
 # ``.data = tensor`` raises naming shard_tensor (habits.py): not laid-out storages
@@ -210,12 +211,7 @@ def test_averaged_model_of_the_wrapped_module_is_one_devices(kind, avg):
     opt = wr.optimizer(cls=torch.optim.SGD, lr=0.1)
     ro = torch.optim.SGD(ref.parameters(), lr=0.1)
     for x, y in batches(3):
-        opt.zero_grad()
-        ro.zero_grad()
-        wr.backward(x, y)
-        ref_backward(ref, x, y)
-        opt.step()
-        ro.step()
+        train_step(wr, opt, ref, ro, x, y)
         mine.update_parameters(wr.m)
         theirs.update_parameters(ref)
     got, want = full_state(mine.module.state_dict()), theirs.module.state_dict()
@@ -271,18 +267,7 @@ def test_consolidate_then_state_dict_round_trip_trains_on_as_one_device(kind):
     with pytest.raises(ValueError, match=r"consolidate_state_dict\(to=9\)"):
         opt.consolidate_state_dict(to=9)
     opt.consolidate_state_dict(to=0)
-    msd, osd = copy.deepcopy(wr.w.state_dict()), copy.deepcopy(opt.state_dict())
-    fresh = Wrapped(kind, mk(seed=5))
-    fresh.w.eval()
-    fresh.w.load_state_dict(msd)
-    opt2 = fresh.optimizer()
-    opt2.load_state_dict(osd)
-    ro.zero_grad()
-    fresh.backward(*data[1])
-    ref_backward(ref, *data[1])
-    opt2.step()
-    ro.step()
-    assert_same_model(fresh, ref)
+    resumed_step_is_one_devices(kind, wr, opt, ref, ro, data[1])
 
 
 @pytest.mark.parametrize("as_groups", [False, True])
