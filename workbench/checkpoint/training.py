@@ -331,7 +331,8 @@ def check_cli(args, strategy) -> str | None:
         return None
     try:
         train = {"step": 0, "seed": 0, "batch_size": 0}
-        keys = F.read_metadata(resume_dir).state_dict_metadata
+        md = F.read_metadata(resume_dir)
+        keys = md.state_dict_metadata
         train.update({k: 0.0 for k in ("lr", "weight_decay") if f"train.{k}" in keys})
         load(resume_dir, {"train": train})
     except (F.CheckpointError, OSError) as e:
@@ -352,7 +353,7 @@ def check_cli(args, strategy) -> str | None:
             return (f"--resume {resume_dir}: the run was saved with --{k.replace('_', '-')} "
                     f"{train[k]}, this one has {getattr(args, k)}; the batches after step "
                     f"{train['step']} would differ: give --{k.replace('_', '-')} {train[k]}")
-    bad = _cli_model_mismatch(args, keys) or _cli_config_mismatch(args, resume_dir)
+    bad = _cli_model_mismatch(args, md)
     if bad:
         return f"--resume {resume_dir}: {bad}"
     steps = getattr(args, "steps", None)
@@ -400,19 +401,15 @@ def model_mismatch(keys, shapes: dict, every: bool = True) -> str | None:
     return None
 
 
-def _cli_model_mismatch(args, keys) -> str | None:
-    """The model the flags build (on the meta device: shapes only) against the checkpoint."""
+def _cli_model_mismatch(args, md) -> str | None:
+    """The model the flags build (on the meta device: shapes only) against the checkpoint
+    (its metadata ``md``): the weights' shapes first, then the config fields they do not
+    show (:func:`config_mismatch`)."""
     from ..models.config import build_model, get_config
     from ..recipes.moe import moe_overrides
     cfg = get_config(getattr(args, "preset", "tiny"), **moe_overrides(args))
     with torch.device("meta"):
         model = build_model(cfg, seed=0)
-    return model_mismatch(keys, {k: v.shape for k, v in model.state_dict().items()})
-
-
-def _cli_config_mismatch(args, path) -> str | None:
-    """The config the flags build against the one the checkpoint recorded."""
-    from ..models.config import get_config
-    from ..recipes.moe import moe_overrides
-    cfg = get_config(getattr(args, "preset", "tiny"), **moe_overrides(args))
-    return config_mismatch(F.read_metadata(path), cfg, FORWARD_FIELDS + TRAIN_FIELDS)
+    return model_mismatch(md.state_dict_metadata,
+                          {k: v.shape for k, v in model.state_dict().items()}) or \
+        config_mismatch(md, cfg, FORWARD_FIELDS + TRAIN_FIELDS)
