@@ -176,8 +176,12 @@ class Stacked:
 
     @staticmethod
     def all_gather(x, nd, axis, dim, n):
+        # each rank's result contiguous, as torch.distributed's all_gather_into_tensor (and
+        # backends._all_gather's cat) gives it: the flatten can be a view with the gathered
+        # pieces outermost (a (2, 5, 1) shard of dim 2 of 3 ranks: strides (5, 1, 10)),
+        # and then a user's full_tensor().view(-1) raised here where torch's works
         y = x.movedim(axis, nd - 1 + dim)
-        return y.flatten(nd - 1 + dim, nd + dim).unsqueeze(axis)
+        return y.flatten(nd - 1 + dim, nd + dim).contiguous().unsqueeze(axis)
 
     @staticmethod
     def reduce_scatter(x, nd, axis, dim, op, n):
