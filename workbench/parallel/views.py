@@ -5,10 +5,13 @@ The dispatcher tells :func:`note_views` of every output of a view op (op class
 "view"). Most share the base's local memory: a write into them lands in the base
 (:mod:`.inplace` writes into local tensors). Where the op had to move data (an uneven
 shard re-cut, a reshape that gathers), the output is a copy: a write into a getitem
-view then also goes into the base as ``base[index] = value``; into any other such view
-it raises (the write could not reach the base), as does a write into an expanded view
-(several elements in one memory location, as torch). ``x._view`` holds
-``(base, index or None, aliased)``.
+view then also goes into the base as ``base[index] = value``, into a reshaping view
+(view, reshape, flatten, unflatten, unsqueeze, squeeze) as ``base.copy_(value reshaped)``
+and into a permuting one (permute, transpose, movedim, t) as ``base.copy_(value permuted
+back)``; so does a write autograd records (the view then takes memory of its own, as the
+result's).  Into any other such view (diagonal, expand, ...) it raises (the write could
+not reach the base), as does a write into an expanded view (several elements in one
+memory location, as torch). ``x._view`` holds ``(base, index or None, aliased)``.
 """
 from __future__ import annotations
 
@@ -65,6 +68,8 @@ def refresh(base, replaced: bool) -> None:
             continue
         if index == WHOLE:
             new = dispatch(torch.Tensor.reshape, (base, tuple(v.shape)), None)
+        elif isinstance(index, Perm):
+            new = dispatch(torch.Tensor.permute, (base, tuple(index)), None)
         else:
             new = dispatch(torch.Tensor.__getitem__, (base, index), None)
         if new.placements != v.placements:
@@ -81,7 +86,8 @@ def note_views(name, base, outs, attrs) -> None:
     if not outs:                # x.unbind(d) of a size-0 dim: no view to remember
         return
     index = _torch_index(attrs["index"]) if name == "getitem" else \
-        WHOLE if name in _RESHAPES else None
+        WHOLE if name in _RESHAPES else \
+        Perm(tuple(attrs["dims"])) if name in _PERMUTES else None
     indices = _pieces(name, attrs, len(outs)) or (index,) * len(outs)
     b = base._local
     if type(b) is torch.Tensor:
@@ -111,15 +117,36 @@ def note_views(name, base, outs, attrs) -> None:
 
 
 WHOLE = "whole"     # the index of a reshape's view: all of the base, in the base's shape
-_RESHAPES = ("view", "reshape", "flatten", "unflatten")
+# views that keep the elements' row-major order (a write goes back as a reshape)
+_RESHAPES = ("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze")
+_PERMUTES = ("permute", "transpose")     # movedim, swapaxes, t: the table's "dims" permutation
+
+
+class Perm(tuple):
+    """The index of a permuting view (``x.permute(dims)``, ``x.transpose(a, b)``,
+    ``x.movedim(...)``, ``x.t()``): all of the base, its dims reordered.  A write into the
+    view goes back as ``base.copy_(value.permute(inverse))`` (a bijection of the
+    elements, so the base's every element is the view's one), which autograd records as
+    torch records an in-place op through a view (seed sweeps: ``t.movedim(..).unsqueeze(..)
+    .mul_(2)`` on a tracked tensor was refused)."""
+
+    @property
+    def inverse(self) -> tuple:
+        inv = [0] * len(self)
+        for j, d in enumerate(self):
+            inv[d] = j
+        return tuple(inv)
 
 
 def write_back(base, index, value) -> None:
     """``base[index] = value``; for a reshape's view (``WHOLE``) ``base.copy_(value
-    reshaped to base's shape)``."""
+    reshaped to base's shape)``, for a permutation's (:class:`Perm`) ``base.copy_(value
+    permuted back)``."""
     from .inplace import method, setitem
     if index == WHOLE:
         method(base, "copy_", (value.reshape(tuple(base.shape)),))
+    elif isinstance(index, Perm):
+        method(base, "copy_", (value.permute(index.inverse),))
     else:
         setitem(base, index, value)
 
