@@ -63,7 +63,10 @@ def install(cls):
         picked = bool_mask_index(self, index)     # x[mask]: the output's size from the mask
         if picked is not None:
             return picked
-        from .ops_table.indexing import advanced_index, index_with
+        from .ops_table.indexing import advanced_index, index_with, mixed_index
+        mixed = mixed_index(self, index)        # x[i, :, j], x[1:, i]: several, or beside
+        if mixed is not None:                   # ints / slices / None
+            return mixed
         adv = advanced_index(self, index)
         if adv is not None:
             return index_with(self, *adv)

@@ -275,3 +275,111 @@ def index_with(x, dim, i):
     flat = i.reshape(-1)
     y = torch.index_select(x, dim, flat)
     return y if tuple(i.shape) == tuple(flat.shape) else y.unflatten(dim, tuple(i.shape))
+
+
+# ---- x[i, :, j], x[1:, i], x[0, i, None]: advanced indices beside others -------------------
+
+def _is_advanced(i) -> bool:
+    from ..dist_tensor import DistTensor
+    if isinstance(i, list):
+        return True
+    if isinstance(i, (torch.Tensor, DistTensor)):
+        # a 0-d integer tensor is an int (a select), as torch's indexing reads it
+        return not (i.dim() == 0 and not i.dtype.is_floating_point and i.dtype != torch.bool)
+    return False
+
+
+def mixed_index(x, idx):
+    """``x[idx]`` where advanced indices (int / bool tensors, lists) stand beside anything
+    but ``:`` and ``...``, or there are several: torch's own algorithm (``applySlicing``
+    then ``index``, torch/csrc/autograd/python_variable_indexing.cpp): the basic part first
+    (ints select, slices narrow, None adds a dim, each index tensor's dim kept whole),
+    then the index tensors, broadcast together to ``B``, pick elements: if their dims
+    are adjacent ``B`` takes their place, else it goes first (NumPy's rule).  Here the
+    picked dims are moved together, flattened, and one ``index_select`` of the linear
+    index (``i0 n1 n2 + i1 n2 + i2``) is unflattened to ``B``: exact ops of the table, so
+    placements follow their rules (a shard of a picked dim is gathered, the others
+    pass).  A 1-d or k-d bool mask is its ``nonzero()`` (k index tensors); a DistTensor
+    index is gathered first.  None when :func:`advanced_index` takes ``idx`` (one index
+    with only ``:`` / ``...`` beside it) or there is no advanced index."""
+    from ..dist_tensor import DistTensor
+    items = idx if isinstance(idx, tuple) else (idx,)
+    adv = [k for k, i in enumerate(items) if _is_advanced(i)]
+    if not adv or (len(adv) == 1 and all(i == slice(None) or i is Ellipsis
+                                          for k, i in enumerate(items) if k != adv[0])):
+        return None
+    expanded = []               # bool masks as their nonzero() index tensors
+    for i in items:
+        if isinstance(i, DistTensor):
+            if i.dtype == torch.bool:
+                raise NotImplementedError(
+                    "x[..., mask, ...] with a DistTensor bool mask beside other indices: the "
+                    "result's length depends on the mask's values; index with the gathered "
+                    "mask (mask.full()) or keep the shape with torch.where")
+            i = i.full()
+        if isinstance(i, list):
+            i = torch.as_tensor(i)
+        if isinstance(i, torch.Tensor) and i.dtype == torch.uint8 and i.dim():
+            i = i.bool()
+        if isinstance(i, torch.Tensor) and i.dtype == torch.bool and i.dim():
+            expanded.extend(i.nonzero().unbind(1))
+        elif isinstance(i, torch.Tensor) and i.dim() and i.dtype.is_floating_point:
+            raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+        else:
+            expanded.append(i)
+    items = expanded
+    shapes = [tuple(i.shape) for i in items if isinstance(i, torch.Tensor) and i.dim()]
+    try:
+        torch.broadcast_shapes(*shapes)
+    except RuntimeError:
+        raise IndexError("shape mismatch: indexing tensors could not be broadcast together "
+                         f"with shapes {', '.join(str(list(s)) for s in shapes)}") from None
+    # torch's own checks and result shape, on a meta tensor (bounds are checked below)
+    meta_items = tuple(torch.zeros(i.shape, dtype=torch.long) if isinstance(i, torch.Tensor)
+                       and i.dim() else i for i in items)
+    want = torch.empty(tuple(x.shape), device="meta")[meta_items].shape
+    # the basic part: each index tensor's dim kept whole (':'), ints as ints
+    consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
+    basic, where, out_dim = [], [], 0
+    for i in items:
+        if i is Ellipsis:
+            n = x.ndim - consumed
+            basic.append(Ellipsis)
+            out_dim += n
+        elif i is None or isinstance(i, slice):
+            basic.append(i)
+            out_dim += 1
+        elif isinstance(i, torch.Tensor) and i.dim():
+            basic.append(slice(None))
+            where.append((out_dim, i))
+            out_dim += 1
+        else:                   # an int or a 0-d integer tensor: a select
+            basic.append(int(i))
+    y = x[tuple(basic)] if any(b != slice(None) for b in basic) else x
+    dims = [d for d, _ in where]
+    sizes = [y.shape[d] for d in dims]
+    ts = []
+    for (d, i), n in zip(where, sizes):
+        if y.numel() == 0 and n:        # torch's index kernel reads no element: no bound
+            i = torch.zeros_like(i)     # checked (as advanced_index)
+        if i.numel() and (int(i.min()) < -n or int(i.max()) >= n):
+            bad = int(i.max()) if int(i.max()) >= n else int(i.min())
+            raise IndexError(f"index {bad} is out of bounds for dimension {d} with size {n}")
+        ts.append(torch.where(i < 0, i + n, i).long())
+    ts = torch.broadcast_tensors(*ts)
+    B = tuple(ts[0].shape)
+    lin = torch.zeros(B, dtype=torch.long)
+    for t, n in zip(ts, sizes):
+        lin = lin * n + t
+    adjacent = dims == list(range(dims[0], dims[0] + len(dims)))
+    at = dims[0] if adjacent else 0
+    if not adjacent:
+        y = y.movedim(dims, list(range(len(dims))))
+    if len(dims) > 1:
+        y = y.flatten(at, at + len(dims) - 1)
+    out = torch.index_select(y, at, lin.reshape(-1))
+    out = out.unflatten(at, B) if B else out.squeeze(at)
+    if tuple(out.shape) != tuple(want):
+        raise AssertionError(f"x[{idx!r:.60}]: shape {tuple(out.shape)}, torch's "
+                             f"{tuple(want)}")
+    return out
