@@ -164,6 +164,9 @@ def test_add_param_group_keeps_torchs_checks():
     named = O.AdamW(m.named_parameters(), lr=1e-2)
     assert named.param_groups[0]["param_names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert named.state_dict()["param_groups"][0]["param_names"][0] == "0.weight"
+    gen = O.SGD([{"params": m.parameters()}], lr=0.1)  # a generator in a group
+    gen.add_param_group({"params": (q for q in [_mk()[0].weight])})
+    assert gen.param_groups[0]["params"] == ps and len(gen.param_groups[1]["params"]) == 1
     one = O.SGD([{"params": ps[0]}], lr=0.1)            # a single DistTensor in a group
     assert one.param_groups[0]["params"] == [ps[0]] and one.param_groups[0]["momentum"] == 0
     with pytest.raises(TypeError, match="should be an iterable of Tensors or dicts"):
@@ -444,6 +447,27 @@ def test_checkpoint_helpers_move_the_state_between_one_device_and_tensor_paralle
     assert o2.state[m2[2].weight]["exp_avg"].placements == (S(1),)
     _steps(m2, ref, o2, ro, mesh, n=2, seed=4)
     _same_params(m2, ref)
+
+
+def test_wb_checkpoint_moves_the_optimizer_from_tp2_to_tp4(tmp_path):
+    """``wb.checkpoint.save`` of ``get_state_dict`` over tp 2, ``load`` into tp 4's, then
+    ``set_state_dict``: training goes on as one device."""
+    from workbench.checkpoint import get_state_dict, set_state_dict
+    ref, m, mesh = _pair()
+    opt, ro = O.AdamW(m.parameters(), lr=1e-2), O.AdamW(ref.parameters(), lr=1e-2)
+    _steps(m, ref, opt, ro, mesh, n=2)
+    msd, osd = get_state_dict(m, opt)
+    wb.checkpoint.save(tmp_path / "c", {"model": msd, "optim": osd})
+    m4, mesh4 = _mk(), wb.Mesh.grid(4, ["tp"])
+    wb.parallelize_module(m4, mesh4, PLAN)
+    o4 = O.AdamW(m4.parameters(), lr=0.5)
+    m4sd, o4sd = get_state_dict(m4, o4)
+    wb.checkpoint.load(tmp_path / "c", {"model": m4sd, "optim": o4sd})
+    set_state_dict(m4, o4, model_state_dict=m4sd, optim_state_dict=o4sd)
+    assert o4.state[m4[0].weight]["exp_avg"].placements == (S(0),)
+    assert m4[0].weight.mesh == mesh4 and float(o4.state[m4[0].weight]["step"]) == 2
+    _steps(m4, ref, o4, ro, mesh4, n=2, seed=6)
+    _same_params(m4, ref)
 
 
 # ---- torch.amp.GradScaler -------------------------------------------------------------------

@@ -9,7 +9,9 @@ a C++ function that takes only ``torch.Tensor`` s (torch 2.13 ``torch/optim/swa_
 them: each raised (a TypeError naming no fix, habits7b; an ``avg_fn=`` ran).  Here:
 
 * the grouping, given DistTensors, groups them in Python as torch's does (by the first
-  list's device and dtype; each group's lists and indices), else torch's own function;
+  list's device and dtype; each group's lists and indices; an empty list stays empty),
+  else torch's own function; also where ``torch.optim``'s ``foreach=True`` steps call it
+  (``torch/optim/optimizer.py``, over DistTensor parameters: :mod:`.optim_dist`);
 * ``torch._foreach_<op>`` / ``_foreach_<op>_`` given DistTensors runs ``Tensor.<op>`` /
   ``<op>_`` on each element (the list arguments zipped, the others passed to each), as
   torch's foreach fallback loops over its tensors: the same numbers as one device's, an

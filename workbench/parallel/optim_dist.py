@@ -3,9 +3,9 @@
 ``opt = torch.optim.AdamW(model.parameters())`` after ``wb.parallelize_module(model, ...)``:
 PyTorch's DTensor is a ``torch.Tensor`` subclass, so torch's optimizers take it, make
 its states (``torch.zeros_like(p)``) DTensors with the parameter's placements, and step
-it with the DTensor's own ops.  A DistTensor is not a ``torch.Tensor``, so three of
-torch's ``Optimizer`` methods, which ask ``isinstance(x, torch.Tensor)``, are taught it
-here (torch 2.13 ``torch/optim/optimizer.py``); the steps themselves are torch's
+it with the DTensor's own ops.  A DistTensor is not a ``torch.Tensor``, so the
+``Optimizer`` methods that ask ``isinstance(x, torch.Tensor)`` are taught it here (torch
+2.13 ``torch/optim/optimizer.py``), and ``torch.amp.GradScaler``'s unscale; the steps themselves are torch's
 (``zeros_like``, ``lerp_``, ``addcdiv_``... run through the SPMD rules, and
 ``torch._foreach_*`` through :mod:`.foreach_ops`):
 
@@ -23,6 +23,8 @@ here (torch 2.13 ``torch/optim/optimizer.py``); the steps themselves are torch's
   (PyTorch DTensor loads them as they are and its next ``step`` raises "got mixed
   torch.Tensor and DTensor"; the wrappers' parameters here take one device's states
   alike, ``strategies/laid_out.py``).
+* ``torch.amp.GradScaler``'s ``unscale_`` (and so ``step``) checks and unscales
+  DistTensor gradients (torch asserts ``isinstance(param, torch.Tensor)``).
 
 A gradient that is Partial (shares of a sum not yet reduced: a backward inside
 ``DistributedDataParallel.no_sync()``) is refused at ``step()`` (:func:`_check_grads`,
@@ -32,7 +34,8 @@ bias) is summed over the ranks in backward, by the all-reduce of its replication
 (DESIGN "Two executors"), where DTensor leaves it Partial and reduces it in the step's ops.
 
 What torch cannot step exactly here is refused before a number changes
-(:func:`_refuse`): ``fused=True`` (torch's fused kernels take only plain tensors),
+(:func:`_refuse`): ``fused=True`` (torch's fused kernels take plain tensors; DTensor
+runs them on each local shard, not built here),
 ``differentiable=True``, ``SparseAdam`` (sparse gradients) and ``LBFGS`` (it flattens
 every gradient into one plain vector with ``view(-1)`` and ``torch.cat``).
 """
@@ -52,7 +55,12 @@ def _is_dist(x) -> bool:
 
 
 def _params_of(param_group) -> list:
+    """The tensors of a param group (a generator, ``{"params": model.parameters()}``,
+    made a list in the group first, as torch's own check does)."""
     ps = param_group.get("params") if isinstance(param_group, dict) else None
+    if not isinstance(ps, (torch.Tensor, set, list, tuple)) and not _is_dist(ps) \
+            and hasattr(ps, "__iter__"):
+        ps = param_group["params"] = list(ps)
     if _is_dist(ps):
         return [ps]
     if isinstance(ps, (list, tuple)):
