@@ -495,3 +495,22 @@ def test_grad_scaler_loop_equals_one_device():
         assert sc.get_scale() == rsc.get_scale()
         _same_params(m, ref)
     assert sc.get_scale() == 2.0 ** 9
+
+
+# ---- torch.distributed ------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_same_program_under_torchrun(tmp_path_factory):
+    """tests/dist_scripts/optim8_check.py, 2 gloo processes of tp: AdamW (foreach None,
+    True), SGD, the torch.save / torch.load resume, one device's state loaded, a
+    GradScaler loop: one device's parameters (measured 4.5e-8 at most), the states laid
+    out as the parameters."""
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "optim8_check.py")      # the shared launch
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json_rows(text)
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    for r in rows:
+        for key in ("adamw", "adamw_foreach", "sgd", "resumed", "from_one_device", "scaler"):
+            assert r[key] < 1e-6, (key, r)
+        assert r["adamw_placed"] and r["adamw_foreach_placed"] and r["sgd_placed"], r
