@@ -328,46 +328,6 @@ def test_sequence_and_vocab_parallel_training_equals_one_device(sched, set_to_no
         assert all(p.grad is not None and not p.grad.full_tensor().any() for p in m.parameters())
 
 
-def test_state_placements_are_pytorch_dtensors(oracle):  # noqa: F811
-    """PyTorch's own parallelize_module + AdamW on the same sequence-parallel block (without
-    the embedding) under LocalTensorMode: the same state indices, keys and placements."""
-    from torch.distributed.tensor import Shard as DShard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
-    from workbench.parallel.interop import to_dtensor_placements
-
-    class B(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.norm, self.w1, self.w2 = nn.LayerNorm(6), nn.Linear(6, 8), nn.Linear(8, 6)
-
-        def forward(self, x):
-            return self.w2(F.relu(self.w1(self.norm(x))))
-
-    torch.manual_seed(0)
-    ref, x = B(), torch.randn(2, 4, 6)
-    with LocalTensorMode(2):
-        from torch.distributed.tensor import distribute_tensor
-        mesh = oracle.mesh((2,))
-        theirs = parallelize_module(copy.deepcopy(ref), mesh, {
-            "norm": SequenceParallel(), "w1": ColwiseParallel(input_layouts=DShard(1)),
-            "w2": RowwiseParallel(output_layouts=DShard(1))})
-        to = O.AdamW(theirs.parameters(), lr=1e-2)
-        theirs(distribute_tensor(x, mesh, [DShard(1)])).sum().backward()
-        to.step()
-        want = {i: {k: tuple(getattr(v, "placements", ())) for k, v in st.items()}
-                for i, st in to.state_dict()["state"].items()}
-    ours = wb.parallelize_module(copy.deepcopy(ref), wb.Mesh.grid(2, ["tp"]), {
-        "norm": wb.SequenceParallel(), "w1": wb.ColwiseParallel(input_layouts=S(1)),
-        "w2": wb.RowwiseParallel(output_layouts=S(1))})
-    opt = O.AdamW(ours.parameters(), lr=1e-2)
-    ours(wb.shard_tensor(x, wb.Mesh.grid(2, ["tp"]), [S(1)])).full().sum().backward()
-    opt.step()
-    got = {i: {k: to_dtensor_placements(v.placements) if isinstance(v, wb.DistTensor) else ()
-               for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
-    assert got == want
-
-
 # ---- state_dict, load_state_dict, torch.save / torch.load -----------------------------------
 
 def test_state_dict_save_load_resumes_as_one_device():
@@ -514,3 +474,46 @@ def test_the_same_program_under_torchrun(tmp_path_factory):
         for key in ("adamw", "adamw_foreach", "sgd", "resumed", "from_one_device", "scaler"):
             assert r[key] < 1e-6, (key, r)
         assert r["adamw_placed"] and r["adamw_foreach_placed"] and r["sgd_placed"], r
+
+
+# ---- PyTorch DTensor as the oracle (last: its fake process group lives until the module
+# ends, and wb.checkpoint.save reads an initialized group as torch.distributed) ----------
+
+def test_state_placements_are_pytorch_dtensors(oracle):  # noqa: F811
+    """PyTorch's own parallelize_module + AdamW on the same sequence-parallel block (without
+    the embedding) under LocalTensorMode: the same state indices, keys and placements."""
+    from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    from workbench.parallel.interop import to_dtensor_placements
+
+    class B(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.w1, self.w2 = nn.LayerNorm(6), nn.Linear(6, 8), nn.Linear(8, 6)
+
+        def forward(self, x):
+            return self.w2(F.relu(self.w1(self.norm(x))))
+
+    torch.manual_seed(0)
+    ref, x = B(), torch.randn(2, 4, 6)
+    with LocalTensorMode(2):
+        from torch.distributed.tensor import distribute_tensor
+        mesh = oracle.mesh((2,))
+        theirs = parallelize_module(copy.deepcopy(ref), mesh, {
+            "norm": SequenceParallel(), "w1": ColwiseParallel(input_layouts=DShard(1)),
+            "w2": RowwiseParallel(output_layouts=DShard(1))})
+        to = O.AdamW(theirs.parameters(), lr=1e-2)
+        theirs(distribute_tensor(x, mesh, [DShard(1)])).sum().backward()
+        to.step()
+        want = {i: {k: tuple(getattr(v, "placements", ())) for k, v in st.items()}
+                for i, st in to.state_dict()["state"].items()}
+    ours = wb.parallelize_module(copy.deepcopy(ref), wb.Mesh.grid(2, ["tp"]), {
+        "norm": wb.SequenceParallel(), "w1": wb.ColwiseParallel(input_layouts=S(1)),
+        "w2": wb.RowwiseParallel(output_layouts=S(1))})
+    opt = O.AdamW(ours.parameters(), lr=1e-2)
+    ours(wb.shard_tensor(x, wb.Mesh.grid(2, ["tp"]), [S(1)])).full().sum().backward()
+    opt.step()
+    got = {i: {k: to_dtensor_placements(v.placements) if isinstance(v, wb.DistTensor) else ()
+               for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
+    assert got == want
