@@ -474,6 +474,7 @@ def test_the_same_program_under_torchrun(tmp_path_factory):
         for key in ("adamw", "adamw_foreach", "sgd", "resumed", "from_one_device", "scaler"):
             assert r[key] < 1e-6, (key, r)
         assert r["adamw_placed"] and r["adamw_foreach_placed"] and r["sgd_placed"], r
+        assert r["scales"] == [2.0 ** 9] * 2, r        # the overflow found on both sides
 
 
 # ---- PyTorch DTensor as the oracle (last: its fake process group lives until the module

@@ -2,7 +2,8 @@
 (torchrun, gloo, one process per tp rank; tests/test_optim8.py reads the rows): AdamW
 (foreach None and True) and SGD with momentum train as one device; ``opt.state_dict()``
 through ``torch.save`` / ``torch.load`` (weights_only) into a fresh optimizer, a one-device
-optimizer's state loaded into the parallel one, and a GradScaler loop go on as one device."""
+optimizer's state loaded into the parallel one, and a GradScaler loop (its last step
+overflowing: skipped, the scale halved) go on as one device."""
 import copy
 import io
 import json
@@ -23,8 +24,10 @@ def _mk():
 
 def _steps(m, ref, opt, ro, mesh, n, seed, scalers=None):
     g = torch.Generator().manual_seed(seed)
-    for _ in range(n):
+    for i in range(n):
         x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+        if scalers is not None and i == n - 1:
+            x = x * 1e30                    # the scaled gradients overflow: a skipped step
         for mod, o, inp, k in ((m, opt, wb.shard_tensor(x, mesh, [R()]), 0), (ref, ro, x, 1)):
             o.zero_grad()
             out = mod(inp)
@@ -81,6 +84,7 @@ def main():
     sc = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2)]
     _steps(m, ref, opt, ro, mesh, 3, 2, scalers=sc)
     row["scaler"] = _err(m, ref)
+    row["scales"] = [s.get_scale() for s in sc]     # halved on both after the overflow
     print(json.dumps(row), flush=True)
     wb.distributed.shutdown()
 

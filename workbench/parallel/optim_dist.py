@@ -295,8 +295,9 @@ def _wrap_unscale_grads(orig):
                     if not _is_dist(g):
                         torch._amp_foreach_non_finite_check_and_unscale_([g], found, inv)
                         continue
-                    if not bool(torch.isfinite(g.full()).all()):
-                        found.fill_(1.0)
+                    finite = torch.isfinite(g).all()    # Partial(min) over the shards:
+                    if not bool(finite.full()):         # one scalar all-reduce, as FSDP's
+                        found.fill_(1.0)                # ShardedGradScaler reduces found_inf
                     g.mul_(inv)
         return per_found._per_device_tensors
     _unscale_grads_._wb_torch = orig
