@@ -45,13 +45,13 @@ OPTIMIZERS = {
 }
 
 
-def _mk():
+def _mk(h=12):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 8))
+    return nn.Sequential(nn.Linear(8, h), nn.ReLU(), nn.Linear(h, 8))
 
 
-def _pair(tp=2):
-    ref, m = _mk(), _mk()
+def _pair(tp=2, h=12):
+    ref, m = _mk(h), _mk(h)
     mesh = wb.Mesh.grid(tp, ["tp"])
     wb.parallelize_module(m, mesh, PLAN)
     return ref, m, mesh
@@ -82,11 +82,12 @@ def _full(v):
 
 # ---- every optimizer, foreach None and True -------------------------------------------------
 
-@pytest.mark.parametrize("foreach", [None, True])
+@pytest.mark.parametrize("foreach, tp", [(None, 2), (True, 2), (None, 4)])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_every_optimizer_steps_as_one_device(name, foreach):
+def test_every_optimizer_steps_as_one_device(name, foreach, tp):
+    """tp 4: 10 hidden features, uneven shards (3, 3, 3, 1: torch.chunk's)."""
     cls, kw = OPTIMIZERS[name]
-    ref, m, mesh = _pair()
+    ref, m, mesh = _pair(tp, h=10 if tp == 4 else 12)
     opt = cls(m.parameters(), foreach=foreach, **kw)
     ro = cls(ref.parameters(), foreach=foreach, **kw)
     _steps(m, ref, opt, ro, mesh)
@@ -300,7 +301,9 @@ def test_sequence_and_vocab_parallel_training_equals_one_device(sched, set_to_no
     torch.manual_seed(7)
     ref = Block()
     m = wb.parallelize_module(copy.deepcopy(ref), wb.Mesh.grid(2, ["tp"]), SP_PLAN)
-    opt, ro = O.AdamW(m.parameters(), lr=1e-2), O.AdamW(ref.parameters(), lr=1e-2)
+    foreach = not set_to_none           # zero_grad(set_to_none=False) by torch._foreach_zero_
+    opt = O.AdamW(m.parameters(), lr=1e-2, foreach=foreach)
+    ro = O.AdamW(ref.parameters(), lr=1e-2, foreach=foreach)
     mk = {"StepLR": lambda o: O.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
           "OneCycleLR": lambda o: O.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=8)}
     s, rs = mk[sched](opt), mk[sched](ro)
