@@ -106,6 +106,17 @@ def test_every_optimizer_steps_as_one_device(name, foreach, tp):
                 assert want.dim() == 0
 
 
+def test_tensor_lr_and_betas_step_as_one_device():
+    """``lr`` / ``betas`` as 0-d tensors (torch reads them as numbers in ``addcdiv_``'s
+    ``value=``): raised "Tensor.item() cannot be called on meta tensors" from the
+    DistTensor ops' meta checks."""
+    ref, m, mesh = _pair()
+    kw = dict(lr=torch.tensor(1e-2), betas=(torch.tensor(0.9), torch.tensor(0.99)))
+    opt, ro = O.AdamW(m.parameters(), **kw), O.AdamW(ref.parameters(), **kw)
+    _steps(m, ref, opt, ro, mesh)
+    _same_params(m, ref)
+
+
 def test_adafactor_factored_states_are_replicated_and_exact():
     """Adafactor's row / column variances (``p.grad.new_zeros``) of a sharded weight:
     Replicate, their values one device's (held above); pinned so a layout change is seen."""
