@@ -57,7 +57,7 @@ def _pair(tp=2, h=12):
     return ref, m, mesh
 
 
-def _steps(m, ref, opt, ro, mesh, n=3, seed=1, between=None):
+def _steps(m, ref, opt, ro, mesh, n=3, seed=1):
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
         x, y = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
@@ -65,8 +65,6 @@ def _steps(m, ref, opt, ro, mesh, n=3, seed=1, between=None):
         ro.zero_grad()
         ((m(wb.shard_tensor(x, mesh, [R()])).full() - y) ** 2).mean().backward()
         ((ref(x) - y) ** 2).mean().backward()
-        if between is not None:
-            between()
         opt.step()
         ro.step()
 
