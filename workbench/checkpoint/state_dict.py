@@ -183,6 +183,24 @@ def _full(v):
     return v.full() if isinstance(v, DistTensor) else v
 
 
+def _laid_out_as(v, p):
+    """A saved optimizer state ``v`` for parameter ``p``: gathered for a plain ``p``;
+    for a DistTensor ``p`` (tensor parallelism: torch.optim over DistTensors), a state of
+    ``p``'s shape is laid out as ``p`` (a full tensor sharded, a DistTensor resharded),
+    as torch's ``set_optimizer_state_dict`` distributes full states to the DTensor
+    parameter's placements; a scalar (``step``) stays as it is."""
+    if not isinstance(p, DistTensor):
+        return _full(v)
+    if not isinstance(v, (torch.Tensor, DistTensor)) or tuple(v.shape) != tuple(p.shape):
+        return v
+    from ..parallel.dist_tensor import distribute_tensor
+    from ..parallel.reshard import reshard
+    if isinstance(v, DistTensor):
+        same = v.mesh == p.mesh and tuple(v.placements) == tuple(p.placements)
+        return v if same else reshard(v, p.mesh, p.placements)
+    return distribute_tensor(v.detach(), p.mesh, p.placements)
+
+
 def _init_optim_state(optim) -> None:
     """torch's ``_init_optim_state``: an optimizer that has taken no step gets its states
     from one step with zero gradients and ``lr`` 0 (the parameters keep their values)."""
@@ -191,7 +209,9 @@ def _init_optim_state(optim) -> None:
         return
     for g in optim.param_groups:
         for p in g["params"]:
-            if p.requires_grad:
+            if p.requires_grad and isinstance(p, DistTensor):
+                (p * 0).sum().backward()        # a zero gradient (.grad is not assignable)
+            elif p.requires_grad:
                 p.grad = torch.zeros_like(p)
     lrs = []
     for g in optim.param_groups:
@@ -335,9 +355,9 @@ def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dic
             hyper = {n: v for n, v in (saved[0] if mine else {}).items() if n != "params"}
             groups.append({**{n: v for n, v in group.items() if n != "params"}, **hyper,
                            "params": list(range(k, k + len(mine)))})
-            for j, f in enumerate(mine):
+            for j, (f, p) in enumerate(zip(mine, group["params"])):
                 if f in saved_state:
-                    state[k + j] = {n: _full(v) for n, v in saved_state[f].items()}
+                    state[k + j] = {n: _laid_out_as(v, p) for n, v in saved_state[f].items()}
             k += len(mine)
         loads.append((o, {"state": state, "param_groups": groups}))
     for o, osd in loads:

@@ -371,6 +371,15 @@ class DistTensor:
     def __hash__(self):
         return id(self)
 
+    def __getstate__(self):
+        """Pickled (``torch.save``) without the cached ``_spec``: a TensorSpec is no
+        safe global of ``torch.load(weights_only=True)``, and its cached hash is this
+        process's; it is rebuilt on first use.  (A saved optimizer state had read its
+        ``.spec`` in the step, so ``torch.load`` of ``opt.state_dict()`` raised.)"""
+        slots = {k: getattr(self, k) for k in self.__slots__
+                 if k not in ("__weakref__", "_spec") and hasattr(self, k)}
+        return None, {**slots, "_spec": None}
+
 
 # ---- construction -------------------------------------------------------------------------
 

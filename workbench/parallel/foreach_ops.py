@@ -9,11 +9,15 @@ a C++ function that takes only ``torch.Tensor`` s (torch 2.13 ``torch/optim/swa_
 them: each raised (a TypeError naming no fix, habits7b; an ``avg_fn=`` ran).  Here:
 
 * the grouping, given DistTensors, groups them in Python as torch's does (by the first
-  list's device and dtype; each group's lists and indices), else torch's own function;
+  list's device and dtype; each group's lists and indices; an empty list stays empty),
+  else torch's own function; also where ``torch.optim``'s ``foreach=True`` steps call it
+  (``torch/optim/optimizer.py``, over DistTensor parameters: :mod:`.optim_dist`);
 * ``torch._foreach_<op>`` / ``_foreach_<op>_`` given DistTensors runs ``Tensor.<op>`` /
   ``<op>_`` on each element (the list arguments zipped, the others passed to each), as
   torch's foreach fallback loops over its tensors: the same numbers as one device's, an
-  in-place one returning None, an out-of-place one the list of results;
+  in-place one returning None, an out-of-place one the list of results (``maximum_`` /
+  ``minimum_``, which torch.Tensor lacks, copy ``maximum`` / ``minimum`` in place: Adam's
+  ``amsgrad`` with ``foreach=True``);
 * ``torch.is_floating_point(d)`` / ``torch.is_complex(d)``: ``d``'s dtype's answer.
 """
 from __future__ import annotations
@@ -46,7 +50,10 @@ def _per_tensor(method: str, in_place: bool):
             if method.startswith(("addcmul", "addcdiv")) and len(rest) == 3:
                 *rest, value = rest         # torch._foreach_addcdiv_(s, t1, t2, scalars)
                 kw = {**kwargs, "value": value}     # Tensor.addcdiv_(t1, t2, *, value)
-            outs.append(getattr(first, method)(*rest, **kw))    # a DistTensor's own
+            if hasattr(first, method):
+                outs.append(getattr(first, method)(*rest, **kw))    # a DistTensor's own
+            else:               # maximum_ / minimum_: no Tensor method, torch's in place
+                first.copy_(getattr(first, method[:-1])(*rest, **kw))
         return None if in_place else outs
     return run
 
@@ -57,7 +64,7 @@ def _foreach_table() -> dict:
         for in_place in (False, True):
             method = f"{name}{'_' if in_place else ''}"
             f = getattr(torch, f"_foreach_{method}", None)
-            if f is not None and hasattr(_T, method):
+            if f is not None and (hasattr(_T, method) or hasattr(_T, method.rstrip("_"))):
                 out[f] = _per_tensor(method, in_place)
     return out
 
@@ -71,7 +78,8 @@ def _grouping(orig):
             lists, idx = out.setdefault((t.device, t.dtype),
                                         ([[] for _ in tensorlistlist], []))
             for lst, src in zip(lists, tensorlistlist):
-                lst.append(src[i])
+                if len(src):            # an empty list stays empty (Adam's max_exp_avg_sqs
+                    lst.append(src[i])  # without amsgrad), as torch's C++ grouping keeps it
             idx.append(i)
         return out
     group._wb_torch = orig
@@ -85,8 +93,9 @@ def install() -> None:
         COMPOSED.setdefault(f, ours)
     COMPOSED.setdefault(torch.is_floating_point, lambda d: d.dtype.is_floating_point)
     COMPOSED.setdefault(torch.is_complex, lambda d: d.dtype.is_complex)
+    import torch.optim.optimizer as _optimizer
     import torch.optim.swa_utils as _swa
-    for mod in (_fu, _swa):
+    for mod in (_fu, _swa, _optimizer):     # optimizer: foreach=True steps (optim_dist)
         orig = getattr(mod, "_group_tensors_by_device_and_dtype", None)
         if orig is not None and not hasattr(orig, "_wb_torch"):
             mod._group_tensors_by_device_and_dtype = _grouping(orig)

@@ -83,6 +83,11 @@ def _judge(call) -> None:
         call()
     except NotImplementedError:
         pass
+    except RuntimeError as e:
+        # a 0-d tensor argument read as a number (addcdiv_'s value=: torch.optim's tensor
+        # lr) has no value on meta tensors: the real run judges
+        if "cannot be called on meta tensors" not in str(e):
+            raise
 
 
 # ---- writing a result into x ----------------------------------------------------------

@@ -157,7 +157,9 @@ class values_kept:
     (compared bitwise with a copy taken before) keeps its copies stale."""
 
     def __init__(self, tensors):
-        self.tensors = list(tensors)
+        # the plain ones: a DistTensor (torch.optim over a tensor-parallel model's
+        # parameters) hands out no watched copies and has no _version
+        self.tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
 
     def __enter__(self):
         flush(release=False)            # a write into a copy lands first

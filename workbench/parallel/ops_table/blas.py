@@ -116,6 +116,8 @@ def _pointwise(fn, combine):
     def composed(input, tensor1, tensor2, *, value=1, out=None):
         if out is not None:
             raise TypeError(f"{fn.__name__}(out=...) on a DistTensor: assign the result")
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            value = value.item()        # a Scalar, as torch reads it (torch.optim's tensor lr)
         ref = torch_check(fn, input, tensor1, tensor2, value=value)
         if not (ref.dtype.is_floating_point or ref.dtype.is_complex):
             value = int(value)                        # torch truncates it for integers
