@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..sim_mesh import backends as _B
@@ -402,6 +403,29 @@ def _cost_of(opdef, prep, inputs, specs, attrs, mesh):
     return prep.cost
 
 
+# ops whose kernel saves its outputs for backward (a fused attention keeps O and the
+# log-sum-exp: Dao 2023, Algorithm 1), so PyTorch's non-reentrant checkpoint, which stops
+# its recompute once the last saved tensor is saved again (early stop, torch's default),
+# stops AFTER their kernel ran: a selective recompute (checkpoint(attention_core)) re-runs
+# the attention kernel, whose forward event the stop skipped (recorded below the local
+# call).  An op saving its inputs only (a GEMM) stops before its kernel: nothing ran.
+_SAVES_OUTPUTS = frozenset({"flash_attention", "scaled_dot_product_attention"})
+_StopRecomputation = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
+
+
+def _stopped_after_kernel(opdef, prep, inputs, specs, attrs, mesh, tr) -> None:
+    """A checkpoint's recompute stopped inside ``opdef``'s local call: record its
+    forward where its kernel ran (``_SAVES_OUTPUTS``)."""
+    if opdef.name not in _SAVES_OUTPUTS:
+        return
+    if tr is False:
+        tr = current_trace()
+    if tr is not None:
+        pricing.record_forward(tr, opdef, mesh, _cost_of(opdef, prep, inputs, specs, attrs,
+                                                          mesh),
+                               pricing.pricing_dtype(specs, prep.out_dtypes))
+
+
 def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
     dec = prep.dec
     cand = prep.cand or dec.chosen
@@ -448,10 +472,14 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
                   coord=storage.own_coord(mesh))   # None on simulated ranks
         if not _FORCE:
             prep.ctx = ctx
-    if even or ctx.coord is not None:      # (one process's shard: one cell)
-        out = opdef.local(mesh.ndim, ctx, *locs, **attrs)
-    else:
-        out = _run_cells(opdef, ctx, locs, attrs, outs_ps, mesh)
+    try:
+        if even or ctx.coord is not None:      # (one process's shard: one cell)
+            out = opdef.local(mesh.ndim, ctx, *locs, **attrs)
+        else:
+            out = _run_cells(opdef, ctx, locs, attrs, outs_ps, mesh)
+    except _StopRecomputation:
+        _stopped_after_kernel(opdef, prep, inputs, specs, attrs, mesh, tr)
+        raise
     many = opdef.multi or opdef.n_out > 1
     outs = out if many else (out,)
     if tr is False:                # (dispatch passes the trace it read)

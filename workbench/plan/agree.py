@@ -100,7 +100,7 @@ def compare(model, layout, cluster, seed: int = 0) -> Agreement:
     own = layout
     lay = layout.replace(framework="workbench")
     cl = cluster
-    dr = dry_run(model, lay.replace(framework=None), cl, seed=seed)
+    dr = dry_run(model, lay, cl, seed=seed)   # "workbench": what dry_run runs
     est = estimate(model, lay, cl, attention="flash")
     mems = tuple(stage_memory(model, lay, s, "flash", cl.profile) for s in range(lay.pp))
     stage = tuple(_ratio(d["total"], e["total"]) for d, e in zip(dr.per_rank, mems))

@@ -240,7 +240,8 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
     with torch.random.fork_rng(devices=[]):
         mdl = h.build_model(cfg, seed)
         layer_numel = _layer_numel(mdl, h)              # per rank, before any ZeRO split
-        opts = _ep_cp.stage_optimizers(h, h.build_optimizer(mdl, lr=1e-4, weight_decay=0.0))
+        opts = _ep_cp.stage_optimizers(h, h.build_optimizer(mdl, lr=1e-4, weight_decay=0.0),
+                                        mdl)
     if getattr(h, "ep", 1) > 1:                         # MoE routing on meta (plan.meta_moe)
         use_meta_routing(mdl, cfg, lay.micro_batch, routing)
     if not is_meta(mdl):
@@ -267,14 +268,16 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
                     o.step()                 # (with ep: the dense layers', the experts')
             t1 = max(max(tr.now(r), tr.now(r, "comm")) for r in ranks)
             mixed = cfg.dtype in _MIXED
-            mem = _sum_memory([o.memory(mixed_precision=mixed) for o in opts[s]])
+            # a middle stage of 0 layers has no optimizer: no state, no sync, no update
+            mem = _sum_memory([o.memory(mixed_precision=mixed) for o in opts[s]],
+                              lay.dp // lay.ep, lay.zero)
             upd = mem.optimizer / (12 if mixed else 8)    # parameters this rank updates
             # the recipe's step (plan.optimizer_step, as the estimate of "workbench"):
             # no pass over the whole gradient buffer, so psi = upd
             opt_t[s] = {"sync": t1 - t0, "adamw": OS.step_seconds(
                             OS.passes(cfg, lay.replace(framework="workbench")), upd, upd, prof),
                         "states": mem,
-                        "ledger": getattr(opts[s][0], "live", None)}
+                        "ledger": getattr(opts[s][0], "live", None) if opts[s] else None}
             step_bytes[s] = _minus(tr.bytes_per_rank(), b0)
     # ---- compose the step ------------------------------------------------------------
     st = [measured[rep[s]] for s in range(n)]
@@ -310,7 +313,8 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
             # the stage's forward and backward; plus one layer's whole 16-bit gradient
             # before its reduce-scatter (an assumption, as plan.memory: not in the ledger)
             item = torch.empty((), dtype=cfg.torch_dtype, device="meta").element_size()
-            mem["buffers"] += sum(opt_t[rep[c]]["ledger"].peak for c in _chunks(r, lay.pp, n))
+            mem["buffers"] += sum(opt_t[rep[c]]["ledger"].peak for c in _chunks(r, lay.pp, n)
+                                  if opt_t[rep[c]]["ledger"] is not None)
             unreduced = item * layer_numel
             mem["buffers"] += unreduced
         # the communication library's buffers: modeled (plan.comm_memory) for this
@@ -350,8 +354,12 @@ def _layer_numel(model, h) -> int:
     return best
 
 
-def _sum_memory(mems):
-    """One stage's optimizer memory: its dense and (expert parallelism) experts' states."""
+def _sum_memory(mems, dp: int = 1, zero: int = 0):
+    """One stage's optimizer memory: its dense and (expert parallelism) experts' states;
+    none for a stage without parameters (no optimizer: a middle stage of 0 layers)."""
+    if not mems:
+        from ..parallel.strategies.data_parallel import MemoryReport
+        return MemoryReport(params=0, grads=0, optimizer=0, n_params=0, dp=dp, stage=zero)
     if len(mems) == 1:
         return mems[0]
     import dataclasses

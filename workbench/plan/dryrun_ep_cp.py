@@ -81,16 +81,25 @@ def recipe(lay):
                   stage_sizes=lay.stages)
 
 
-def stage_optimizers(h, opts) -> list[list]:
+def stage_optimizers(h, opts, model=None) -> list[list]:
     """The recipe's optimizers per layer-stage: one each, or with expert parallelism the
-    dense one and, after it, the experts' (``Hybrid.build_optimizer``)."""
+    dense one and, after it, the experts' (``Hybrid.build_optimizer``); none (``[]``) for
+    a middle stage of 0 layers, which holds no parameter and gets no optimizer
+    (``Hybrid._stage_holds_params``: ``Layout(stages=(2, 0, 2))``)."""
     emeshes = getattr(h, "expert_meshes", [])
+    holds = getattr(h, "_stage_holds_params", None)
+    empty = ({s for s in range(len(h.stage_layers)) if not holds(model, s)}
+             if model is not None and holds is not None else set())
     out = []
     for o in opts:
         if out and emeshes and getattr(o, "mesh", None) in emeshes:
             out[-1].append(o)
         else:
+            while len(out) in empty:
+                out.append([])
             out.append([o])
+    while len(out) in empty:
+        out.append([])
     if len(out) != len(h.stage_layers):
         raise RuntimeError(f"dry_run: {len(out)} optimizer groups for {len(h.stage_layers)} "
                            f"stages (a bug in grouping the recipe's optimizers)")

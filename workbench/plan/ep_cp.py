@@ -153,10 +153,7 @@ def check_layout(model, lay) -> None:
                              f"choose another tp")
     X.check_cp(model, lay.cp)
     X.check_cp_comm(model, lay)
-    if lay.cp > 1 and (model.seq_len // lay.cp * lay.micro_batch) % lay.tp and lay.sp:
-        raise ValueError(f"Layout: sp=True splits the s / cp x b = "
-                         f"{model.seq_len // lay.cp * lay.micro_batch} tokens of a rank over "
-                         f"tp={lay.tp}; it must divide")
+    # sp with cp: s / cp must divide by tp (layout.check_layout, after this)
 
 
 def check_estimate(model, lay, attention, fp8, overlap_grad_reduce) -> None:

@@ -55,7 +55,7 @@ def candidates(model, cluster, global_batch, max_micro_batch, attention, base):
                 continue
             if moe is not None and lay.tp > 1 and not lay.sp:
                 continue
-            if cp > 1 and lay.sp and (s // cp * lay.micro_batch) % lay.tp:
+            if lay.sp and (s // cp) % lay.tp:      # refused by layout.check_layout
                 continue
             eps = [1] if moe is None else [e for e in _divisors(lay.dp)
                                            if moe.experts % e == 0]

@@ -158,12 +158,6 @@ class Layout:
                     isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in st):
                 raise ValueError(f"Layout: stages={self.stages!r} must list the layers of each "
                                  f"of the pp={self.pp} pipeline stages, ints >= 0")
-            empty = [i for i, n in enumerate(st[1:-1], 1) if n == 0]
-            if empty:       # no layer, no embedding, no head: a stage of nothing
-                raise ValueError(f"Layout: stages={list(st)}: middle stage {empty[0]} holds "
-                                 f"no layer (only the first and last hold the embedding "
-                                 f"and the head); give each middle stage >= 1 layer, or "
-                                 f"lower pp")
             if self.schedule == "interleaved_1f1b":
                 raise ValueError("Layout: uneven stages (stages=...) with "
                                  "schedule='interleaved_1f1b' are not modeled; use '1f1b' "
@@ -296,6 +290,20 @@ def check_layout(model, layout: Layout, cluster: Cluster) -> None:
         raise ValueError(f"Layout: tp={lay.tp} does not divide n_kv_head={model.n_kv_head} "
                          f"(each tensor-parallel rank owns whole key/value heads, as "
                          f"Megatron-LM requires); use a tp dividing {model.n_kv_head}")
+    if lay.sp and (model.seq_len // lay.cp) % lay.tp:
+        # Megatron-LM splits the [s, b, h] activations along s (megatron/core/
+        # tensor_parallel/mappings.py, _split_along_first_dim: "First dimension of the
+        # tensor should be divisible by tensor parallel size"), as this library's recipe
+        # (Hybrid.check): the sequence, not s x b, must divide
+        s = model.seq_len // lay.cp
+        good = [t for t in range(2, min(s, 64) + 1) if s % t == 0
+                and model.n_head % t == 0][:6]
+        raise ValueError(f"Layout: sp=True with tp={lay.tp} splits each sequence of "
+                         f"seq_len" + (f" / cp = {model.seq_len} / {lay.cp}" if lay.cp > 1
+                                       else "") + f" = {s} tokens over the tensor-parallel "
+                         f"ranks, which must divide it; use a tp dividing {s}"
+                         + (f" (one of {good})" if good else "")
+                         + " or a seq_len that is a multiple of tp, or sp=False")
     if model.d_ff % lay.tp or model.vocab_size % lay.tp:
         raise ValueError(f"Layout: tp={lay.tp} must divide d_ff={model.d_ff} and vocab_size="
                          f"{model.vocab_size} (column-parallel MLP, vocabulary-parallel "

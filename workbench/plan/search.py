@@ -91,7 +91,9 @@ def candidate_layouts(model, cluster: Cluster, global_batch: int, max_micro_batc
                         scheds += [("interleaved_1f1b", v)
                                    for v in _divisors(model.n_layer // pp)[1:]]
                 for schedule, v in scheds:
-                    for sp in ((False, True) if tp > 1 else (False,)):
+                    # sp splits each rank's sequence (s / cp) over tp (check_layout)
+                    for sp in ((False, True) if tp > 1 and not (model.seq_len // cp) % tp
+                               else (False,)):
                         for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1)):
                             if dp * cp == 1 and zero in (1, 3):
                                 continue        # as zero - 1 (docstring)

@@ -216,7 +216,7 @@ class ExpertParallel:
         rest = (0,) * (nd - 1)
         per_rank = [[_rows(t[(i, *rest)]) for t in loc] for i in range(D)]
         group = tuple(range(ep))                # the exchange's order within a group
-        ys, send_rows = [], {}
+        ys, send_rows, combined = [], {}, []
         for a in range(edp):
             src = per_rank[a * ep:(a + 1) * ep]                 # (x, w, e, s) of each rank
             perm = [self._permute(xj, ej, sj, E) for xj, _, ej, sj in src]
@@ -228,17 +228,25 @@ class ExpertParallel:
                 pr = {n: _rank_slice(p._local, em, (a, r)) for n, p in params.items()}
                 outs.append(self._experts_on(module, pr, recv[r], counts, r, E))
             back = C.all_to_all_v({group: outs}, em, self.ax, record=False)[group]
+            combined.append((back, perm, src))
+            send_rows[a] = [pm[2] for pm in perm]
+        self.last_send_rows = send_rows
+        # the exchange and the experts on the clock before the un-permutation, whose
+        # product with the gates saves the combined rows: a full recompute (PyTorch's
+        # non-reentrant checkpoint stops after the last saved tensor) re-runs all of this
+        # layer and must price it again (was recorded after: the recompute stopped first,
+        # and Mixtral's dry run with recompute="full" priced none of its experts twice)
+        on_backward = self._record_forward(send_rows, module, x)
+        for back, perm, src in combined:
             for j in range(ep):
                 ys.append(self._unpermute(torch.cat(back[j]), perm[j][1], src[j][1])
                           .reshape(src[j][1].shape[0] // S, S, h))
-            send_rows[a] = [pm[2] for pm in perm]
-        self.last_send_rows = send_rows
         if isinstance(loc[0], storage.Cells):    # each rank its own; tp copies share it
-            ys[0] = self._record(ys[0], send_rows, module, x)
+            ys[0] = self._record_backward(ys[0], on_backward)
             y = storage.Cells(loc[0].lead, [ys[c[0]] for c in loc[0].coords()])
         else:
             y = torch.stack(ys).reshape(D, *(1,) * (nd - 1), *ys[0].shape)
-            y = self._record(y, send_rows, module, x)
+            y = self._record_backward(y, on_backward)
         return DistTensor(y, x.mesh, x.placements, x.shape, x.dtype)
 
     def _distributed(self, x, w, e, s, module, params, E):
@@ -249,7 +257,7 @@ class ExpertParallel:
         the collectives block, so nothing overlaps.  The counts are gathered over every
         dim of the expert mesh, not the ep group alone, so that each process's modeled
         clock records every group's exchange and expert GEMMs as the simulator does
-        (``_record``); the gathers themselves are the clock's bookkeeping, not on it (the
+        (``_record_forward``); the gathers themselves are the clock's bookkeeping, not on it (the
         trace has the count exchange of each ep group, 8 E bytes, as the simulator's)."""
         self._check_input(x)
         lx, lw, le, ls = (t._local for t in (x, w, e, s))
@@ -275,14 +283,15 @@ class ExpertParallel:
         pr = {n: p._local.reshape(p._local.shape[self.mesh.ndim:]) for n, p in params.items()}
         outs = self._experts_on(module, pr, recv, counts, me, E)
         back = C.all_to_all_v(outs, self.mesh, self.ax, record=False, recv_rows=per_dest)
-        y = self._unpermute(torch.cat(back), assign, ws).reshape((1,) * nd + (B, S, h))
         # every group's send rows, as the simulator's ``last_send_rows`` (tp copies: index 0)
         send_rows = {}
         for a in range(self.mesh.shape[0]):
             per_rank = every[a].reshape(self.ep, -1, E)[:, 0]          # (ep, E), tp index 0
             send_rows[a] = per_rank.view(self.ep, self.ep, El).sum(-1).tolist()
         self.last_send_rows = send_rows
-        y = self._record(y, send_rows, module, x)
+        on_backward = self._record_forward(send_rows, module, x)   # before: _simulated
+        y = self._unpermute(torch.cat(back), assign, ws).reshape((1,) * nd + (B, S, h))
+        y = self._record_backward(y, on_backward)
         return DistTensor(y, x.mesh, x.placements, x.shape, x.dtype)
 
     def _all_counts(self, per_expert):
@@ -296,12 +305,20 @@ class ExpertParallel:
         return t
 
     # ---- the clock -------------------------------------------------------------------------
-    def _record(self, y, send_rows, module, x):
-        """Put the layer's exchanges and expert GEMMs on the trace, forward now and
-        backward when the gradient comes (chunked and overlapped, module docstring)."""
+    @staticmethod
+    def _record_backward(y, on_backward):
+        """``y``, which records the layer's backward (``on_backward``) when its gradient
+        comes (None: nothing to record)."""
+        if on_backward is not None and y.requires_grad and torch.is_grad_enabled():
+            y = _RecordBackward.apply(on_backward, y)
+        return y
+
+    def _record_forward(self, send_rows, module, x):
+        """Put the layer's forward exchanges and expert GEMMs on the trace; returns what
+        records its backward (None without a trace)."""
         tr = current_trace()
         if tr is None:
-            return y
+            return None
         mats = [p for n, p in module.named_parameters() if p.ndim == 3]   # (E, in, out)
         per_expert = sum(math.prod(p.shape[1:]) for p in mats)   # weights a token multiplies
         item = x.dtype.itemsize
@@ -316,11 +333,8 @@ class ExpertParallel:
         w_bytes = per_expert * (module.num_experts // self.ep) * item
         record_layer(tr, plan, per_expert, w_bytes, h * item, x.dtype, self.chunks, "forward",
                      len(mats))
-        if y.requires_grad and torch.is_grad_enabled():
-            y = _RecordBackward.apply(
-                lambda: record_layer(current_trace(), plan, per_expert, w_bytes, h * item,
-                                     x.dtype, self.chunks, "backward", len(mats)), y)
-        return y
+        return lambda: record_layer(current_trace(), plan, per_expert, w_bytes, h * item,
+                                    x.dtype, self.chunks, "backward", len(mats))
 
 
 def _rows(t):
