@@ -13,6 +13,9 @@ _DUNDERS = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
             "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__invert__",
             "__lshift__", "__rlshift__", "__rshift__", "__rrshift__")
 _NUMBERS = (int, float, complex, bool)
+# methods that an active TorchFunctionMode sees, as it sees torch's Tensor methods
+# (loss_parallel's log_softmax, tp_loss.py); the others go straight to the dispatcher
+VIA_MODES: set = set()
 
 
 def install(cls):
@@ -83,6 +86,8 @@ def install(cls):
             return lambda *args, **kwargs: inplace.method(self, name, args, kwargs)
 
         def method(*args, **kwargs):
+            if name in VIA_MODES and torch._C._is_torch_function_mode_enabled():
+                return torch.overrides.handle_torch_function(f, (self,), self, *args, **kwargs)
             return dispatch(f, (self,) + args, kwargs)
         return method
     cls.__getattr__ = __getattr__
