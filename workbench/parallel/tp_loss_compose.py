@@ -44,10 +44,18 @@ def log_softmax(x: DistTensor, dim: int, md: int, dtype=None) -> DistTensor:
     output laid out as ``x`` (Shard(dim) kept)."""
     if dtype is not None:
         x = x.to(dtype)
+    out_dtype, x = x.dtype, _computation(x)
     m = _settle(x.detach().amax(dim, keepdim=True))       # (.., 1, ..): max over the ranks
     shifted = x - m
     lse = _settle(torch.exp(shifted).sum(dim, keepdim=True)).log()
-    return shifted - lse
+    return (shifted - lse).to(out_dtype)
+
+
+def _computation(x):
+    """torch's computation dtype (``utils.elementwise_dtypes``, DEFAULT): float16 and
+    bfloat16 logits computed in float32 (torch's loss_parallel ``_log_softmax`` does; in
+    bfloat16 the log-probabilities were 1.7x one device's error, measured)."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def _class_ids(x: DistTensor, md: int) -> DistTensor:
@@ -159,6 +167,7 @@ def cross_entropy(x, t, md, weight=None, ignore_index=-100, reduction="mean",
     keep = t != ignore_index
     safe = torch.where(keep, t, torch.zeros((), dtype=t.dtype))
     hit = _class_ids(x, md) == safe.unsqueeze(1)          # only the owner's slice matches
+    out_dtype, x = x.dtype, _computation(x)
     zero = torch.zeros((), dtype=x.dtype)
     lse = _lse(x)
     loss = torch.where(keep, lse - _settle(torch.where(hit, x, zero).sum(1)), zero)
@@ -172,5 +181,5 @@ def cross_entropy(x, t, md, weight=None, ignore_index=-100, reduction="mean",
             w_ = weight.to(x.dtype).reshape((c,) + (1,) * (x.ndim - 2))
             smooth = lse * weight.to(x.dtype).sum() - _settle((x * w_).sum(1))
         loss = (1 - eps) * loss + (eps / c) * torch.where(keep, smooth, zero)
-    loss = _reduce(loss, keep.sum() if wt is None else wt.sum(), reduction)
+    loss = _reduce(loss, keep.sum() if wt is None else wt.sum(), reduction).to(out_dtype)
     return loss.squeeze(0) if one and reduction == "none" else loss
