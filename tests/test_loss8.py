@@ -185,7 +185,8 @@ def test_log_softmax_keeps_the_class_shard_and_its_exact_gradient(v, fn):
 @pytest.mark.parametrize("v", [12, 10])
 def test_log_softmax_then_nll_loss_one_pick(v):
     """nll_loss on the class-sharded log-probabilities: torch's masked pick, one
-    all-reduce (three in all with log_softmax's two), weights and ignore_index."""
+    all-reduce (three in all with log_softmax's two), none backward (the pick from the
+    logits: softmax - one_hot is local), weights and ignore_index."""
     torch.manual_seed(4)
     mesh = wb.Mesh.grid(4, ["tp"])
     x, t = torch.randn(6, v, dtype=DT), torch.randint(0, v, (6,))
@@ -200,8 +201,44 @@ def test_log_softmax_then_nll_loss_one_pick(v):
             with wb.loss_parallel():
                 got = F.nll_loss(F.log_softmax(xd, -1), t, **kw)
             assert tr.counts() == Counter(all_reduce=3)
-        got.sum().backward()
+            got.sum().backward()
+            assert tr.counts() == Counter(all_reduce=3)      # none backward, as torch's
         assert got.placements == (R(),)
+        torch.testing.assert_close(got.full(), want, atol=1e-12, rtol=0)
+        torch.testing.assert_close(xd.grad.full(), xr.grad, atol=1e-12, rtol=0)
+
+
+def test_log_probs_changed_or_shared_before_nll_loss_keep_their_gradient():
+    """nll_loss picks from the logits only where the log-probabilities are log_softmax's
+    unchanged output: written in place first, it picks from them; used twice, every
+    use's gradient adds up."""
+    torch.manual_seed(7)
+    mesh = wb.Mesh.grid(4, ["tp"])
+    x, t, w = torch.randn(6, 10, dtype=DT), torch.randint(0, 10, (6,)), torch.randn(6, 10, dtype=DT)
+    for case in ("in place", "mul_", "shared"):
+        xr = x.clone().requires_grad_()
+        lr = F.log_softmax(xr, -1)
+        if case == "in place":
+            lr = lr.clone()                  # (torch's log_softmax saves its output)
+            lr[0] = 0.0
+        if case == "mul_":
+            lr = lr.clone()
+            with torch.no_grad():
+                lr.mul_(2.0)
+        want = F.nll_loss(lr, t) + ((lr * w).sum() if case == "shared" else 0)
+        want.backward()
+        xd = wb.shard_tensor(x, mesh, [S(1)]).requires_grad_()
+        with wb.loss_parallel():
+            ld = F.log_softmax(xd, -1)
+            if case == "in place":
+                ld[0] = 0.0
+            if case == "mul_":
+                with torch.no_grad():
+                    ld.mul_(2.0)
+            got = F.nll_loss(ld, t)
+            if case == "shared":
+                got = got + (ld * wb.shard_tensor(w, mesh, [S(1)])).sum()
+        got.backward()
         torch.testing.assert_close(got.full(), want, atol=1e-12, rtol=0)
         torch.testing.assert_close(xd.grad.full(), xr.grad, atol=1e-12, rtol=0)
 

@@ -23,9 +23,12 @@ output gradient unchanged, correct only when ``nll_loss`` follows it).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
+from ..sim_mesh.grid import Cells
 from .dist_tensor import DistTensor, distribute_tensor
 from .ops_table.cross_entropy import _cross_entropy_parse
 from .placement import Replicate, Shard
@@ -48,7 +51,31 @@ def log_softmax(x: DistTensor, dim: int, md: int, dtype=None) -> DistTensor:
     m = _settle(x.detach().amax(dim, keepdim=True))       # (.., 1, ..): max over the ranks
     shifted = x - m
     lse = _settle(torch.exp(shifted).sum(dim, keepdim=True)).log()
-    return (shifted - lse).to(out_dtype)
+    out = (shifted - lse).to(out_dtype)
+    key = id(out)
+    _MADE[key] = (weakref.ref(out, lambda _, k=key: _MADE.pop(k, None)), out._local,
+                  _versions(out._local), dim, x, lse + m)
+    return out
+
+
+def _versions(loc) -> tuple:
+    """The version counters of a local tensor (or of each of its cells)."""
+    return tuple(t._version for t in (loc.items if isinstance(loc, Cells) else (loc,)))
+
+
+# log_softmax outputs -> (the output, its local tensor and version, dim, logits, lse): an
+# nll_loss of one, unchanged since, picks from the logits (torch's fused backward)
+_MADE: dict = {}
+
+
+def _made_from(logp, cdim):
+    """(logits, lse) where ``logp`` is an unchanged :func:`log_softmax` output over
+    ``cdim``; else None."""
+    rec = _MADE.get(id(logp))
+    if rec is None or rec[0]() is not logp or logp._local is not rec[1] or \
+            _versions(rec[1]) != rec[2] or rec[3] != cdim:
+        return None
+    return rec[4], rec[5].squeeze(cdim)
 
 
 def _computation(x):
@@ -129,9 +156,23 @@ def nll_loss(logp, t, md, weight=None, ignore_index=-100, reduction="mean"):
     """torch's loss_parallel ``_nll_loss_forward`` on class-sharded log-probabilities:
     one all-reduce (the masked pick)."""
     _torch_checks(F.nll_loss, logp, t, weight, ignore_index=ignore_index, reduction=reduction)
+    made = _made_from(logp, 1 if logp.ndim >= 2 else 0)
     logp, t, one = _batched(logp, t)
     _check_targets(t, logp.shape[1], ignore_index)
-    nll, keep, safe = _nll_rows(logp, t, md, ignore_index)
+    if made is not None:
+        # -logp[t] = lse - x[t]: the gradient reaches the logits as softmax - one_hot,
+        # local to each slice (torch's fused nll_loss + log_softmax backward, which it
+        # gives whatever follows log_softmax; here only to an unchanged output)
+        x, lse = made
+        x, lse = (x.unsqueeze(0), lse.unsqueeze(0)) if one else (x, lse)
+        keep = t != ignore_index
+        safe = torch.where(keep, t, torch.zeros((), dtype=t.dtype))
+        hit = _class_ids(x, md) == safe.unsqueeze(1)
+        zero = torch.zeros((), dtype=x.dtype)
+        nll = torch.where(keep, lse - _settle(torch.where(hit, x, zero).sum(1)), zero)
+        nll = nll.to(logp.dtype)
+    else:
+        nll, keep, safe = _nll_rows(logp, t, md, ignore_index)
     wt = _target_weights(weight, safe, keep)
     if wt is not None:
         nll = nll * wt
