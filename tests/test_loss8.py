@@ -332,3 +332,55 @@ def test_index_writing_init_of_ddp_parameters_over_tp_raises_at_once(name):
             fn(w)
     assert all(torch.equal(p.full(), b) for p, b in zip(m.parameters(), before))
     ddp.check_replicas()
+
+
+def test_log_softmax_method_under_other_torch_function_modes():
+    """x.log_softmax(dim) of a DistTensor is handed to no TorchFunctionMode (a DistTensor
+    is no Tensor: a mode's func(*args) raised "descriptor 'log_softmax' ... doesn't apply
+    to a 'DistTensor' object"); loss_parallel still sees it beside torch.device's mode."""
+    mesh = wb.Mesh.grid(2, ["tp"])
+    x = torch.randn(4, 6, dtype=DT)
+    xd = wb.shard_tensor(x, mesh, [S(1)])
+    with torch.device("cpu"):
+        torch.testing.assert_close(xd.log_softmax(1).full(), F.log_softmax(x, 1))
+        with wb.loss_parallel():
+            y = xd.log_softmax(1)
+        assert y.placements == (S(1),)
+    with wb.loss_parallel(), torch.device("cpu"):
+        assert xd.log_softmax(-1).placements == (S(1),)
+        torch.testing.assert_close(F.cross_entropy(xd, torch.tensor([0, 5, 2, 1])).full(),
+                                   F.cross_entropy(x, torch.tensor([0, 5, 2, 1])))
+
+
+# ---- 4. parallelize_module ---------------------------------------------------------------
+
+def test_a_module_shared_by_two_parents_under_one_wildcard_key_is_laid_out_once():
+    """"*.x" reaching one Linear through two parents: one module, one style (it was
+    applied twice and raised "plan keys ['bias', 'weight'] match no module")."""
+    class Inner(nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.x = lin
+
+        def forward(self, h):
+            return self.x(h)
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            lin = nn.Linear(6, 6)
+            self.a, self.b = Inner(lin), Inner(lin)
+
+        def forward(self, h):
+            return self.b(self.a(h))
+
+    torch.manual_seed(8)
+    ref, x = Shared().to(DT), torch.randn(3, 6, dtype=DT)
+    m = wb.parallelize_module(copy.deepcopy(ref), wb.Mesh.grid(2, ["tp"]),
+                              {"*.x": wb.ColwiseParallel(output_layouts=R())})
+    assert m.a.x is m.b.x and m.a.x.weight.placements == (S(0),)
+    y = m(x)
+    (y.full() ** 2).sum().backward()
+    (ref(x) ** 2).sum().backward()
+    torch.testing.assert_close(y.full(), ref(x), atol=1e-12, rtol=0)
+    torch.testing.assert_close(m.a.x.weight.grad.full(), ref.a.x.weight.grad, atol=1e-12, rtol=0)

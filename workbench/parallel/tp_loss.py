@@ -39,8 +39,8 @@ from torch.overrides import TorchFunctionMode
 
 from ..sim_mesh import backends as _B
 from ..sim_mesh.trace import current_trace
-from .dispatch import dispatch, force_candidate
-from .tensor_methods import VIA_MODES
+from .dispatch import force_candidate
+from .tensor_methods import METHOD_HOOKS
 from . import layout
 from . import tp_loss_compose as _compose
 from .dist_tensor import DistTensor
@@ -88,7 +88,6 @@ def _vocab_parallel(x: DistTensor, cdim: int, md: int, key):
 
 
 _CHOSEN: set = set()       # calls whose cheapest strategy is the vocabulary-parallel one
-VIA_MODES.add("log_softmax")     # x.log_softmax(dim) reaches the mode too, as torch's
 on_change(_CHOSEN.clear)   # a rule changed: the dispatcher's cache is cleared, so is this
 _B.on_register(_CHOSEN.clear)
 
@@ -181,8 +180,6 @@ class _LossParallelMode(TorchFunctionMode):
             out = _composed(func, args, kwargs)
             if out is not None:
                 return out
-            if func is torch.Tensor.log_softmax and isinstance(args[0], DistTensor):
-                return dispatch(func, args, kwargs)      # (the method, routed here)
         if func is F.cross_entropy:
             x = args[0] if args else kwargs.get("input")
             if isinstance(x, DistTensor):
@@ -195,9 +192,27 @@ class _LossParallelMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_ON = [0]          # loss_parallel contexts open
+
+
+def _log_softmax_method(x, args, kwargs):
+    """``x.log_softmax(dim)`` inside the context (a DistTensor method reaches no mode)."""
+    if not _ON[0]:
+        return NotImplemented
+    out = _composed(torch.Tensor.log_softmax, (x,) + tuple(args), kwargs)
+    return NotImplemented if out is None else out
+
+
+METHOD_HOOKS["log_softmax"] = _log_softmax_method
+
+
 @contextlib.contextmanager
 def loss_parallel():
     """Cross-entropy on class-sharded DistTensor logits computed vocabulary-parallel
     (module docstring)."""
-    with _LossParallelMode():
-        yield
+    _ON[0] += 1
+    try:
+        with _LossParallelMode():
+            yield
+    finally:
+        _ON[0] -= 1
