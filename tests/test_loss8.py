@@ -384,3 +384,55 @@ def test_a_module_shared_by_two_parents_under_one_wildcard_key_is_laid_out_once(
     (ref(x) ** 2).sum().backward()
     torch.testing.assert_close(y.full(), ref(x), atol=1e-12, rtol=0)
     torch.testing.assert_close(m.a.x.weight.grad.full(), ref.a.x.weight.grad, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("v, mesh_shape", [(7, (2, 2)), (10, (2, 4))])
+def test_vocab_parallel_lm_with_an_uneven_vocabulary_on_dp_by_tp(v, mesh_shape):
+    """A vocabulary-parallel embedding (padding_idx), a Megatron MLP and a colwise head
+    whose Shard(-1) logits go to loss_parallel, the batch on dp, a vocabulary that tp does
+    not divide: the loss and every gradient as one device's."""
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.out = nn.Embedding(v, 6, padding_idx=1), nn.Linear(6, v, bias=False)
+            self.w1, self.w2 = nn.Linear(6, 8), nn.Linear(8, 6)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            return self.out(h + self.w2(F.gelu(self.w1(h))))
+
+    torch.manual_seed(9)
+    ref, mesh = LM().to(DT), wb.Mesh.grid(mesh_shape, ["dp", "tp"])
+    m = wb.parallelize_module(copy.deepcopy(ref), mesh, {
+        "emb": wb.RowwiseParallel(input_layouts=R()), "w1": wb.ColwiseParallel(),
+        "w2": wb.RowwiseParallel(),
+        "out": wb.ColwiseParallel(output_layouts=S(-1), use_local_output=False)})
+    ids, lab = torch.randint(0, v, (4, 5)), torch.randint(0, v, (4, 5))
+    lab[0, 0] = -100
+    with wb.loss_parallel():
+        logits = m(wb.shard_tensor(ids, mesh, [S(0), R()]))
+        loss = F.cross_entropy(logits.flatten(0, 1),
+                               wb.shard_tensor(lab, mesh, [S(0), R()]).flatten(0, 1),
+                               label_smoothing=0.1)
+    loss.backward()
+    want = F.cross_entropy(ref(ids).flatten(0, 1), lab.flatten(0, 1), label_smoothing=0.1)
+    want.backward()
+    assert logits.placements == (S(0), S(2))
+    torch.testing.assert_close(loss.full(), want, atol=1e-12, rtol=0)
+    for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full(), q.grad, atol=1e-12, rtol=0, msg=n)
+
+
+@pytest.mark.slow
+def test_under_torchrun_uneven_vocabulary_and_init_refusal():
+    """2 gloo processes (tests/dist_scripts/loss8_check.py): 7 classes on tp 2 (4, 3)."""
+    from tests.torchrun_support import own_launch
+    rows = own_launch("loss8_check.py", nproc=2)
+    for case in ("plain", "smooth+weight", "none", "nll"):
+        for rank in (0, 1):
+            r = rows[(rank, case)]
+            assert r["loss"] < 1e-12 and r["grad"] < 1e-12, r
+    assert rows[(0, "nll")]["placements"] == "(Shard(dim=1),)"
+    for rank in (0, 1):
+        assert "under torch.distributed" in rows[(rank, "init")]["raised"] and \
+            "before wrapping" in rows[(rank, "init")]["raised"]
