@@ -79,11 +79,10 @@ def _vocab_parallel(x: DistTensor, cdim: int, md: int, key):
                     _CHOSEN.add(key)
                 return c
         raise ValueError(f"loss_parallel(): no vocabulary-parallel cross_entropy for logits "
-                         f"of shape {tuple(x.shape)} laid out {x.placements}: the class dim "
-                         f"({x.shape[cdim]}) must split evenly over mesh dim {md} (size "
-                         f"{x.mesh.shape[md]}) and the target's rows as the logits' rows; pad "
-                         "the vocabulary to a multiple of the tp size (Megatron's "
-                         "make_vocab_size_divisible_by)")
+                         f"of shape {tuple(x.shape)} laid out {x.placements} (class dim "
+                         f"{x.shape[cdim]} on mesh dim {md} of size {x.mesh.shape[md]}); lay "
+                         "the target out as torch's loss_parallel derives it (the logits' "
+                         "row placements, Replicate on the class dim's mesh dim)")
     return pick
 
 
