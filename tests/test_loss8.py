@@ -317,6 +317,17 @@ def test_random_init_of_ddp_parameters_over_tp_is_one_devices_draw(name):
     ddp.check_replicas()
 
 
+def test_random_fill_of_a_replica_with_grad_enabled_raises_as_torch():
+    """p.normal_() on a leaf that requires grad, outside no_grad: torch's refusal (the
+    one-device draw runs under no_grad and passed it by), nothing written."""
+    _, m, ddp, _ = _ddp_tp()
+    w = next(iter(ddp.parameters()))
+    before = m[0].weight.full().clone()
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+        w.normal_()
+    assert torch.equal(m[0].weight.full(), before)
+
+
 @pytest.mark.parametrize("name", ["sparse_", "dirac_", "orthogonal_"])
 def test_index_writing_init_of_ddp_parameters_over_tp_raises_at_once(name):
     """Inits that write by index or through a view raise before writing anything, naming

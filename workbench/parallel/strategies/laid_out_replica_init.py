@@ -78,6 +78,10 @@ def one_draw(func, args, kwargs, cls):
             "does not re-broadcast after construction).  Initialize the module before "
             "wrapping it (DDP starts every replica from rank 0's values), or write through "
             "its DistTensor parameters (nn.init.normal_(ddp.module.<name>.weight))")
+    if torch.is_grad_enabled() and t.requires_grad and func in RANDOM_FILLS and t.is_leaf:
+        # torch's own refusal (the draw below runs under no_grad: it would pass silently)
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place "
+                           "operation.")
     fresh = torch.empty(tuple(t._wb_shape), dtype=t.dtype, device=t.device)
     if func is torch.eye:
         kwargs = {**kwargs, "out": fresh}
