@@ -208,6 +208,42 @@ def test_log_softmax_then_nll_loss_one_pick(v):
         torch.testing.assert_close(xd.grad.full(), xr.grad, atol=1e-12, rtol=0)
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")   # CommDebugMode's
+def test_log_softmax_and_nll_loss_as_pytorch_dtensor(oracle):  # noqa: F811
+    """torch's loss_parallel on uneven Shard(1) logits (10 classes on 4): log_softmax
+    keeps Shard(1) with two all-reduces, nll_loss adds one, none backward; the same loss
+    and gradient here, the same placements and counts."""
+    from torch.distributed.tensor.parallel import loss_parallel
+    torch.manual_seed(10)
+    x, t = torch.randn(6, 10, dtype=DT), torch.randint(0, 10, (6,))
+    with LocalTensorMode(4):
+        d = distribute_tensor(x, oracle.mesh((4,)), [DShard(1)]).requires_grad_()
+        with CommDebugMode() as cm:
+            with loss_parallel():
+                lp = F.log_softmax(d, -1)
+                lsm_t = sum(cm.get_comm_counts().values())
+                lt = F.nll_loss(lp, t)
+                fwd_t = sum(cm.get_comm_counts().values())
+                lt.backward()
+            bwd_t = sum(cm.get_comm_counts().values()) - fwd_t
+        place_t = tuple(lp.placements)
+        lt0 = lt.full_tensor()._local_tensors[0]
+        g0 = d.grad.full_tensor()._local_tensors[0]
+    xd = wb.shard_tensor(x, wb.Mesh.grid(4, ["tp"]), [S(1)]).requires_grad_()
+    with wb.trace("a100") as tr:
+        with wb.loss_parallel():
+            lp = F.log_softmax(xd, -1)
+            lsm = sum(tr.counts().values())
+            got = F.nll_loss(lp, t)
+            fwd = sum(tr.counts().values())
+            got.backward()
+        bwd = sum(tr.counts().values()) - fwd
+    assert place_t == (DShard(1),) and lp.placements == (S(1),)
+    assert (lsm, fwd, bwd) == (lsm_t, fwd_t, bwd_t) == (2, 3, 0)
+    torch.testing.assert_close(got.full(), torch.as_tensor(lt0), atol=1e-12, rtol=0)
+    torch.testing.assert_close(xd.grad.full(), torch.as_tensor(g0), atol=1e-12, rtol=0)
+
+
 def test_log_probs_changed_or_shared_before_nll_loss_keep_their_gradient():
     """nll_loss picks from the logits only where the log-probabilities are log_softmax's
     unchanged output: written in place first, it picks from them; used twice, every
