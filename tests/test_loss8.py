@@ -471,10 +471,13 @@ def test_vocab_parallel_lm_with_an_uneven_vocabulary_on_dp_by_tp(v, mesh_shape):
 
 
 @pytest.mark.slow
-def test_under_torchrun_uneven_vocabulary_and_init_refusal():
-    """2 gloo processes (tests/dist_scripts/loss8_check.py): 7 classes on tp 2 (4, 3)."""
-    from tests.torchrun_support import own_launch
-    rows = own_launch("loss8_check.py", nproc=2)
+def test_under_torchrun_uneven_vocabulary_and_init_refusal(tmp_path_factory):
+    """2 gloo processes (tests/dist_scripts/loss8_check.py, a part of the shared 2-process
+    launch): 7 classes on tp 2 (4, 3)."""
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "loss8_check.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {(r["rank"], r["case"]): r for r in json_rows(text)}
     for case in ("plain", "smooth+weight", "none", "nll"):
         for rank in (0, 1):
             r = rows[(rank, case)]
