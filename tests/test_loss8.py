@@ -486,3 +486,14 @@ def test_under_torchrun_uneven_vocabulary_and_init_refusal(tmp_path_factory):
     for rank in (0, 1):
         assert "under torch.distributed" in rows[(rank, "init")]["raised"] and \
             "before wrapping" in rows[(rank, "init")]["raised"]
+
+
+def test_ddp_over_uneven_tensor_parallel_shards_names_the_parameter_and_the_fix():
+    """(was: "DistributedDataParallel needs evenly sharded DistTensor parameters", no
+    name, shape or fix)"""
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    m = wb.parallelize_module(nn.Sequential(nn.Embedding(7, 6)), mesh,
+                              {"0": wb.RowwiseParallel(input_layouts=R())})
+    with pytest.raises(ValueError, match=r"shape \(7, 6\) is laid out \['R', 'S\(0\)'\].*"
+                                         "make_vocab_size_divisible_by"):
+        wb.DistributedDataParallel(m, mesh, "dp")
