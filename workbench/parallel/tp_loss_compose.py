@@ -165,11 +165,7 @@ def nll_loss(logp, t, md, weight=None, ignore_index=-100, reduction="mean"):
         # gives whatever follows log_softmax; here only to an unchanged output)
         x, lse = made
         x, lse = (x.unsqueeze(0), lse.unsqueeze(0)) if one else (x, lse)
-        keep = t != ignore_index
-        safe = torch.where(keep, t, torch.zeros((), dtype=t.dtype))
-        hit = _class_ids(x, md) == safe.unsqueeze(1)
-        zero = torch.zeros((), dtype=x.dtype)
-        nll = torch.where(keep, lse - _settle(torch.where(hit, x, zero).sum(1)), zero)
+        nll, keep, safe = _lse_minus_target(x, lse, t, md, ignore_index)
         nll = nll.to(logp.dtype)
     else:
         nll, keep, safe = _nll_rows(logp, t, md, ignore_index)
@@ -178,6 +174,17 @@ def nll_loss(logp, t, md, weight=None, ignore_index=-100, reduction="mean"):
         nll = nll * wt
     loss = _reduce(nll, keep.sum() if wt is None else wt.sum(), reduction)
     return loss.squeeze(0) if one and reduction == "none" else loss
+
+
+def _lse_minus_target(x, lse, t, md, ignore_index):
+    """(``lse - x[target]`` per row, 0 where ignored; keep mask; safe target): the
+    target logit picked by the one slice that holds it, all-reduced (torch's _MaskPartial,
+    Megatron's masked target logit)."""
+    keep = t != ignore_index
+    safe = torch.where(keep, t, torch.zeros((), dtype=t.dtype))
+    hit = _class_ids(x, md) == safe.unsqueeze(1)          # only the owner's slice matches
+    zero = torch.zeros((), dtype=x.dtype)
+    return torch.where(keep, lse - _settle(torch.where(hit, x, zero).sum(1)), zero), keep, safe
 
 
 def _lse(x: DistTensor) -> DistTensor:
@@ -205,13 +212,10 @@ def cross_entropy(x, t, md, weight=None, ignore_index=-100, reduction="mean",
     x, t, one = _batched(x, t)
     c = x.shape[1]
     _check_targets(t, c, ignore_index)
-    keep = t != ignore_index
-    safe = torch.where(keep, t, torch.zeros((), dtype=t.dtype))
-    hit = _class_ids(x, md) == safe.unsqueeze(1)          # only the owner's slice matches
     out_dtype, x = x.dtype, _computation(x)
     zero = torch.zeros((), dtype=x.dtype)
     lse = _lse(x)
-    loss = torch.where(keep, lse - _settle(torch.where(hit, x, zero).sum(1)), zero)
+    loss, keep, safe = _lse_minus_target(x, lse, t, md, ignore_index)
     wt = _target_weights(weight, safe, keep)
     if wt is not None:
         loss = loss * wt
