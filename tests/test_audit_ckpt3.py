@@ -580,9 +580,10 @@ def test_ddp_over_tensor_parallel_optimizer_state_dict_has_one_devices_shapes(di
 
 
 @pytest.mark.parametrize("when", ["before_forward", "before_step"])
-def test_ddp_over_tensor_parallel_a_random_init_of_its_replicas_raises(when):
+def test_ddp_over_tensor_parallel_a_random_init_of_its_replicas_is_one_devices_draw(when):
     # nn.init on ddp.parameters() (the replicas' storage) drew each dp rank's copy on its
-    # own: the ranks then trained different models with no error
+    # own: the ranks then trained different models with no error (later: it raised at the
+    # next forward); now one draw of the module's shape in every replica (test_loss8.py)
     from tests.test_fully_shard import V, batches
     from torch.nn import functional as F
     d, opt, mesh = _ddp_over_tp()
@@ -590,13 +591,18 @@ def test_ddp_over_tensor_parallel_a_random_init_of_its_replicas_raises(when):
     if when == "before_step":
         F.cross_entropy(_full(d(wb.shard_tensor(ids, mesh, ["S(0)", "R"]))).reshape(-1, V),
                         y.reshape(-1)).backward()
+    w = next(iter(d.parameters()))
+    torch.manual_seed(3)
     with torch.no_grad():
-        nn.init.normal_(next(iter(d.parameters())))
-    with pytest.raises(RuntimeError, match="replicas of 'emb.weight' differ.*before wrapping"):
-        if when == "before_step":
-            opt.step()
-        else:
-            d(wb.shard_tensor(ids, mesh, ["S(0)", "R"]))
+        nn.init.normal_(w)
+    torch.manual_seed(3)
+    want = torch.randn(tuple(d.module.emb.weight.shape))
+    torch.testing.assert_close(d.module.emb.weight.full(), want, atol=0, rtol=0)
+    if when == "before_step":
+        opt.step()
+    else:
+        d(wb.shard_tensor(ids, mesh, ["S(0)", "R"]))
+    d.check_replicas()
 
 
 def test_ddp_over_tensor_parallel_writes_alike_and_dist_inits_train_as_one_device():

@@ -440,8 +440,8 @@ def test_loss_parallel_every_target_ignored_is_nan_as_torch():
 
 
 def test_log_softmax_then_nll_loss_inside_loss_parallel():
-    """torch's loss_parallel also runs log_softmax + nll_loss vocabulary-parallel; here
-    the dispatcher picks its own layout for log_softmax (the value is what matters)."""
+    """torch's loss_parallel also runs log_softmax + nll_loss vocabulary-parallel; so
+    does ours (Shard(1) kept: test_loss8.py holds the layout and the counts)."""
     torch.manual_seed(12)
     x, t = torch.randn(6, 12, dtype=DT), torch.randint(0, 12, (6,))
     t[0] = -100

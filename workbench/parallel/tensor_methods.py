@@ -13,6 +13,11 @@ _DUNDERS = ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__",
             "__and__", "__rand__", "__or__", "__ror__", "__xor__", "__rxor__", "__invert__",
             "__lshift__", "__rlshift__", "__rshift__", "__rrshift__")
 _NUMBERS = (int, float, complex, bool)
+# name -> hook(self, args, kwargs): a method that a context handles while it is active
+# (loss_parallel's log_softmax, tp_loss.py; torch's TorchFunctionMode sees Tensor methods,
+# but DistTensor is no Tensor, so other modes must not be handed it); NotImplemented:
+# the dispatcher's
+METHOD_HOOKS: dict = {}
 
 
 def install(cls):
@@ -86,6 +91,11 @@ def install(cls):
             return lambda *args, **kwargs: inplace.method(self, name, args, kwargs)
 
         def method(*args, **kwargs):
+            hook = METHOD_HOOKS.get(name)
+            if hook is not None:
+                out = hook(self, args, kwargs)
+                if out is not NotImplemented:
+                    return out
             return dispatch(f, (self,) + args, kwargs)
         return method
     cls.__getattr__ = __getattr__

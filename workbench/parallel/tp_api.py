@@ -103,7 +103,9 @@ def parallelize_module(module: nn.Module, device_mesh: Mesh, parallelize_plan=No
     # every key resolved and every style checked before anything is changed
     todo, laid, tied = [], {}, {}
     for key, style in parallelize_plan.items():
-        for mod in _resolve(module, key, key):
+        # a module reached twice by one key (shared by two parents, "*.x"): one module,
+        # one style (it was applied twice: "plan keys ['bias', 'weight'] match no module")
+        for mod in {id(m): m for m in _resolve(module, key, key)}.values():
             style._check(mod)
             if style._lays_params:
                 first = laid.setdefault(id(mod), key)

@@ -24,7 +24,9 @@ cross_entropy(logits, target), logits (N, C) or (N, C, d1, ...) with the class d
 The ops with collectives inside need every rank's shard at once, which the
 dispatcher gives only to even layouts; so those strategies are offered only when
 the split is even.  Megatron has the same constraint and pads the vocabulary to
-a multiple of the tensor-parallel size (``make_vocab_size_divisible_by``).
+a multiple of the tensor-parallel size (``make_vocab_size_divisible_by``); under
+``loss_parallel()`` an uneven vocabulary runs as table ops instead, with the same
+all-reduces (``parallel/tp_loss_compose.py``).
 """
 from __future__ import annotations
 

@@ -61,8 +61,16 @@ class GradReplicas:
         self.bucket_bytes = bucket_bytes
         self.distributed = _B.is_distributed(mesh)
         for p in self.params:
-            if not isinstance(p, DistTensor) or isinstance(p._local, Cells):
-                raise ValueError(f"{who} needs evenly sharded DistTensor parameters")
+            if not isinstance(p, DistTensor):
+                raise ValueError(f"{who} needs DistTensor parameters, got a "
+                                 f"{type(p).__name__}")
+            if isinstance(p._local, Cells):
+                raise ValueError(
+                    f"{who} needs evenly sharded DistTensor parameters: one of shape "
+                    f"{tuple(p.shape)} is laid out {[str(q) for q in p.placements]} on mesh "
+                    f"{dict(zip(mesh.dim_names, mesh.shape))}, uneven shards (torch.chunk "
+                    "sizes differ).  Make each sharded dim a multiple of its mesh dims' "
+                    "sizes (pad a vocabulary: Megatron's make_vocab_size_divisible_by)")
             for a in self.axes:
                 if not p.placements[a].is_replicate():
                     raise ValueError(f"a parameter is {p.placements[a]} on the data-parallel "

@@ -33,6 +33,7 @@ import math
 import torch
 
 from .laid_out_shape import VIEWS, _PROPS
+from .laid_out_replica_init import INIT_CALLS, from_init, one_draw, refuse_init_index
 from .laid_out_views import users_call
 from .laid_out_reads import _CASTS, LIKES, _is_pointwise
 from .laid_out_whole import NUMEL, WHOLE, storage_shape
@@ -57,16 +58,21 @@ class ReplicaStorage(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in INIT_CALLS:      # nn.init's draws: one device's (laid_out_replica_init)
+            out = one_draw(func, args, kwargs, ReplicaStorage)
+            if out is not None:
+                return out
         t = args[0] if args else None
         if isinstance(t, ReplicaStorage):
             shape = torch.Size(t._wb_shape)
+            refuse_init_index(t)            # sparse_, dirac_, orthogonal_ (laid_out_replica_init)
             if func in NUMEL and users_call(depth=-1):
                 return math.prod(shape)
-            if (func in _DIMS or func == _NDIM) and users_call(True, depth=-1):
+            if (func in _DIMS or func == _NDIM) and (users_call(True, depth=-1) or from_init()):
                 return len(shape)
-            if func == _SHAPE and users_call(True, depth=-1):
+            if func == _SHAPE and (users_call(True, depth=-1) or from_init()):
                 return shape
-            if func is _T.size and users_call(True, depth=-1):
+            if func is _T.size and (users_call(True, depth=-1) or from_init()):
                 return shape[args[1]] if len(args) > 1 else shape
             if func is _T.__len__ and users_call(True, depth=-1):
                 if not shape:

@@ -1,0 +1,112 @@
+"""``torch.nn.init`` on ``ddp.parameters()`` of DDP over tensor-parallel DistTensors: one
+device's draw.
+
+The parameters a :class:`~.ddp_dist.DistTensorDDP` hands out are replica storages
+(:class:`.laid_out_replicas.ReplicaStorage`: on simulated ranks ``(dp, tp, *local)``, one
+copy of each tensor-parallel shard per data-parallel rank).  A random fill of that storage
+(``p.normal_()``, the ``Tensor`` method every ``nn.init`` random init ends in) drew every
+replica's shards on their own: the replicas differed, which the next forward refused
+(:func:`.ddp_dist_habits.check_written_replicas`), and a fan-in init (``kaiming_*``,
+``xavier_*``) read its fan from the storage's shape.  torch's DDP does not re-broadcast
+after construction: its replicas diverge silently on real ranks.
+
+Here, on simulated ranks, a random fill draws once in the module parameter's shape (the
+numbers one device draws with the same seed, its generator advanced as far) and writes
+that value into every replica's shards (``_wb_store``); a shape read from inside
+``torch.nn.init`` (its fan) answers the module's shape, so ``kaiming_uniform_``,
+``xavier_normal_``, ``trunc_normal_`` (a draw, then elementwise ops on every replica alike)
+give one device's values.  Under torch.distributed each process holds one replica, drawn
+from its own generator: it raises at once, naming the fixes (initialize before wrapping,
+or through the module's DistTensor parameters).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch.nn import init
+
+from .laid_out_views import users_call
+
+__all__ = ["INIT_CALLS", "one_draw", "from_init", "refuse_init_index"]
+
+_T = torch.Tensor
+RANDOM_FILLS = (_T.uniform_, _T.normal_, _T.bernoulli_, _T.exponential_, _T.cauchy_,
+                _T.log_normal_, _T.geometric_, _T.random_)
+# the nn.init functions torch lets a subclass override (they reach __torch_function__
+# whole: run here on a tensor of the module's shape), and torch.eye(out=) (nn.init.eye_)
+INIT_CALLS = frozenset(RANDOM_FILLS + (init.uniform_, init.normal_, init.kaiming_uniform_,
+                                       torch.eye))
+_INIT = os.path.abspath(init.__file__)
+
+
+def _init_frame():
+    """The ``torch/nn/init.py`` function that makes the call being served itself (its fan
+    reads, its first touch), or None (a call from deeper down, e.g. workbench's own code
+    under ``nn.init.zeros_`` of a DistTensor, reads the storage)."""
+    f = sys._getframe(3)
+    return f.f_code.co_name if f is not None and f.f_code.co_filename == _INIT else None
+
+
+def from_init() -> bool:
+    """Is the call being served made by ``torch/nn/init.py`` itself (a fan read)?"""
+    return _init_frame() is not None
+
+
+def _target(func, args, kwargs):
+    if func is torch.eye:
+        return kwargs.get("out")
+    return args[0] if args else kwargs.get("tensor")
+
+
+def one_draw(func, args, kwargs, cls):
+    """``func`` (:data:`INIT_CALLS`) of a replica storage (of class ``cls``) by a user or
+    ``nn.init``: run on a tensor of the module's shape (one device's draw), the value
+    written into every replica's shards; None where it is not such a call (the wrappers'
+    own fills run on the storage)."""
+    t = _target(func, args, kwargs)
+    if not isinstance(t, cls) or not users_call(depth=0):
+        return None
+    name = getattr(func, "__name__", "a random fill")
+    store = getattr(t, "_wb_store", None)
+    if getattr(t, "_wb_distributed", False) or store is None:
+        raise RuntimeError(
+            f"{name} of DistributedDataParallel's parameter over tensor-parallel DistTensors "
+            "under torch.distributed: each process holds one replica and would draw it from "
+            "its own generator, so the data-parallel replicas would differ (torch's DDP "
+            "does not re-broadcast after construction).  Initialize the module before "
+            "wrapping it (DDP starts every replica from rank 0's values), or write through "
+            "its DistTensor parameters (nn.init.normal_(ddp.module.<name>.weight))")
+    if torch.is_grad_enabled() and t.requires_grad and func in RANDOM_FILLS and t.is_leaf:
+        # torch's own refusal (the draw below runs under no_grad: it would pass silently)
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place "
+                           "operation.")
+    fresh = torch.empty(tuple(t._wb_shape), dtype=t.dtype, device=t.device)
+    if func is torch.eye:
+        kwargs = {**kwargs, "out": fresh}
+    elif args:
+        args = (fresh,) + tuple(args[1:])
+    else:
+        kwargs = {**kwargs, "tensor": fresh}
+    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        func(*args, **kwargs)
+        t.copy_(store(fresh))
+    return t
+
+
+_BY_INDEX = ("sparse_", "dirac_", "orthogonal_")
+
+
+def refuse_init_index(t) -> None:
+    """``nn.init`` functions that write by index or through a view (``sparse_``,
+    ``dirac_``, ``orthogonal_``): their indices are the module's, the storage's dims are
+    not; raise at their first touch (a shape read), before anything is written."""
+    name = _init_frame()
+    if name in _BY_INDEX:
+        raise RuntimeError(
+            f"nn.init.{name} on DistributedDataParallel's parameter over tensor-parallel "
+            f"DistTensors: it writes by index or through a view, and the storage (shape "
+            f"{tuple(t.as_subclass(_T).shape)}) holds every replica's shards, not the "
+            f"module's {tuple(t._wb_shape)} tensor.  Initialize the module before wrapping "
+            "it, or write through its DistTensor parameters (ddp.module.<name>.weight)")
