@@ -186,8 +186,14 @@ def _dense_grad(y, nd):
     benchmarks/sim_overhead.py); one copy of the whole gradient is cheaper.  Values are
     unchanged."""
     if nd and y.requires_grad:
-        y.register_hook(torch.Tensor.contiguous)
+        y.register_hook(_contiguous)
     return y
+
+
+def _contiguous(g):
+    # an undefined gradient reaches the hook as None (a consumer with no derivative for
+    # it: vector_norm of ord 0, seed 1030754 raised "descriptor 'contiguous' ... NoneType")
+    return None if g is None else g.contiguous()
 
 
 def _batched(a, b):
