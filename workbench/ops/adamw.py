@@ -50,6 +50,19 @@ def adamw(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
 
 
 def _check(lists, step, lr, beta1, beta2, eps, weight_decay) -> None:
+    _check_lists(lists)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"{_OP}: step={step!r}; it counts steps from 1 (the step being taken)")
+    for name, value, lo, hi in (("lr", lr, 0, math.inf), ("beta1", beta1, 0, 1),
+                                ("beta2", beta2, 0, 1), ("eps", eps, 0, math.inf),
+                                ("weight_decay", weight_decay, 0, math.inf)):
+        if not lo <= value < hi:
+            raise ValueError(f"{_OP}: {name}={value}; it must be in [{lo}, {hi})")
+
+
+def _check_lists(lists) -> None:
+    """One (param, grad, exp_avg, exp_avg_sq) per parameter, alike in shape, dtype, device
+    (the op's check and its cost's: a cost of lists the op refuses would be a wrong number)."""
     names = ("params", "grads", "exp_avgs", "exp_avg_sqs")
     lengths = {n: len(s) for n, s in zip(names, lists)}
     if len(set(lengths.values())) != 1:
@@ -62,13 +75,15 @@ def _check(lists, step, lr, beta1, beta2, eps, weight_decay) -> None:
             if t.shape != group[0].shape:
                 raise ValueError(f"{_OP}: {n}[{i}].shape={tuple(t.shape)} differs from "
                                  f"params[{i}].shape={tuple(group[0].shape)}")
-    if not isinstance(step, int) or step < 1:
-        raise ValueError(f"{_OP}: step={step!r}; it counts steps from 1 (the step being taken)")
-    for name, value, lo, hi in (("lr", lr, 0, math.inf), ("beta1", beta1, 0, 1),
-                                ("beta2", beta2, 0, 1), ("eps", eps, 0, math.inf),
-                                ("weight_decay", weight_decay, 0, math.inf)):
-        if not lo <= value < hi:
-            raise ValueError(f"{_OP}: {name}={value}; it must be in [{lo}, {hi})")
+            # checked before any write: torch._fused_adamw_ refuses a mixed group only
+            # after it has stepped the tensors before it ("expected scalar type Float but
+            # found Double"), and the other paths would mix precisions silently
+            if t.dtype != group[0].dtype or t.device != group[0].device:
+                raise TypeError(f"{_OP}: {n}[{i}] is {t.dtype} on {t.device} but params[{i}] "
+                                f"is {group[0].dtype} on {group[0].device}; a parameter's "
+                                f"gradient and states share its dtype and device (as "
+                                f"torch.optim.AdamW keeps them): cast with "
+                                f"{n}[{i}].to(params[{i}])")
 
 
 @register(_OP, "reference")
@@ -162,6 +177,7 @@ def _npu(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, wd):
 
 @register_cost(_OP)
 def _cost(params, grads, exp_avgs, exp_avg_sqs, step=1, **_hyper) -> OpCost:
+    _check_lists((params, grads, exp_avgs, exp_avg_sqs))
     n = sum(p.numel() for p in params)
     e = sum(p.numel() * p.element_size() for p in params) // max(n, 1)
     # unfused reads / writes per element, kernel by kernel as in _unfused:

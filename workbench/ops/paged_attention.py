@@ -203,6 +203,7 @@ def _cost(q, k_pool, v_pool, block_table, seq_lens, **_) -> OpCost:
     """FLOPs of the (query, key) pairs attended; bytes: the paged kernel reads q, each
     sequence's blocks once (whole blocks: the last one's empty slots too) and writes the
     output; the gathered path also writes and reads the contiguous copy."""
+    _check(q, k_pool, v_pool, block_table, seq_lens, None)     # the op's own checks
     Sq, D = q.shape[2], q.shape[3]
     Hq, Hkv, bs, e = q.shape[1], k_pool.shape[1], k_pool.shape[2], k_pool.element_size()
     lens = [int(n) for n in torch.as_tensor(seq_lens)]

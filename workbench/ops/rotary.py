@@ -45,6 +45,13 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     _checks.same_device(_OP, x=x, cos=cos, sin=sin)
     if mode not in MODES:
         raise ValueError(f"{_OP}: mode={mode!r}; use 'half' (NeoX/Llama) or 'interleave' (GPT-J)")
+    _check_shapes(x, cos, sin)
+    x, cos, sin = promote(x, cos, sin)
+    return dispatch(_OP, (x, cos, sin))(x, cos, sin, mode)
+
+
+def _check_shapes(x, cos, sin) -> None:
+    """An even head dim; cos and sin broadcast to x (the op's check and its cost's)."""
     if x.shape[-1] % 2:
         raise ValueError(f"{_OP}: x.shape[-1]={x.shape[-1]} is odd; rotary pairs need an even "
                          "head dim")
@@ -53,8 +60,6 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             raise ValueError(f"{_OP}: {name}.shape={tuple(t.shape)} must broadcast to "
                              f"x.shape={tuple(x.shape)} over the full head dim "
                              f"(build them with wb.ops.rope_cos_sin)")
-    x, cos, sin = promote(x, cos, sin)
-    return dispatch(_OP, (x, cos, sin))(x, cos, sin, mode)
 
 
 def result_dtype(x, cos, sin) -> torch.dtype:
@@ -148,6 +153,7 @@ def _npu(x, cos, sin, mode):
 
 @register_cost(_OP)
 def _cost(x, cos, sin, mode="half") -> OpCost:
+    _check_shapes(x, cos, sin)
     X, C = nbytes(x), nbytes(cos) + nbytes(sin)
     unfused = [(X, X), (X, X),                           # the rotation: negate half, concatenate
                (X + nbytes(cos), X), (X + nbytes(sin), X), (2 * X, X)]   # x*cos, r*sin, add
