@@ -168,3 +168,12 @@ def test_npu_backend_without_torch_npu_raises_naming_the_fix():
     with ops.use("npu"), pytest.raises(RuntimeError, match=r"torch_npu is not installed.*"
                                                           r"use\('native'\)"):
         ops.rms_norm(_rn(2, 4), torch.ones(4, dtype=torch.float64))
+
+
+def test_a_broadcast_mask_costs_its_own_bytes_not_its_broadcast_view():
+    q = meta(2, 4, 64, 16)
+    base = ops.cost("flash_attention", q, q, q)
+    for mask in (torch.ones(2, 1, 1, 64, dtype=torch.bool),      # key padding: B * Sk
+                 torch.ones(64, 64, dtype=torch.bool).tril()):   # one (Sq, Sk) for all
+        c = ops.cost("flash_attention", q, q, q, mask=mask)
+        assert c.bytes_fused - base.bytes_fused == mask.numel()

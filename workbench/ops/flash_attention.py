@@ -268,7 +268,9 @@ def _cost(q, k, v, *, causal=False, mask=None, dropout_p=0.0, scale=None, **_til
     keep = None if built is None else built.dense4(Sq, Sk, "cpu")      # (b, h, Sq, Sk)
     pairs = S if keep is None else int(keep.sum()) * (B * Hq // (keep.shape[0] * keep.shape[1]))
     m = 0 if keep is None else keep.numel()                # bytes of the bool mask, built
-    m_read = 0 if built is None or built.dense is None else built.dense.numel()  # ... or given
+    # ... or given: the bool tensor's own bytes, read once (a (B, 1, 1, Sk) key-padding
+    # mask is B * Sk bytes, not the B * Sq * Sk of its broadcast view)
+    m_read = nbytes(mask) if isinstance(mask, torch.Tensor) else 0
     empty_rows = keep is not None and not bool(keep.any(-1).all())
     inputs = nbytes(q) + nbytes(k) + nbytes(v)
     out = B * Hq * Sq * Dv * e
