@@ -177,3 +177,17 @@ def test_a_broadcast_mask_costs_its_own_bytes_not_its_broadcast_view():
                  torch.ones(64, 64, dtype=torch.bool).tril()):   # one (Sq, Sk) for all
         c = ops.cost("flash_attention", q, q, q, mask=mask)
         assert c.bytes_fused - base.bytes_fused == mask.numel()
+
+
+@pytest.mark.parametrize("lengths", [(2.5, 3.5), ("2", 3), (True, 4), (torch.tensor(2.5), 3)])
+def test_block_diagonal_refuses_lengths_int_would_truncate(lengths):
+    with pytest.raises(TypeError, match="BlockDiagonal.*int token count"):
+        ops.BlockDiagonal(lengths)
+
+
+def test_block_diagonal_takes_integer_sequences_and_sliding_window_refuses_a_bool():
+    import numpy as np
+    for lengths in ([2, 3], (2, 3), torch.tensor([2, 3]), np.array([2, 3])):
+        assert ops.BlockDiagonal(lengths).lengths == (2, 3)
+    with pytest.raises(ValueError, match="window=True"):
+        ops.SlidingWindow(True)
