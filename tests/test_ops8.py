@@ -191,3 +191,22 @@ def test_block_diagonal_takes_integer_sequences_and_sliding_window_refuses_a_boo
         assert ops.BlockDiagonal(lengths).lengths == (2, 3)
     with pytest.raises(ValueError, match="window=True"):
         ops.SlidingWindow(True)
+
+
+def test_adamw_step_with_a_group_edited_into_a_bad_lr_changes_nothing():
+    a = torch.nn.Parameter(_rn(3))
+    b = torch.nn.Parameter(_rn(2, seed=1))
+    opt = ops.AdamW([{"params": [a]}, {"params": [b]}], lr=0.1)
+    a.grad, b.grad = _rn(3, seed=2), _rn(2, seed=3)
+    opt.step()
+    opt.param_groups[1]["lr"] = -1.0
+    before = [a.detach().clone(), b.detach().clone()]
+    state = {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+             for p in (a, b)}
+    with pytest.raises(ValueError, match="lr=-1.0"):
+        opt.step()
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])   # group 0 not stepped
+    for p in (a, b):
+        for k, v in opt.state[p].items():                             # no step count bumped
+            assert (torch.equal(v, state[id(p)][k]) if torch.is_tensor(v)
+                    else v == state[id(p)][k]), k

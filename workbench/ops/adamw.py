@@ -51,6 +51,10 @@ def adamw(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
 
 def _check(lists, step, lr, beta1, beta2, eps, weight_decay) -> None:
     _check_lists(lists)
+    _check_numbers(step, lr, beta1, beta2, eps, weight_decay)
+
+
+def _check_numbers(step, lr, beta1, beta2, eps, weight_decay) -> None:
     if not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise ValueError(f"{_OP}: step={step!r}; it counts steps from 1 (the step being taken)")
     for name, value, lo, hi in (("lr", lr, 0, math.inf), ("beta1", beta1, 0, 1),
@@ -231,14 +235,21 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # every group checked before any is stepped: a group whose options were edited
+        # into bad values (param_groups[1]["lr"] = -1) raised after the groups before it had
+        # stepped and its own step counts had been bumped with no update
         for group in self.param_groups:
             _refuse_unsupported("AdamW param group", group)
+            beta1, beta2 = group["betas"]
+            _check_numbers(1, group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError("AdamW: sparse gradients are not supported")
+        for group in self.param_groups:
             by_step = defaultdict(lambda: ([], [], [], []))  # parameters at the same step
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("AdamW: sparse gradients are not supported")
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
