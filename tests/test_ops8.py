@@ -161,13 +161,44 @@ def test_rms_norm_eps_tensor_says_give_a_float_not_that_it_is_negative():
 
 # ---- npu: without torch_npu, use('npu') raises naming the fix -------------------------
 
-def test_npu_backend_without_torch_npu_raises_naming_the_fix():
+def _npu_calls():
+    q = _rn(1, 2, 1, 4)
+    cos, sin = ops.rope_cos_sin(3, 4, dtype=torch.float64)
+    return {
+        "flash_attention": lambda: ops.flash_attention(q, q, q),
+        "rms_norm": lambda: ops.rms_norm(_rn(2, 4), torch.ones(4, dtype=torch.float64)),
+        "swiglu": lambda: ops.swiglu(_rn(2, 4)),
+        "rotary_embedding": lambda: ops.rotary_embedding(_rn(3, 4), cos, sin),
+        "paged_attention": lambda: ops.paged_attention(q, _rn(2, 2, 2, 4), _rn(2, 2, 2, 4),
+                                                       torch.tensor([[1]]), torch.tensor([2])),
+    }
+
+
+@pytest.mark.parametrize("op", sorted(_npu_calls()))
+def test_npu_backend_without_torch_npu_raises_naming_the_fix(op):
     from workbench.npu.device import probe
     if probe().module is not None:
         pytest.skip("torch_npu is installed here")
     with ops.use("npu"), pytest.raises(RuntimeError, match=r"torch_npu is not installed.*"
                                                           r"use\('native'\)"):
-        ops.rms_norm(_rn(2, 4), torch.ones(4, dtype=torch.float64))
+        _npu_calls()[op]()
+
+
+def test_npu_linear_and_adamw_are_plain_torch_kernels_that_run_anywhere():
+    """Their npu paths are F.linear and the foreach kernels (torch_npu implements both),
+    so without torch_npu they give native's numbers rather than raising."""
+    x, w, b = _rn(3, 4), _rn(2, 4, seed=1), _rn(2, seed=2)
+    with ops.use("npu"):
+        torch.testing.assert_close(ops.linear(x, w, b), F.linear(x, w, b))
+    lists = [[_rn(3)], [_rn(3, seed=1)], [torch.zeros(3, dtype=torch.float64)],
+             [torch.zeros(3, dtype=torch.float64)]]
+    twin = [[t.clone() for t in s] for s in lists]
+    with ops.use("npu"):
+        ops.adamw(*lists, 1, lr=0.1)
+    with ops.use("native"):
+        ops.adamw(*twin, 1, lr=0.1)
+    for a, c in zip(lists, twin):
+        torch.testing.assert_close(a[0], c[0])
 
 
 def test_a_broadcast_mask_costs_its_own_bytes_not_its_broadcast_view():
