@@ -241,3 +241,20 @@ def test_adamw_step_with_a_group_edited_into_a_bad_lr_changes_nothing():
         for k, v in opt.state[p].items():                             # no step count bumped
             assert (torch.equal(v, state[id(p)][k]) if torch.is_tensor(v)
                     else v == state[id(p)][k]), k
+
+
+@pytest.mark.parametrize("args, kwargs, error", [
+    ((2.5, 8), {}, ValueError), ((-1, 8), {}, ValueError), ((4, 8), {"base": 0.0}, ValueError),
+    ((4, 8), {"base": -2.0}, ValueError), ((4, 8), {"base": float("inf")}, ValueError),
+    ((4, 8), {"dtype": torch.int64}, TypeError)])
+def test_rope_cos_sin_refuses_what_gave_wrong_numbers(args, kwargs, error):
+    with pytest.raises(error, match="rope_cos_sin"):
+        ops.rope_cos_sin(*args, **kwargs)
+
+
+def test_rope_cos_sin_still_gives_the_roformer_angles():
+    cos, sin = ops.rope_cos_sin(4, 8, base=500000.0, mode="interleave", dtype=torch.float64)
+    angles = torch.arange(4.0, dtype=torch.float64)[:, None] * 500000.0 ** (
+        -torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    torch.testing.assert_close(cos, angles.cos().repeat_interleave(2, -1))
+    torch.testing.assert_close(sin, angles.sin().repeat_interleave(2, -1))

@@ -19,6 +19,10 @@ is its inverse, rotate^T = -rotate, so the backward is
 """
 from __future__ import annotations
 
+import math
+import numbers
+import operator
+
 import torch
 from torch.autograd.function import once_differentiable
 from torch.overrides import handle_torch_function, has_torch_function
@@ -84,6 +88,21 @@ def rope_cos_sin(seq_len: int, head_dim: int, *, base: float = 10000.0, mode: st
     if mode not in MODES or head_dim % 2:
         raise ValueError(f"rope_cos_sin(head_dim={head_dim}, mode={mode!r}): head_dim must be "
                          "even and mode 'half' or 'interleave'")
+    # each refused value gave numbers before: 2.5 positions -> 3 rows, base <= 0 -> NaN
+    # angles, an integer dtype -> cos and sin truncated to 0 / +-1
+    for name, v in (("seq_len", seq_len), ("head_dim", head_dim)):
+        try:
+            ok = not isinstance(v, bool) and operator.index(v) >= 0    # numpy ints are ints
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"rope_cos_sin({name}={v!r}): give an int >= 0")
+    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 0 < base < math.inf:
+        raise ValueError(f"rope_cos_sin(base={base!r}): give a finite number > 0 "
+                         "(10000.0 in RoFormer and Llama 2, 500000.0 in Llama 3)")
+    if not torch.empty((), dtype=dtype).is_floating_point():
+        raise TypeError(f"rope_cos_sin(dtype={dtype}): cos and sin need a floating dtype, "
+                        "e.g. torch.float32")
     pair = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)
     inv_freq = base ** (-pair / head_dim)                           # (D/2,)
     angles = torch.arange(seq_len, dtype=torch.float64, device=device)[:, None] * inv_freq  # S, D/2
