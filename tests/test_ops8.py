@@ -258,3 +258,15 @@ def test_rope_cos_sin_still_gives_the_roformer_angles():
         -torch.arange(0, 8, 2, dtype=torch.float64) / 8)
     torch.testing.assert_close(cos, angles.cos().repeat_interleave(2, -1))
     torch.testing.assert_close(sin, angles.sin().repeat_interleave(2, -1))
+
+
+@pytest.mark.parametrize("scale", ["0.5", "a", True, torch.tensor([1, 2])])
+def test_attention_scale_must_be_a_number(scale):
+    q = _rn(1, 1, 2, 4)
+    with pytest.raises(TypeError, match=r"flash_attention: scale=.*give a float"):
+        ops.flash_attention(q, q, q, scale=scale)
+    with pytest.raises(TypeError, match=r"paged_attention: scale=.*give a float"):
+        ops.paged_attention(q[:, :, :1], _rn(1, 1, 2, 4), _rn(1, 1, 2, 4), torch.tensor([[0]]),
+                            torch.tensor([2]), scale=scale)
+    torch.testing.assert_close(ops.flash_attention(q, q, q, scale=torch.tensor(0.5)),
+                               F.scaled_dot_product_attention(q, q, q, scale=0.5))

@@ -152,7 +152,7 @@ def _check(q, k, v, causal, mask, dropout_p, scale, tile_q, tile_k, stats) -> At
     D = q.shape[3]
     # 1/sqrt(D); a head_dim of 0 makes every score 0 whatever the scale (torch's kernels
     # then return the mean of v; 1/sqrt(0) would raise ZeroDivisionError here)
-    scale = (1.0 / math.sqrt(D) if D else 1.0) if scale is None else float(scale)
+    scale = (1.0 / math.sqrt(D) if D else 1.0) if scale is None else _checks.scale(_OP, scale)
     built = build_mask(q.shape[2], k.shape[2], q.shape[1], k.shape[1], q.shape[0], bool(causal),
                        mask, q.device)
     return AttentionCall(built, float(dropout_p), scale, tile_q or TILE_Q, tile_k or TILE_K, stats)
