@@ -1,6 +1,8 @@
 """Argument checks shared by the ops: each error names the argument, the value, the fix."""
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -38,3 +40,14 @@ def same_device(op: str, **named: torch.Tensor) -> None:
 def broadcasts(shape: tuple[int, ...], to: tuple[int, ...]) -> bool:
     """True when a tensor of ``shape`` broadcasts to exactly ``to``."""
     return len(shape) <= len(to) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(to)))
+
+
+def scale(op: str, value) -> float:
+    """``scale=`` as a float: a real number or a one-element floating tensor (``float()``
+    alone would take the string "0.5" and raise "could not convert" on "a")."""
+    ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)) or (
+        isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point())
+    if not ok:
+        raise TypeError(f"{op}: scale={value!r}; give a float (or None for 1/sqrt(head_dim)), "
+                        "as scaled_dot_product_attention takes")
+    return float(value)

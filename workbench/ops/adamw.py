@@ -50,6 +50,23 @@ def adamw(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
 
 
 def _check(lists, step, lr, beta1, beta2, eps, weight_decay) -> None:
+    _check_lists(lists)
+    _check_numbers(step, lr, beta1, beta2, eps, weight_decay)
+
+
+def _check_numbers(step, lr, beta1, beta2, eps, weight_decay) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"{_OP}: step={step!r}; it counts steps from 1 (the step being taken)")
+    for name, value, lo, hi in (("lr", lr, 0, math.inf), ("beta1", beta1, 0, 1),
+                                ("beta2", beta2, 0, 1), ("eps", eps, 0, math.inf),
+                                ("weight_decay", weight_decay, 0, math.inf)):
+        if not lo <= value < hi:
+            raise ValueError(f"{_OP}: {name}={value}; it must be in [{lo}, {hi})")
+
+
+def _check_lists(lists) -> None:
+    """One (param, grad, exp_avg, exp_avg_sq) per parameter, alike in shape, dtype, device
+    (the op's check and its cost's: a cost of lists the op refuses would be a wrong number)."""
     names = ("params", "grads", "exp_avgs", "exp_avg_sqs")
     lengths = {n: len(s) for n, s in zip(names, lists)}
     if len(set(lengths.values())) != 1:
@@ -62,13 +79,15 @@ def _check(lists, step, lr, beta1, beta2, eps, weight_decay) -> None:
             if t.shape != group[0].shape:
                 raise ValueError(f"{_OP}: {n}[{i}].shape={tuple(t.shape)} differs from "
                                  f"params[{i}].shape={tuple(group[0].shape)}")
-    if not isinstance(step, int) or step < 1:
-        raise ValueError(f"{_OP}: step={step!r}; it counts steps from 1 (the step being taken)")
-    for name, value, lo, hi in (("lr", lr, 0, math.inf), ("beta1", beta1, 0, 1),
-                                ("beta2", beta2, 0, 1), ("eps", eps, 0, math.inf),
-                                ("weight_decay", weight_decay, 0, math.inf)):
-        if not lo <= value < hi:
-            raise ValueError(f"{_OP}: {name}={value}; it must be in [{lo}, {hi})")
+            # checked before any write: torch._fused_adamw_ refuses a mixed group only
+            # after it has stepped the tensors before it ("expected scalar type Float but
+            # found Double"), and the other paths would mix precisions silently
+            if t.dtype != group[0].dtype or t.device != group[0].device:
+                raise TypeError(f"{_OP}: {n}[{i}] is {t.dtype} on {t.device} but params[{i}] "
+                                f"is {group[0].dtype} on {group[0].device}; a parameter's "
+                                f"gradient and states share its dtype and device (as "
+                                f"torch.optim.AdamW keeps them): cast with "
+                                f"{n}[{i}].to(params[{i}])")
 
 
 @register(_OP, "reference")
@@ -162,6 +181,7 @@ def _npu(params, grads, exp_avgs, exp_avg_sqs, step, lr, beta1, beta2, eps, wd):
 
 @register_cost(_OP)
 def _cost(params, grads, exp_avgs, exp_avg_sqs, step=1, **_hyper) -> OpCost:
+    _check_lists((params, grads, exp_avgs, exp_avg_sqs))
     n = sum(p.numel() for p in params)
     e = sum(p.numel() * p.element_size() for p in params) // max(n, 1)
     # unfused reads / writes per element, kernel by kernel as in _unfused:
@@ -215,14 +235,21 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # every group checked before any is stepped: a group whose options were edited
+        # into bad values (param_groups[1]["lr"] = -1) raised after the groups before it had
+        # stepped and its own step counts had been bumped with no update
         for group in self.param_groups:
             _refuse_unsupported("AdamW param group", group)
+            beta1, beta2 = group["betas"]
+            _check_numbers(1, group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError("AdamW: sparse gradients are not supported")
+        for group in self.param_groups:
             by_step = defaultdict(lambda: ([], [], [], []))  # parameters at the same step
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("AdamW: sparse gradients are not supported")
                 state = self.state[p]
                 if not state:
                     state["step"] = 0

@@ -145,6 +145,22 @@ def _lse(q, k, c: AttentionCall) -> torch.Tensor:
 
 
 def _check(q, k, v, causal, mask, dropout_p, scale, tile_q, tile_k, stats) -> AttentionCall:
+    _check_shapes(q, k, v, dropout_p)
+    for name, size in (("tile_q", tile_q), ("tile_k", tile_k)):
+        if size is not None and (not isinstance(size, int) or size < 1):
+            raise ValueError(f"{_OP}: {name}={size!r}; give a positive int (e.g. 128)")
+    D = q.shape[3]
+    # 1/sqrt(D); a head_dim of 0 makes every score 0 whatever the scale (torch's kernels
+    # then return the mean of v; 1/sqrt(0) would raise ZeroDivisionError here)
+    scale = (1.0 / math.sqrt(D) if D else 1.0) if scale is None else _checks.scale(_OP, scale)
+    built = build_mask(q.shape[2], k.shape[2], q.shape[1], k.shape[1], q.shape[0], bool(causal),
+                       mask, q.device)
+    return AttentionCall(built, float(dropout_p), scale, tile_q or TILE_Q, tile_k or TILE_K, stats)
+
+
+def _check_shapes(q, k, v, dropout_p) -> None:
+    """The checks the op and its cost share: a cost of shapes the op refuses would be a
+    number for a call that cannot run."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _checks.floating(_OP, name, t)
         if t.dim() != 4:
@@ -164,12 +180,6 @@ def _check(q, k, v, causal, mask, dropout_p, scale, tile_q, tile_k, stats) -> At
                          f"needs q heads to be a multiple of k/v heads")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{_OP}: dropout_p={dropout_p}; it must be in [0, 1)")
-    for name, size in (("tile_q", tile_q), ("tile_k", tile_k)):
-        if size is not None and (not isinstance(size, int) or size < 1):
-            raise ValueError(f"{_OP}: {name}={size!r}; give a positive int (e.g. 128)")
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    built = build_mask(Sq, Sk, Hq, Hkv, B, bool(causal), mask, q.device)
-    return AttentionCall(built, float(dropout_p), scale, tile_q or TILE_Q, tile_k or TILE_K, stats)
 
 
 @register(_OP, "reference")
@@ -250,6 +260,7 @@ def _npu(q, k, v, c: AttentionCall):
 def _cost(q, k, v, *, causal=False, mask=None, dropout_p=0.0, scale=None, **_tiles) -> OpCost:
     """FLOPs count the matmuls over the (query, key) pairs actually attended; the unfused
     bytes follow ``_unfused`` kernel by kernel."""
+    _check_shapes(q, k, v, dropout_p)
     B, Hq, Sq, D = q.shape
     Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
     e, S = q.element_size(), B * Hq * Sq * Sk              # S: elements of one score matrix
@@ -257,7 +268,9 @@ def _cost(q, k, v, *, causal=False, mask=None, dropout_p=0.0, scale=None, **_til
     keep = None if built is None else built.dense4(Sq, Sk, "cpu")      # (b, h, Sq, Sk)
     pairs = S if keep is None else int(keep.sum()) * (B * Hq // (keep.shape[0] * keep.shape[1]))
     m = 0 if keep is None else keep.numel()                # bytes of the bool mask, built
-    m_read = 0 if built is None or built.dense is None else built.dense.numel()  # ... or given
+    # ... or given: the bool tensor's own bytes, read once (a (B, 1, 1, Sk) key-padding
+    # mask is B * Sk bytes, not the B * Sq * Sk of its broadcast view)
+    m_read = nbytes(mask) if isinstance(mask, torch.Tensor) else 0
     empty_rows = keep is not None and not bool(keep.any(-1).all())
     inputs = nbytes(q) + nbytes(k) + nbytes(v)
     out = B * Hq * Sq * Dv * e

@@ -33,12 +33,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         _checks.floating(_OP, "bias", bias)
     _checks.same_dtype(_OP, x=x, weight=weight, bias=bias)
     _checks.same_device(_OP, x=x, weight=weight, bias=bias)
+    _check_shapes(x, weight, bias)
+    return dispatch(_OP, tensors)(x, weight, bias)
+
+
+def _check_shapes(x, weight, bias) -> None:
+    """weight (out, in) with in == x.shape[-1], bias (out,) (the op's check and its cost's)."""
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"{_OP}: x.shape={tuple(x.shape)}, weight.shape={tuple(weight.shape)}; "
                          "need weight (out, in) with in == x.shape[-1]")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"{_OP}: bias.shape={tuple(bias.shape)}; expected ({weight.shape[0]},)")
-    return dispatch(_OP, tensors)(x, weight, bias)
 
 
 class _Linear(torch.autograd.Function):
@@ -89,6 +94,7 @@ def _npu(x, weight, bias):
 
 @register_cost(_OP)
 def _cost(x, weight, bias=None) -> OpCost:
+    _check_shapes(x, weight, bias)
     rows = x.numel() // x.shape[-1]
     out, inp = weight.shape
     e = x.element_size()

@@ -13,6 +13,7 @@ sparsity into skipped work.  :func:`attention_tiles` draws the plan.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,7 @@ class SlidingWindow(MaskPattern):
     causal: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.window, int) or self.window < 1:
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
             raise ValueError(f"SlidingWindow(window={self.window!r}): window must be an int >= 1")
 
     def keep(self, rows, cols):
@@ -71,7 +72,17 @@ class BlockDiagonal(MaskPattern):
     lengths: tuple[int, ...]
 
     def __post_init__(self):
-        object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
+        given = tuple(self.lengths)
+        # int() would truncate 2.5 to 2 and parse "2": each length must already be an integer
+        # (a Python or numpy int, or an integer tensor element)
+        try:
+            if any(isinstance(n, bool) for n in given):
+                raise TypeError
+            lengths = tuple(operator.index(n) for n in given)
+        except TypeError:
+            raise TypeError(f"BlockDiagonal(lengths={given}): give one int token count per "
+                            "packed document, e.g. (3, 5); a float or str is not one") from None
+        object.__setattr__(self, "lengths", lengths)
         if not self.lengths or min(self.lengths) < 1:
             raise ValueError(f"BlockDiagonal(lengths={self.lengths}): give one length >= 1 "
                              "per packed document")

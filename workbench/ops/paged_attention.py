@@ -82,7 +82,7 @@ def _check(q, k_pool, v_pool, block_table, seq_lens, scale):
         raise ValueError(f"{_OP}: seq_lens of shape {tuple(lens.shape)} and dtype {lens.dtype}; "
                          f"give (B={B},) ints")
     if B == 0:                                           # no sequence: nothing to read
-        return table.long(), lens.long(), 1.0 / math.sqrt(D) if scale is None else float(scale)
+        return table.long(), lens.long(), _scale(scale, D)
     if bool((lens < Sq).any()) or bool((lens > table.shape[1] * bs).any()):
         raise ValueError(f"{_OP}: seq_lens {lens.tolist()} must be in [Sq={Sq}, max_blocks x "
                          f"block_size = {table.shape[1] * bs}]: each sequence holds its new "
@@ -91,7 +91,11 @@ def _check(q, k_pool, v_pool, block_table, seq_lens, scale):
     if bool(((used < 0) | (used >= nb)).any()):
         raise IndexError(f"{_OP}: block_table names block {int(used[(used < 0) | (used >= nb)][0])}"
                          f"; the pool has blocks 0 .. {nb - 1}")
-    return table.long(), lens.long(), 1.0 / math.sqrt(D) if scale is None else float(scale)
+    return table.long(), lens.long(), _scale(scale, D)
+
+
+def _scale(scale, D) -> float:
+    return 1.0 / math.sqrt(D) if scale is None else _checks.scale(_OP, scale)
 
 
 def _integer(t) -> bool:
@@ -203,6 +207,7 @@ def _cost(q, k_pool, v_pool, block_table, seq_lens, **_) -> OpCost:
     """FLOPs of the (query, key) pairs attended; bytes: the paged kernel reads q, each
     sequence's blocks once (whole blocks: the last one's empty slots too) and writes the
     output; the gathered path also writes and reads the contiguous copy."""
+    _check(q, k_pool, v_pool, block_table, seq_lens, None)     # the op's own checks
     Sq, D = q.shape[2], q.shape[3]
     Hq, Hkv, bs, e = q.shape[1], k_pool.shape[1], k_pool.shape[2], k_pool.element_size()
     lens = [int(n) for n in torch.as_tensor(seq_lens)]

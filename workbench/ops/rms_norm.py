@@ -43,15 +43,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None = 1e-6) ->
     _checks.floating(_OP, "weight", weight)
     _checks.same_dtype(_OP, x=x, weight=weight)
     _checks.same_device(_OP, x=x, weight=weight)
+    _check_shapes(x, weight)
+    if eps is None and isinstance(x, torch.Tensor) and x.is_floating_point():
+        eps = default_eps(x.dtype)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"{_OP}: eps={eps!r} is a {type(eps).__name__}; give a Python float "
+                        f"(e.g. 1e-6, or float(eps)), as F.rms_norm takes")
+    if not eps >= 0:
+        raise ValueError(f"{_OP}: eps={eps}; it must be >= 0 (e.g. 1e-6)")
+    return dispatch(_OP, (x, weight))(x, weight, float(eps))
+
+
+def _check_shapes(x, weight) -> None:
+    """weight's shape is x's trailing dims (the op's check and its cost's)."""
     n = weight.dim()
     if n == 0 or x.dim() < n or tuple(x.shape[x.dim() - n:]) != tuple(weight.shape):
         raise ValueError(f"{_OP}: weight.shape={tuple(weight.shape)} must equal the trailing dims "
                          f"of x.shape={tuple(x.shape)} (e.g. weight of shape (x.shape[-1],))")
-    if eps is None and isinstance(x, torch.Tensor) and x.is_floating_point():
-        eps = default_eps(x.dtype)
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
-        raise ValueError(f"{_OP}: eps={eps}; it must be >= 0 (e.g. 1e-6)")
-    return dispatch(_OP, (x, weight))(x, weight, float(eps))
 
 
 def _dims(weight: torch.Tensor) -> tuple[int, ...]:
@@ -158,6 +166,7 @@ def _npu(x, weight, eps):
 
 @register_cost(_OP)
 def _cost(x, weight, eps=1e-6) -> OpCost:
+    _check_shapes(x, weight)
     rows, e = x.numel() // max(weight.numel(), 1), x.element_size()
     X, W = nbytes(x), nbytes(weight)
     rstd = rows * max(4, e)                              # float32 per row

@@ -19,6 +19,10 @@ is its inverse, rotate^T = -rotate, so the backward is
 """
 from __future__ import annotations
 
+import math
+import numbers
+import operator
+
 import torch
 from torch.autograd.function import once_differentiable
 from torch.overrides import handle_torch_function, has_torch_function
@@ -45,6 +49,13 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     _checks.same_device(_OP, x=x, cos=cos, sin=sin)
     if mode not in MODES:
         raise ValueError(f"{_OP}: mode={mode!r}; use 'half' (NeoX/Llama) or 'interleave' (GPT-J)")
+    _check_shapes(x, cos, sin)
+    x, cos, sin = promote(x, cos, sin)
+    return dispatch(_OP, (x, cos, sin))(x, cos, sin, mode)
+
+
+def _check_shapes(x, cos, sin) -> None:
+    """An even head dim; cos and sin broadcast to x (the op's check and its cost's)."""
     if x.shape[-1] % 2:
         raise ValueError(f"{_OP}: x.shape[-1]={x.shape[-1]} is odd; rotary pairs need an even "
                          "head dim")
@@ -53,8 +64,6 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             raise ValueError(f"{_OP}: {name}.shape={tuple(t.shape)} must broadcast to "
                              f"x.shape={tuple(x.shape)} over the full head dim "
                              f"(build them with wb.ops.rope_cos_sin)")
-    x, cos, sin = promote(x, cos, sin)
-    return dispatch(_OP, (x, cos, sin))(x, cos, sin, mode)
 
 
 def result_dtype(x, cos, sin) -> torch.dtype:
@@ -79,6 +88,21 @@ def rope_cos_sin(seq_len: int, head_dim: int, *, base: float = 10000.0, mode: st
     if mode not in MODES or head_dim % 2:
         raise ValueError(f"rope_cos_sin(head_dim={head_dim}, mode={mode!r}): head_dim must be "
                          "even and mode 'half' or 'interleave'")
+    # each refused value gave numbers before: 2.5 positions -> 3 rows, base <= 0 -> NaN
+    # angles, an integer dtype -> cos and sin truncated to 0 / +-1
+    for name, v in (("seq_len", seq_len), ("head_dim", head_dim)):
+        try:
+            ok = not isinstance(v, bool) and operator.index(v) >= 0    # numpy ints are ints
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"rope_cos_sin({name}={v!r}): give an int >= 0")
+    if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 0 < base < math.inf:
+        raise ValueError(f"rope_cos_sin(base={base!r}): give a finite number > 0 "
+                         "(10000.0 in RoFormer and Llama 2, 500000.0 in Llama 3)")
+    if not torch.empty((), dtype=dtype).is_floating_point():
+        raise TypeError(f"rope_cos_sin(dtype={dtype}): cos and sin need a floating dtype, "
+                        "e.g. torch.float32")
     pair = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)
     inv_freq = base ** (-pair / head_dim)                           # (D/2,)
     angles = torch.arange(seq_len, dtype=torch.float64, device=device)[:, None] * inv_freq  # S, D/2
@@ -148,6 +172,7 @@ def _npu(x, cos, sin, mode):
 
 @register_cost(_OP)
 def _cost(x, cos, sin, mode="half") -> OpCost:
+    _check_shapes(x, cos, sin)
     X, C = nbytes(x), nbytes(cos) + nbytes(sin)
     unfused = [(X, X), (X, X),                           # the rotation: negate half, concatenate
                (X + nbytes(cos), X), (X + nbytes(sin), X), (2 * X, X)]   # x*cos, r*sin, add

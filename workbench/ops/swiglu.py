@@ -35,13 +35,18 @@ def swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if has_torch_function((x,)):
         return handle_torch_function(swiglu, (x,), x, dim=dim)
     _checks.floating(_OP, "x", x)
+    _check_shapes(x, dim)
+    return dispatch(_OP, (x,))(x, dim)
+
+
+def _check_shapes(x, dim) -> None:
+    """dim in range and x.shape[dim] even (the op's check and its cost's)."""
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"{_OP}: dim={dim} is out of range for x.shape={tuple(x.shape)}; "
                          f"use a dim in [{-x.dim()}, {x.dim() - 1}]")
     if x.shape[dim] % 2:
         raise ValueError(f"{_OP}: x.shape[{dim}]={x.shape[dim]} is odd; it must hold the two "
                          "halves (gate, up) of equal size")
-    return dispatch(_OP, (x,))(x, dim)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -96,6 +101,7 @@ def _npu(x, dim):
 
 @register_cost(_OP)
 def _cost(x, dim=-1) -> OpCost:
+    _check_shapes(x, dim)
     X, half = nbytes(x), nbytes(x) // 2
     n = x.numel() // 2                                   # output elements
     unfused = [(half, half), (2 * half, half), (2 * half, half)]   # sigmoid, a*s, *b
