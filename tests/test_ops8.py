@@ -270,3 +270,17 @@ def test_attention_scale_must_be_a_number(scale):
                             torch.tensor([2]), scale=scale)
     torch.testing.assert_close(ops.flash_attention(q, q, q, scale=torch.tensor(0.5)),
                                F.scaled_dot_product_attention(q, q, q, scale=0.5))
+
+
+def test_cost_takes_meta_beside_real_tensors():
+    """wb.ops.cost prices shapes: a meta tensor beside a CPU one (notebook 09's GQA bytes,
+    ``full = torch.empty(..., device="meta")``) is priced, as before the shared shape
+    checks; the op itself still refuses inputs on two devices."""
+    q = torch.randn(1, 8, 16, 4)
+    k = torch.randn(1, 2, 16, 4)
+    full = torch.empty(1, 8, 16, 4, device="meta")
+    two = ops.cost("flash_attention", q, k, k, causal=True).bytes_fused
+    eight = ops.cost("flash_attention", q, full, full, causal=True).bytes_fused
+    assert eight > two > 0
+    with pytest.raises(ValueError, match="one device"):
+        ops.flash_attention(q, full, full)

@@ -146,6 +146,7 @@ def _lse(q, k, c: AttentionCall) -> torch.Tensor:
 
 def _check(q, k, v, causal, mask, dropout_p, scale, tile_q, tile_k, stats) -> AttentionCall:
     _check_shapes(q, k, v, dropout_p)
+    _checks.same_device(_OP, q=q, k=k, v=v)     # the op's only: a cost takes meta tensors
     for name, size in (("tile_q", tile_q), ("tile_k", tile_k)):
         if size is not None and (not isinstance(size, int) or size < 1):
             raise ValueError(f"{_OP}: {name}={size!r}; give a positive int (e.g. 128)")
@@ -167,7 +168,6 @@ def _check_shapes(q, k, v, dropout_p) -> None:
             raise ValueError(f"{_OP}: {name}.shape={tuple(t.shape)}; expected 4-d (batch, heads, "
                              f"seq, head_dim). Fix: add a heads dim with {name}.unsqueeze(1)")
     _checks.same_dtype(_OP, q=q, k=k, v=v)
-    _checks.same_device(_OP, q=q, k=k, v=v)
     (B, Hq, Sq, D), (Bk, Hkv, Sk, Dk) = q.shape, k.shape
     if k.shape[:3] != v.shape[:3] or Bk != B:
         raise ValueError(f"{_OP}: k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)} must "
