@@ -314,8 +314,9 @@ class ExpertParallel:
         return y
 
     def _record_forward(self, send_rows, module, x):
-        """Put the layer's forward exchanges and expert GEMMs on the trace; returns what
-        records its backward (None without a trace)."""
+        """Put the layer's forward exchanges, expert GEMMs and the kernels around them
+        (the permutations, the experts' SwiGLU: ``record_layer``) on the trace; returns
+        what records its backward (None without a trace)."""
         tr = current_trace()
         if tr is None:
             return None
@@ -323,13 +324,18 @@ class ExpertParallel:
         per_expert = sum(math.prod(p.shape[1:]) for p in mats)   # weights a token multiplies
         item = x.dtype.itemsize
         h = x.shape[-1]
-        plan = []                   # (group ranks, send bytes matrix, rows per rank)
+        # the tokens of each rank along dp (torch.chunk's sizes of the batch, as the
+        # input is laid out: ``_check_input``), for the permutations' kernels
+        B, S, D = x.shape[0], x.shape[-2], x.mesh.shape[0]
+        seqs = [len(c) for c in torch.arange(B).chunk(D)]
+        tokens = [n * S for n in seqs + [0] * (D - len(seqs))]
+        plan = []          # (group ranks, send bytes matrix, rows per rank, tokens per rank)
         for g in self.mesh.groups(self.ax):
             a = self.mesh.coordinate(g[0])[0]
             rows = send_rows[a]
             matrix = [[n * h * item for n in row] for row in rows]
             got = [sum(rows[i][r] for i in range(self.ep)) for r in range(self.ep)]
-            plan.append((g, matrix, got))
+            plan.append((g, matrix, got, tokens[a * self.ep:(a + 1) * self.ep]))
         w_bytes = per_expert * (module.num_experts // self.ep) * item
         record_layer(tr, plan, per_expert, w_bytes, h * item, x.dtype, self.chunks, "forward",
                      len(mats))
