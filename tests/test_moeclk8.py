@@ -55,6 +55,31 @@ def test_moe_dry_run_step_within_three_percent_of_the_estimate(cfg, lay, prof):
     recompute 0.891 -> 1.002, Mixtral's shape (1 layer, 4K tokens) at ep 4 0.963 -> 1.002."""
     a = agree.compare(cfg, lay, P.Cluster(prof, lay.world))
     assert a.step_ratio == pytest.approx(1.0, abs=0.03), a.step_ratio
+    # the saved activations: 1.032-1.047 before the un-permute stopped keeping its
+    # scatter's source (one R x h buffer a block), now 1.000-1.002
+    assert a.activation_ratios == pytest.approx([1.0] * lay.pp, abs=0.01)
+
+
+def test_the_unpermute_saves_its_index_not_the_rows():
+    """``ExpertParallel._unpermute``'s autograd keeps the index, the rows in (token,
+    choice) order and the gates, not a second copy of the R rows (``index_copy`` saved
+    its source); the value and the gradients are those of index_copy's."""
+    from workbench.parallel.strategies.expert_parallel import ExpertParallel
+    g = torch.Generator().manual_seed(0)
+    N, k, h = 6, 2, 4
+    assign = torch.randperm(N * k, generator=g)[:10]         # two (token, choice) dropped
+    back = torch.randn(10, h, generator=g, requires_grad=True)
+    w = torch.rand(N, k, generator=g, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = ExpertParallel._unpermute(back, assign, w)
+    assert sorted(t.numel() for t in saved) == [10, N * k, N * k * h]
+    ref = (torch.zeros(N * k, h).index_copy(0, assign, back).view(N, k, h)
+           * w.unsqueeze(-1)).sum(1)
+    go = torch.randn(N, h, generator=g)
+    assert torch.equal(y, ref)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(y, (back, w), go),
+                                                 torch.autograd.grad(ref, (back, w), go)))
 
 
 def _plan(tokens=None):
