@@ -69,12 +69,20 @@ assumptions): routing perfectly balanced (the load-balancing loss's aim; real ro
 are not: notebook 14 shows by how much) and the all-to-alls not overlapped with the
 experts (Megatron-LM's default; ``--overlap-moe-expert-parallel-comm`` came later).
 
+The kernels around the expert GEMMs (the permutation, the experts' and the shared experts'
+SwiGLU, the un-permutation, their gradients) are written once, in
+``parallel.strategies.expert_parallel_kernels``, which the expert-parallel layer's clock
+records too (the dry run prices the same tuples for the rows each rank holds).
+
 Model FLOPs count the active experts only: 2 (3 h f (k + S) + h E) per token forward
 for the MLP part (6 N_active per token, as Mixtral's "13B active parameters").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# the kernels around the expert GEMMs, one formula for this estimate and the runtime's clock
+from ..parallel.strategies import expert_parallel_kernels as K
 
 __all__ = ["MoE", "moe_of", "check_moe", "expert_params", "dense_layer_params",
            "rank_expert_params", "layer_flops", "activation_bytes", "forward_ops",
@@ -248,20 +256,19 @@ def forward_ops(cfg, b, tp, ep, e, sp=True) -> list:
             + 12 * Tn * k, 1),
            # the per-expert row counts (int64), forward only (module docstring)
            ("ep_counts", "all_to_all", COUNT_BYTES * E, "ep"),
-           ("permute", "data_movement", 0, e * (Tn * h + R * h), 1),
+           K.permute(Tn, R, h, e),
            ("ep_dispatch", "all_to_all", e * R * h, "ep"),
            ("etp_all_gather", "all_gather", e * M * h, "tp"),
            ("expert_w1", "matmul", 2 * M * h * ft, e * (M * h + El * h * ft + M * ft), 1,
             (El, Me, ft)),
            ("expert_w3", "matmul", 2 * M * h * ft, e * (M * h + El * h * ft + M * ft), 1,
             (El, Me, ft)),
-           ("expert_silu", "elementwise", 4 * M * ft, 2 * e * M * ft, 1),
-           ("expert_swiglu_mul", "elementwise", M * ft, 3 * e * M * ft, 1),
+           *K.swiglu(M, ft, e),
            ("expert_w2", "matmul", 2 * M * ft * h, e * (M * ft + El * ft * h + M * h), 1,
             (El, Me, h)),
            ("etp_reduce_scatter", "reduce_scatter", e * M * h, "tp"),
            ("ep_combine", "all_to_all", e * R * h, "ep"),
-           ("unpermute", "elementwise", 2 * R * h, e * (R * h + Tn * h) + 4 * R, 1)]
+           K.unpermute(Tn, R, h, e)]
     if m.shared:
         fs = m.shared * m.d_ff // mlp_tp(tp, sp)
         ops += [("shared_sp_all_gather", "all_gather", e * T * h, "tp"),
@@ -269,8 +276,7 @@ def forward_ops(cfg, b, tp, ep, e, sp=True) -> list:
                  (1, T, fs)),
                 ("shared_w3", "matmul", 2 * T * h * fs, e * (T * h + h * fs + T * fs), 1,
                  (1, T, fs)),
-                ("shared_silu", "elementwise", 4 * T * fs, 2 * e * T * fs, 1),
-                ("shared_swiglu_mul", "elementwise", T * fs, 3 * e * T * fs, 1),
+                *K.swiglu(T, fs, e, "shared"),
                 ("shared_w2", "matmul", 2 * T * fs * h, e * (T * fs + fs * h + T * h), 1,
                  (1, T, h)),
                 ("shared_tp_out", "reduce_scatter", e * T * h, "tp"),
@@ -298,24 +304,26 @@ def backward_ops(cfg, b, tp, ep, e, sp=True) -> list:
         fs = m.shared * m.d_ff // mlp_tp(tp, sp)
         ops += [("shared_sp_grad_all_gather", "all_gather", e * T * h, "tp")]
         ops += grads("shared_w2", T, fs, h, 1, T)
-        ops += [("shared_swiglu_mul_grad", "elementwise", 2 * T * fs, 5 * e * T * fs, 1)]
+        mul_grad, silu_grad = K.swiglu_grad(T, fs, e, "shared")
+        ops += [mul_grad]
         ops += grads("shared_w3", T, h, fs, 1, T)
-        ops += [("shared_silu_grad", "elementwise", 8 * T * fs, 3 * e * T * fs, 1)]
+        ops += [silu_grad]
         ops += grads("shared_w1", T, h, fs, 1, T)
         ops += [("shared_tp_grad", "reduce_scatter", e * T * h, "tp")]
-    ops += [("unpermute_grad", "elementwise", 2 * R * h, e * (Tn * h + 2 * R * h) + 8 * R, 1),
+    ops += [K.unpermute_grad(Tn, R, h, e),
             ("ep_combine_grad", "all_to_all", e * R * h, "ep"),
             ("etp_reduce_scatter_grad", "all_gather", e * M * h, "tp")]
     ops += grads("expert_w2", M, ft, h, El, Me)
-    ops += [("expert_swiglu_mul_grad", "elementwise", 2 * M * ft, 5 * e * M * ft, 1)]
+    mul_grad, silu_grad = K.swiglu_grad(M, ft, e)
+    ops += [mul_grad]
     ops += grads("expert_w3", M, h, ft, El, Me)
-    ops += [("expert_silu_grad", "elementwise", 8 * M * ft, 3 * e * M * ft, 1)]
+    ops += [silu_grad]
     ops += grads("expert_w1", M, h, ft, El, Me)
-    ops += [("expert_dgrad_add", "elementwise", M * h, 3 * e * M * h, 1),
+    ops += [K.dgrad_add(M, h, e),
             ("etp_all_gather_grad", "reduce_scatter", e * M * h, "tp"),
             ("ep_dispatch_grad", "all_to_all", e * R * h, "ep"),
-            ("permute_grad", "data_movement", 0, e * (R * h + Tn * h), 1),
+            K.permute_grad(Tn, R, h, e),
             ("router_softmax_grad", "elementwise", 4 * Tn * E, 12 * Tn * E, 1)]
     ops += grads("router", Tn, h, E, 1, Tn)
-    ops += [("moe_input_grad_add", "elementwise", Tn * h, 3 * e * Tn * h, 1)]
+    ops += [K.input_grad_add(Tn, h, e)]
     return _no_tp(ops, tp, sp)

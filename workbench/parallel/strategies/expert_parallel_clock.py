@@ -3,8 +3,10 @@ chunked and overlapped (the CANN article's fused all-to-all with expert compute;
 DeepSpeed-TED, Singh et al. 2023; Tutel, Hwang et al. 2023).
 
 ``record_layer`` puts one layer on a trace, per ep group: the count exchange (forward
-only), then the dispatch all-to-all, each rank's expert GEMMs (per rank: a rank that receives more
-tokens is the straggler the combine waits for), the combine all-to-all.  With ``chunks``
+only), each rank's permutation, then the dispatch all-to-all, each rank's expert GEMMs and
+their SwiGLU (per rank: a rank that receives more tokens is the straggler the combine waits
+for), the combine all-to-all, each rank's un-permutation; the kernels around the GEMMs are
+the planner's (:mod:`.expert_parallel_kernels`, listed by ``plan.moe_cost``).  With ``chunks``
 n > 1 the exchange runs in n pieces as a two-stage pipeline: the dispatch of piece c+1
 and the combine of piece c-1 on the comm stream while the experts compute piece c.
 ``exchange_report`` records one layer from a matrix of token counts into a fresh trace
@@ -18,6 +20,7 @@ from ...sim_mesh import collectives as C
 from ...sim_mesh import cost as _cost
 from ...sim_mesh.backward_pass import in_weight_pass
 from ...sim_mesh.trace import current_trace
+from . import expert_parallel_kernels as K
 
 __all__ = ["record_layer", "exchange_report"]
 
@@ -70,11 +73,20 @@ def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
     next piece and combine of the last beside the experts' compute).  Backward: the
     same exchanges (the gradients' way back) and twice the GEMM FLOPs (dgrad, wgrad).
 
-    ``plan``: per group (ranks, send bytes matrix, rows each rank receives);
-    ``per_expert``: weights a token multiplies (2 FLOPs each); ``w_bytes``: a rank's expert
-    weights, read once per piece; ``gemms``: kernels per expert (SwiGLU 3, GeLU MLP 2).
-    Not priced: the permutation's gathers and scatters (memory-bound copies of the
-    tokens, small beside the GEMMs).
+    ``plan``: per group (ranks, send bytes matrix, rows each rank receives[, tokens each
+    rank holds]); ``per_expert``: weights a token multiplies (2 FLOPs each); ``w_bytes``:
+    a rank's expert weights, read once per piece; ``gemms``: kernels per expert (SwiGLU 3,
+    GeLU MLP 2).
+
+    With the tokens each rank holds (the layer's ``_record_forward``), the kernels around
+    the GEMMs too, the planner's own tuples (:mod:`.expert_parallel_kernels`, which
+    ``plan.moe_cost`` lists): each rank's permutation before the dispatch and its
+    un-permutation after the combine (backward: their gradients, and the input's gradient
+    added to the router's), and with SwiGLU experts their silu and product beside each
+    piece's GEMMs (backward: their gradients and the sum of the input's two gradients).
+    Not priced: a GeLU expert's bias adds and GeLU (no planner formula: the planner prices
+    SwiGLU experts only, ``moe_cost.check_moe``); without the tokens (``exchange_report``)
+    the GEMMs alone, as before.
 
     The counts go first in the forward only: each rank's E int64 row counts per expert
     (the dispatcher's ``per_expert``, which the distributed path sends; Megatron-LM
@@ -85,8 +97,11 @@ def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
     469-480; torch's ``all_to_all_single`` autograd likewise)."""
     mult = 2 if phase == "backward" else 1
     item = torch.empty((), dtype=dtype).element_size()
-    for g, matrix, got in plan:
+    for g, matrix, got, *held in plan:
         p = len(g)
+        around = _Around(held[0] if held else None, matrix, got, row_bytes, per_expert,
+                         gemms, item, phase, tr.profile, dtype)
+        around.before(tr, g)
         if phase != "backward":
             experts = p * max(1, w_bytes // max(1, per_expert * item))    # E = ep x local
             C.record_collective("all_to_all", None, None, 8 * experts,
@@ -115,16 +130,69 @@ def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
                                             overlap=True)
             if h_now is not None and ov:
                 tr.wait(h_now)
-            for r, (flops, nbytes, dur) in zip(g, comp[c]):
+            for i, (r, (flops, nbytes, dur)) in enumerate(zip(g, comp[c])):
                 tr.record_compute([r], f"experts {phase}", dur, flops=flops, bytes=nbytes,
                                   label=f"chunk {c + 1}/{chunks}",
                                   args={"op_class": "matmul", "phase": phase})
+                around.activation(tr, r, got[i] * (c + 1) // chunks - got[i] * c // chunks,
+                                  f"chunk {c + 1}/{chunks}")
             back = [list(r) for r in zip(*pieces[c])]
             combines.append(C.record_all_to_all_v(back, g, f"EP combine ({phase})",
                                                   overlap=ov))
         for hc in combines:
             if hc is not None and ov:
                 tr.wait(hc)
+        around.after(tr, g)
+
+
+class _Around:
+    """The kernels around one group's expert GEMMs (``record_layer``'s docstring), priced
+    by :mod:`.expert_parallel_kernels`; records nothing without the tokens."""
+
+    def __init__(self, tokens, matrix, got, row_bytes, per_expert, gemms, item, phase,
+                 profile, dtype):
+        self.tokens, self.phase, self.profile, self.dtype = tokens, phase, profile, dtype
+        h = max(1, row_bytes // item)
+        self.h, self.e = h, item
+        self.sent = [sum(row) // max(1, row_bytes) for row in matrix]    # R of each rank
+        self.ffn = per_expert // (gemms * h) if gemms == 3 else None    # SwiGLU's width
+
+    def _record(self, tr, r, op, label=""):
+        name, cls, flops, nbytes, _ = op
+        tr.record_compute([r], name, K.price(op, self.profile, self.dtype), flops=flops,
+                          bytes=nbytes, label=label or self.phase,
+                          args={"op_class": cls, "phase": self.phase})
+
+    def before(self, tr, g):
+        """Forward: each rank's permutation; backward: its un-permutation's gradient."""
+        if self.tokens is None:
+            return
+        op = K.permute if self.phase != "backward" else K.unpermute_grad
+        for r, tn, R in zip(g, self.tokens, self.sent):
+            self._record(tr, r, op(tn, R, self.h, self.e))
+
+    def activation(self, tr, r, rows, label):
+        """Rank r's SwiGLU on ``rows`` rows of one piece, after the piece's GEMMs (one
+        compute stream: the order within the piece does not change its time); backward
+        the product's and silu's gradients and the sum of the input's two gradients."""
+        if self.tokens is None or self.ffn is None:
+            return
+        ops = K.swiglu(rows, self.ffn, self.e) if self.phase != "backward" else \
+            [*K.swiglu_grad(rows, self.ffn, self.e), K.dgrad_add(rows, self.h, self.e)]
+        for op in ops:
+            self._record(tr, r, op, label)
+
+    def after(self, tr, g):
+        """Forward: each rank's un-permutation; backward: the permutation's gradient and
+        the input's gradient added to the router's."""
+        if self.tokens is None:
+            return
+        for r, tn, R in zip(g, self.tokens, self.sent):
+            if self.phase != "backward":
+                self._record(tr, r, K.unpermute(tn, R, self.h, self.e))
+            else:
+                self._record(tr, r, K.permute_grad(tn, R, self.h, self.e))
+                self._record(tr, r, K.input_grad_add(tn, self.h, self.e))
 
 
 def _count(v, lo: int) -> bool:
