@@ -81,7 +81,8 @@ def test_full_recompute_of_an_expert_parallel_layer_prices_its_experts_again():
     """Was: the EP layer put its exchange and expert GEMMs on the clock after the
     un-permutation, whose product with the gates is the layer's last saved tensor, so a
     full recompute (stopped there) re-ran them unpriced: dry run / estimate 0.789 (none:
-    0.904) here, Mixtral's shape at ep 4 0.823 (none 0.955), now 0.891 and 0.951."""
+    0.904) here, Mixtral's shape at ep 4 0.823 (none 0.955); then 0.891 and 0.951, and
+    1.002 with the experts' SwiGLU and permutes priced too (tests/test_moeclk8.py)."""
     from workbench.plan import agree
     moe = LONG.replace(seq_len=2048, moe_experts=4, moe_topk=2)
     cl = P.Cluster("h100", 2)
