@@ -70,3 +70,61 @@ def test_tracked_write_into_a_zero_size_tensor_keeps_its_layout():
     t.copy_(t.detach().clone() + 1)
     assert t.placements == (S(0), S(1))
     assert tuple(t.transpose(1, 2).full().shape) == (2, 0, 5)
+
+
+_X = torch.tensor([[0.3, -1.2], [5.0, 5.0], [2.0, -0.7]], dtype=torch.float64)
+_STATS = {"var": torch.var, "std": torch.std,
+          "var_mean": lambda *a, **k: torch.var_mean(*a, **k)[0],
+          "std_mean": lambda *a, **k: torch.std_mean(*a, **k)[0]}
+
+
+def _same(got, want):
+    assert torch.equal(got.isnan(), want.isnan()), (got, want)
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("fn", list(_STATS))
+@pytest.mark.parametrize("x0,kw,placements", [
+    (_X, dict(dim=1, correction=2), [S(0), R]),                    # N == c: factor inf
+    (_X, dict(dim=1, correction=3), [S(0), S(1)]),                 # N < c: factor -2
+    (_X, dict(dim=1, correction=2.5, keepdim=True), [R, S(0)]),
+    (_X, dict(correction=6), [S(0), R]),                           # dim None: where(nan, inf)
+    (_X, dict(dim=(0, 1), correction=9), [S(1), R]),               # dims given: finite
+    (torch.tensor(2.0, dtype=torch.float64), dict(dim=0), [R, R]),  # 0-d: as dim None
+    (torch.zeros(0, dtype=torch.float64), dict(dim=0, correction=0), [S(0), R]),
+])
+def test_no_degrees_of_freedom_is_torchs(fn, x0, kw, placements):
+    """var / std / var_mean / std_mean with N - correction <= 0 on a tensor that
+    requires grad: torch's value (inf, nan) and var_backward's gradient, inf / nan in
+    the same places (it was refused; the composition's s / 0 would put nan everywhere)."""
+    mesh = wb.Mesh([[0, 1], [2, 3]])
+    f = _STATS[fn]
+    rx, x = _pair(x0, mesh, placements)
+    with pytest.warns(UserWarning):
+        rv = f(rx, **kw)
+    with pytest.warns(UserWarning):
+        v = f(x, **kw)
+    g = torch.Generator().manual_seed(1)
+    go = torch.randn(rv.shape, generator=g, dtype=torch.float64)
+    go.view(-1)[:1] = 0                     # inf * 0: nan where torch has it
+    (rv * go).sum().backward()
+    (v * go).sum().backward()
+    _same(v.full(), rv.detach())
+    _same(x.grad.full(), rx.grad)
+
+
+def test_std_mean_of_a_constant_row_has_torchs_zero_gradient():
+    """std_mean's std went through sqrt(var): nan gradient where the std is 0; torch's
+    std_mean_backward masks it to 0 (as std's)."""
+    mesh = wb.Mesh([0, 1])
+    x0 = torch.tensor([[1.0, 2.0, 3.0], [5.0, 5.0, 5.0]], dtype=torch.float64)
+    rx, x = _pair(x0, mesh, [S(0)])
+    torch.std_mean(rx, 1)[0].sum().backward()
+    torch.std_mean(x, 1)[0].sum().backward()
+    torch.testing.assert_close(x.grad.full(), rx.grad, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("seed", [1028782, 1028825, 1029111])
+def test_var_sweep_seeds_run(seed):
+    out = run_program(random.Random(seed))
+    assert out.status == "ok", out
