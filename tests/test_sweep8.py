@@ -128,3 +128,26 @@ def test_std_mean_of_a_constant_row_has_torchs_zero_gradient():
 def test_var_sweep_seeds_run(seed):
     out = run_program(random.Random(seed))
     assert out.status == "ok", out
+
+
+def test_no_gradient_into_a_replicated_operand_leaves_grad_none():
+    """``vector_norm(a @ b, 0)`` gives its input no gradient (torch: undefined), so torch
+    leaves ``b.grad`` None; the identities that record a replicated operand's backward
+    collectives (grad_record._BackwardSteps, collectives._BackwardEvent) materialized
+    that None as zeros, and b.grad was a zero DistTensor (an optimizer skips a None
+    grad, but steps weight decay on zeros)."""
+    mesh = wb.Mesh([0, 1, 2, 3])
+    g = torch.Generator().manual_seed(0)
+    a0 = torch.randn(4, 3, 4, generator=g, dtype=torch.float64)
+    b0 = torch.randn(4, 5, generator=g, dtype=torch.float64)
+    ra, a = _pair(a0, mesh, [S(0)])
+    rb, b = _pair(b0, mesh, [R])
+    torch.linalg.vector_norm(ra @ rb, 0, (1, 2)).sum().backward()
+    torch.linalg.vector_norm(a @ b, 0, (1, 2)).sum().backward()
+    assert ra.grad is None and rb.grad is None
+    assert a.grad is None and b.grad is None
+    # where a gradient does flow, it is unchanged: b's is the ranks' sum
+    (torch.linalg.vector_norm(ra @ rb, 2, (1, 2)).sum()).backward()
+    (torch.linalg.vector_norm(a @ b, 2, (1, 2)).sum()).backward()
+    torch.testing.assert_close(b.grad.full(), rb.grad)
+    torch.testing.assert_close(a.grad.full(), ra.grad)
