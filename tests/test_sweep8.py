@@ -151,3 +151,21 @@ def test_no_gradient_into_a_replicated_operand_leaves_grad_none():
     (torch.linalg.vector_norm(a @ b, 2, (1, 2)).sum()).backward()
     torch.testing.assert_close(b.grad.full(), rb.grad)
     torch.testing.assert_close(a.grad.full(), ra.grad)
+
+
+def test_write_through_positive_is_torchs():
+    """``torch.positive(t)`` is ``t`` itself in torch: ``positive(t).mul_(w)`` on a tensor
+    with history writes t (it was refused: "could not keep in its memory")."""
+    mesh = wb.Mesh([0, 1])
+    g = torch.Generator().manual_seed(3)
+    x0, w0 = (torch.randn(4, 3, generator=g, dtype=torch.float64) for _ in range(2))
+    rx, x = _pair(x0, mesh, [S(0)])
+    rw, w = _pair(w0, mesh, [R])
+    rt, t = rx * 1, x * 1
+    torch.positive(rt).mul_(rw)
+    torch.positive(t).mul_(w)
+    torch.testing.assert_close(t.full(), rt.detach(), rtol=0, atol=0)
+    (rt * 2).sum().backward()
+    (t * 2).sum().backward()
+    torch.testing.assert_close(x.grad.full(), rx.grad, rtol=0, atol=0)
+    torch.testing.assert_close(w.grad.full(), rw.grad, rtol=0, atol=0)

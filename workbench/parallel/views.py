@@ -122,7 +122,8 @@ def note_views(name, base, outs, attrs) -> None:
 
 WHOLE = "whole"     # the index of a reshape's view: all of the base, in the base's shape
 # views that keep the elements' row-major order (a write goes back as a reshape)
-_RESHAPES = ("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze")
+# (positive: torch returns the tensor itself, so a write into it is a write into the base)
+_RESHAPES = ("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "positive")
 _PERMUTES = ("permute", "transpose")     # movedim, swapaxes, t: the table's "dims" permutation
 
 
