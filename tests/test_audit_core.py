@@ -396,8 +396,9 @@ def test_composites_errors():
         F_.nll_loss(t, torch.tensor([1, 2]))               # batch sizes differ, as torch
     with pytest.raises(ValueError, match="not a valid value"):
         F_.mse_loss(t, t, reduction="avg")
-    with pytest.raises(NotImplementedError, match="degrees of freedom"):
-        t.requires_grad_().var(0, correction=5)
+    with pytest.warns(UserWarning, match="degrees of freedom"):     # torch's value and
+        v = t.requires_grad_().var(0, correction=5)               # gradient (test_sweep8)
+    assert torch.isinf(v.full()).all()
 
 
 @pytest.mark.parametrize("call", [lambda a: a / 0, lambda a: a * float("inf"), lambda a: a * float("-inf"),

@@ -201,6 +201,11 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
         # autograd records the op: x takes the result's history (its own memory)
         if y is x or _storages(y) & (mine | _storages(*sources)):
             y = dispatch(T.clone, (y,), None)
+            if y.placements != x.placements:
+                # clone may lay a zero-size tensor out anew (every layout costs nothing:
+                # S(0), S(1), R came back R, R, R and x's placements no longer described
+                # its local tensors, random sweep seed 1028653)
+                y = reshard(y, x.mesh, x.placements)
         if x.requires_grad:
             # a value written over a value with history (y.zero_(), y.fill_(v),
             # y.copy_(plain), y.copy_(z) with z tracked): x still requires grad, its old

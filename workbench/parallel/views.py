@@ -7,9 +7,10 @@ The dispatcher tells :func:`note_views` of every output of a view op (op class
 shard re-cut, a reshape that gathers), the output is a copy: a write into a getitem
 view then also goes into the base as ``base[index] = value``, into a reshaping view
 (view, reshape, flatten, unflatten, unsqueeze, squeeze) as ``base.copy_(value reshaped)``
-and into a permuting one (permute, transpose, movedim, t) as ``base.copy_(value permuted
-back)``; so does a write autograd records (the view then takes memory of its own, as the
-result's).  Into any other such view (diagonal, expand, ...) it raises (the write could
+into a permuting one (permute, transpose, movedim, t) as ``base.copy_(value permuted
+back)`` and into a diagonal as ``base.copy_(diagonal_scatter(base, value, ...))``; so does a
+write autograd records (the view then takes memory of its own, as the result's).  Into
+any other such view (expand, view_as_real, ...) it raises (the write could
 not reach the base), as does a write into an expanded view (several elements in one
 memory location, as torch). ``x._view`` holds ``(base, index or None, aliased)``.
 """
@@ -70,6 +71,8 @@ def refresh(base, replaced: bool) -> None:
             new = dispatch(torch.Tensor.reshape, (base, tuple(v.shape)), None)
         elif isinstance(index, Perm):
             new = dispatch(torch.Tensor.permute, (base, tuple(index)), None)
+        elif isinstance(index, Diag):
+            new = dispatch(torch.Tensor.diagonal, (base, *index), None)
         else:
             new = dispatch(torch.Tensor.__getitem__, (base, index), None)
         if new.placements != v.placements:
@@ -87,7 +90,8 @@ def note_views(name, base, outs, attrs) -> None:
         return
     index = _torch_index(attrs["index"]) if name == "getitem" else \
         WHOLE if name in _RESHAPES else \
-        Perm(tuple(attrs["dims"])) if name in _PERMUTES else None
+        Perm(tuple(attrs["dims"])) if name in _PERMUTES else \
+        Diag((attrs["offset"], attrs["dim1"], attrs["dim2"])) if name == "diagonal" else None
     indices = _pieces(name, attrs, len(outs)) or (index,) * len(outs)
     b = base._local
     if type(b) is torch.Tensor:
@@ -118,7 +122,8 @@ def note_views(name, base, outs, attrs) -> None:
 
 WHOLE = "whole"     # the index of a reshape's view: all of the base, in the base's shape
 # views that keep the elements' row-major order (a write goes back as a reshape)
-_RESHAPES = ("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze")
+# (positive: torch returns the tensor itself, so a write into it is a write into the base)
+_RESHAPES = ("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "positive")
 _PERMUTES = ("permute", "transpose")     # movedim, swapaxes, t: the table's "dims" permutation
 
 
@@ -138,6 +143,37 @@ class Perm(tuple):
         return tuple(inv)
 
 
+class Diag(tuple):
+    """The index of a diagonal view (``x.diagonal(offset, dim1, dim2)``): ``(offset, dim1,
+    dim2)``, dims wrapped.  A write into the view goes back as ``base.copy_(
+    torch.diagonal_scatter(base, value, offset, dim1, dim2))``, composed of table ops
+    (:func:`_diagonal_scatter`), which autograd records as torch's write through the view
+    (seed sweeps 1028653, 1028983, ...: ``t.diagonal(0, 2, 3).mul_(w)`` was refused)."""
+
+
+def _diagonal_scatter(base, value, offset, dim1, dim2):
+    """``torch.diagonal_scatter(base, value, offset, dim1, dim2)`` from table ops: ``value``
+    (the kept dims, then the diagonal's L) padded to dim1's length n1 (entry k of the
+    diagonal sits at row k + max(-offset, 0)), placed on dim1 with a size-1 dim2, and
+    picked by ``where`` on the diagonal's positions (column = row + offset); every other
+    element is ``base``'s, bit for bit, and value's gradient is the output's on the
+    diagonal."""
+    nd, n1, n2 = base.ndim, base.shape[dim1], base.shape[dim2]
+    lo = max(-offset, 0)
+    length = value.shape[-1]
+    vp = torch.nn.functional.pad(value, (lo, n1 - length - lo) if length else (0, n1))
+    vp = vp.unsqueeze(-1)                         # kept..., n1, 1
+    kept = iter(range(nd - 2))
+    perm = tuple(nd - 2 if p == dim1 else nd - 1 if p == dim2 else next(kept)
+                 for p in range(nd))
+    embedded = vp.permute(perm)                   # n1 at dim1, 1 at dim2
+    on = torch.arange(n1).unsqueeze(1) + offset == torch.arange(n2).unsqueeze(0)
+    shape = [1] * nd
+    shape[dim1], shape[dim2] = n1, n2
+    on = on.reshape(shape) if dim1 < dim2 else on.t().reshape(shape)
+    return torch.where(on, embedded, base)
+
+
 def write_back(base, index, value) -> None:
     """``base[index] = value``; for a reshape's view (``WHOLE``) ``base.copy_(value
     reshaped to base's shape)``, for a permutation's (:class:`Perm`) ``base.copy_(value
@@ -147,6 +183,8 @@ def write_back(base, index, value) -> None:
         method(base, "copy_", (value.reshape(tuple(base.shape)),))
     elif isinstance(index, Perm):
         method(base, "copy_", (value.permute(index.inverse),))
+    elif isinstance(index, Diag):
+        method(base, "copy_", (_diagonal_scatter(base, value, *index),))
     else:
         setitem(base, index, value)
 

@@ -105,10 +105,16 @@ class _BackwardEvent(torch.autograd.Function):
     @staticmethod
     def forward(ctx, info, *xs):
         ctx.info = info
+        # no gradient (None) stays None, as through torch's own view: materialized as
+        # zeros, a replicated parameter that got no gradient (vector_norm(a @ b, 0))
+        # had b.grad zeros where torch leaves it None
+        ctx.set_materialize_grads(False)
         return tuple(x.view_as(x) for x in xs) if len(xs) > 1 else xs[0].view_as(xs[0])
 
     @staticmethod
     def backward(ctx, *grads):
+        if all(g is None for g in grads):
+            return (None,) * (1 + len(grads))    # nothing flows back: no collective runs
         if getattr(ctx, "recorded", False) and in_weight_pass():
             return (None,) + grads       # a split backward's W walking B's graph again
         ctx.recorded = True

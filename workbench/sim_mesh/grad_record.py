@@ -48,10 +48,15 @@ class _BackwardSteps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, steps, x):
         ctx.steps = steps
+        # no gradient (None) stays None, as through torch's own view (materialized as
+        # zeros: a replicated b's grad after vector_norm(a @ b, 0) was zeros, torch's None)
+        ctx.set_materialize_grads(False)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
+        if g is None:
+            return None, None            # nothing flows back: no collective runs
         if recorded_by_b(ctx):
             return None, g               # a split backward's W walking B's graph again
         mark_recorded(ctx)               # (per micro-batch: a way's node is shared)

@@ -48,22 +48,69 @@ def _var_args(input, args, kwargs, fn):
 
 
 def var(input, *args, **kwargs):
-    """``sum((x - mean)^2) / max(N - correction, 0)`` over ``dim`` (torch.var)."""
+    """``sum((x - mean)^2) / max(N - correction, 0)`` over ``dim`` (torch.var).  With no
+    degrees of freedom left (N - correction <= 0) the value is inf (or nan where the sum
+    is 0), and the gradient torch's ``var_backward`` gives (:class:`_NoDof`)."""
     dims, correction, keepdim = _var_args(input, args, kwargs, "var")
+    given = input
+    whole = input.ndim == 0 or _dim_is_none(args, kwargs)
     if input.ndim == 0:          # dim 0 / -1 of a 0-d tensor: its one element (0-d out)
         input, dims, keepdim = input.reshape(1), (0,), False
     n = math.prod(input.shape[d] for d in dims)
     if n - correction <= 0:
-        if input.requires_grad and torch.is_grad_enabled():
-            raise NotImplementedError(
-                f"var() of {n} elements with correction={correction} on a DistTensor that "
-                "requires grad: the degrees of freedom are <= 0 (torch's gradient is inf); "
-                "use a smaller correction")
         warnings.warn("var(): degrees of freedom is <= 0. Correction should be strictly less "
                       "than the reduction factor (input numel divided by output numel).")
+        if given.requires_grad and torch.is_grad_enabled():
+            return _NoDof.apply(given, dims, correction, keepdim, whole, n)
+    return _var_value(input, dims, correction, keepdim, n)
+
+
+def _dim_is_none(args, kwargs) -> bool:
+    """Whether torch.var's ``dim`` was left None (its gradient differs: var_backward)."""
+    if "dim" in kwargs:
+        return kwargs["dim"] is None
+    return not args or isinstance(args[0], bool) or args[0] is None
+
+
+def _var_value(input, dims, correction, keepdim, n):
     centered = input - input.mean(dims, keepdim=True)
     s = (centered * centered).sum(dims, keepdim=keepdim)
     return s / max(n - correction, 0)
+
+
+class _NoDof(torch.autograd.Function):
+    """var with N - correction <= 0 (its value inf, or nan where every element equals
+    the mean) and torch 2.13's gradient, ``var_backward`` in
+    torch/csrc/autograd/FunctionsManual.cpp (checked against the installed torch):
+
+    * ``dim`` None, or a 0-d input: ``grad * where(x == x.mean(), nan, inf)``;
+    * ``dim`` given: ``(2 / (N - correction)) * grad * (x - x.mean(dim, keepdim=True))``,
+      the factor inf at N == correction and negative (finite) below it.
+
+    The composition (``s / 0``) would give nan through the mean's path instead."""
+
+    @staticmethod
+    def forward(ctx, x, dims, correction, keepdim, whole, n):
+        ctx.save_for_backward(x)
+        ctx.args = (dims, correction, keepdim, whole, n)
+        flat = x.reshape(1) if x.ndim == 0 else x
+        return _var_value(flat, dims, correction, keepdim, n)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        dims, correction, keepdim, whole, n = ctx.args
+        if whole:
+            eq = x == x.mean()
+            nan = torch.full((), math.nan, dtype=x.dtype)
+            inf = torch.full((), math.inf, dtype=x.dtype)
+            return grad * torch.where(eq, nan, inf), None, None, None, None, None
+        if not keepdim and x.ndim > 1:
+            for d in dims:
+                grad = grad.unsqueeze(d)
+        dof = n - correction
+        k = math.inf if dof == 0 else 2.0 / dof
+        return k * grad * (x - x.mean(dims, keepdim=True)), None, None, None, None, None
 
 
 def std(input, *args, **kwargs):

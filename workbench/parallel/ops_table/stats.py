@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .blas import torch_check
-from .composites import _var_args, var
+from .composites import _var_args, std, var
 
 __all__ = ["STATS"]
 
@@ -31,9 +31,11 @@ T = torch.Tensor
 def _with_mean(fn, root):
     def composed(input, *args, **kwargs):
         dims, _, keepdim = _var_args(input, args, dict(kwargs), fn.__name__)
-        v = var(input, *args, **kwargs)
+        # std, not sqrt(var): torch's std_mean gradient is std's, 0 where the std is 0
+        # (sqrt's was nan: a constant row of std_mean(x, 1) got nan)
+        v = (std if root else var)(input, *args, **kwargs)
         m = input.mean(dims, keepdim=keepdim)
-        return (torch.sqrt(v) if root else v), m
+        return v, m
     composed.__name__ = fn.__name__
     composed.__doc__ = f"``torch.{fn.__name__}``: ({'std' if root else 'var'}, mean)."
     return composed
