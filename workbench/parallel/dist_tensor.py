@@ -24,6 +24,8 @@ import itertools
 import math
 from typing import Sequence
 
+import weakref
+
 import torch
 
 from ..sim_mesh import backends as _B
@@ -290,6 +292,12 @@ class DistTensor:
 
         def det(t):
             out = t.detach()
+            # the memory's other holder: a tracked write into the result would take new
+            # memory and not reach it (inplace._check_detached); kept beside the tensor,
+            # not in its __dict__, which torch.save pickles
+            key = id(out)
+            DETACHED[key] = (weakref.ref(out, lambda _, k=key: DETACHED.pop(k, None)),
+                             weakref.ref(t))
             d = t.__dict__
             if d.get("_wb_stale") and (d.get("_wb_data_stale") or "_wb_data_of" in d):
                 out._wb_stale = d["_wb_stale"]
@@ -379,6 +387,10 @@ class DistTensor:
         slots = {k: getattr(self, k) for k in self.__slots__
                  if k not in ("__weakref__", "_spec") and hasattr(self, k)}
         return None, {**slots, "_spec": None}
+
+
+# id(a local tensor made by DistTensor.detach) -> (weakref to it, weakref to its source)
+DETACHED: dict = {}
 
 
 # ---- construction -------------------------------------------------------------------------

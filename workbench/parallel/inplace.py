@@ -92,6 +92,25 @@ def _judge(call) -> None:
 
 # ---- writing a result into x ----------------------------------------------------------
 
+def _check_detached(x: DistTensor, op: str) -> None:
+    """``x = t.detach()`` shares ``t``'s memory; torch writes a tracked value
+    (``x.mul_(w)`` with ``w`` requiring grad) into that memory, so ``t`` sees it.  Here
+    the tracked write gives ``x`` memory of its own (the result's history), which ``t``
+    would not see: refused while ``t``'s memory is still ``x``'s (before anything is
+    written)."""
+    from .dist_tensor import DETACHED
+    for t in storage.tensors(x._local):
+        refs = DETACHED.get(id(t))
+        src = refs[1]() if refs is not None and refs[0]() is t else None
+        if src is not None and src.untyped_storage().data_ptr() == \
+                t.untyped_storage().data_ptr():
+            raise NotImplementedError(
+                f"{op}() of a value that requires grad into a detach()ed DistTensor: torch "
+                "writes it into the memory the detached tensor shares with its source, which "
+                "would not see it here. Write into the source instead (under torch.no_grad() "
+                "for an untracked write), or clone() the detached tensor first")
+
+
 def _storages(*xs) -> set:
     out = set()
     for x in xs:
@@ -198,6 +217,8 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
             link = copy_link(x)     # x aliases a view that is a copy: written back after
     mine = _storages(x)
     if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
+        if not x.requires_grad:
+            _check_detached(x, op)
         # autograd records the op: x takes the result's history (its own memory)
         if y is x or _storages(y) & (mine | _storages(*sources)):
             y = dispatch(T.clone, (y,), None)
