@@ -332,7 +332,23 @@ def _full_tensor(self, *, grad_placements=None):
     return self.full()
 
 
+def _no_hook(name):
+    def refuse(self, hook):
+        # torch DTensor: a hook of the DTensor gradient.  Here the dispatcher's error
+        # advised allow_replicate_fallback, under which the hook went on a gathered copy
+        # and never ran (habits9b)
+        raise NotImplementedError(
+            f"DistTensor.{name}(hook) is not built: the gradient accumulates in the "
+            "DistTensor's local shards, which this hook would not see.  Read or change the "
+            "gradient after loss.backward() through p.grad (a DistTensor), before "
+            "optimizer.step()")
+    refuse.__name__ = name
+    return refuse
+
+
 def install(cls) -> None:
+    cls.register_hook = _no_hook("register_hook")
+    cls.register_post_accumulate_grad_hook = _no_hook("register_post_accumulate_grad_hook")
     cls.redistribute = _redistribute
     cls.full_tensor = _full_tensor
     cls.device_mesh = property(lambda self: self.mesh)

@@ -57,9 +57,9 @@ def refuse_backward_hook(module: nn.Module, how: str) -> None:
         f"{type(module).__name__}.{how}(hook): this module's inputs and outputs are "
         "DistTensors (tensor parallelism), which torch's module backward hooks do not see: "
         "the hook would never run (torch only warns).  Read or change gradients after "
-        "backward through the parameters (p.grad; a step's "
-        "register_post_accumulate_grad_hook), or register the hook on a module run "
-        "without tensor parallelism (DDP / FSDP / fully_shard of a plain module call it)")
+        "backward through the parameters (p.grad, before optimizer.step()), or register "
+        "the hook on a module run without tensor parallelism (DDP / FSDP / fully_shard of "
+        "a plain module call it)")
 
 
 def refuse_backward_hooks(module: nn.Module, what: str) -> None:
@@ -77,6 +77,18 @@ def refuse_backward_hooks(module: nn.Module, what: str) -> None:
                 "torch's module backward hooks do not see, so it would never run.  Remove "
                 "it (handle.remove()) and read gradients through the parameters after "
                 "backward (p.grad), or keep this module off tensor parallelism")
+    for name, p in module.named_parameters():
+        # p.register_hook(fn) / register_post_accumulate_grad_hook(fn) before: the
+        # parameter is replaced by a DistTensor and the hook was dropped, silently
+        # (habits9b: a halving hook never ran, 0.018 off one device's after two steps)
+        if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks",
+                                                           None):
+            raise NotImplementedError(
+                f"{what}: parameter {name!r} has a gradient hook (Tensor.register_hook / "
+                f"register_post_accumulate_grad_hook); {what} replaces it by a DistTensor, "
+                "so the hook would never run.  Remove it (handle.remove()) and read or "
+                "change the gradient after loss.backward() through p.grad, before "
+                "optimizer.step()")
 
 
 class BackwardHookRefusal:

@@ -122,6 +122,7 @@ from .. import step_clock
 from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .laid_out import Rows, laid_out, module_shaped, module_shaped_state_dict, rank_row
+from .laid_out_hooks import check_hooks
 from .replaced_params import check_named, mark_successor, snapshot
 from .torch_kwargs import ddp_torch_kwargs
 from .ddp_buckets import (BucketBook, fixed_policy, output_tensors, reachable_leaves,
@@ -187,6 +188,8 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
             torch_kwargs.get("bucket_cap_mb"), self._find_unused, self._static)
         g = RankGroup(mesh, dim, "DistributedDataParallel")
         check_sync_batchnorm_device(g, module, "DistributedDataParallel")
+        # a user's gradient hooks on the parameters it replaces (.laid_out_hooks)
+        check_hooks(module, "DistributedDataParallel", g.distributed, keeps=g.distributed)
         if isinstance(broadcast_from, bool) or not isinstance(broadcast_from, int) or \
                 not 0 <= broadcast_from < g.n:
             raise ValueError(f"broadcast_from={broadcast_from!r}: give a rank index in "

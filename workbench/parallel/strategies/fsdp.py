@@ -94,6 +94,7 @@ from .fsdp_summon import SummonFullParams
 from .rank_grads import as_chunk_rows, as_shard_grad
 from .laid_out_whole import storage_numel
 from .rank_recompute import refuse_checkpoint, seq_mark
+from .laid_out_hooks import check_hooks
 from .replaced_params import check_places
 from .ranks import (ModuleWrapper, RankGroup, buffer_snapshot, check_batch_stats, check_module,
                     check_not_meta,
@@ -142,6 +143,7 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
         if not isinstance(prefetch, bool):
             raise TypeError(f"FullyShardedDataParallel(prefetch={prefetch!r}): give True or False")
         g = RankGroup(mesh, dim, "FullyShardedDataParallel")
+        check_hooks(module, self._who, g.distributed)  # a user's gradient hooks (.laid_out_hooks)
         object.__setattr__(self, "module", module)
         self.group, self.compute_dtype, self.prefetch = g, compute_dtype, prefetch
         self.reduce_dtype = reduce_dtype     # None: the gradients' own (compute) dtype

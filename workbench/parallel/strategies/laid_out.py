@@ -61,6 +61,7 @@ from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place, map_sharers
+from .laid_out_hooks import HOOKS, register
 from .laid_out_reads import (LIKES, LaidOutValue, keep_layout, module_shaped_sources,
                              pointwise_reads)
 from .laid_out_whole import check_view_as, module_dims, module_flat_view, whole_reads
@@ -123,6 +124,9 @@ class LaidOutParameter(nn.Parameter):
         kwargs = kwargs or {}
         if func is torch.autograd.grad:
             _check_autograd_grad(args, kwargs)
+        if func in HOOKS and args and isinstance(args[0], LaidOutParameter) and users_call():
+            # a user's p.register_hook(fn): fn sees one device's gradient (laid_out_hooks)
+            return register(args[0], func, args[1] if len(args) > 1 else kwargs["hook"])
         # p.detach().requires_grad_(): a leaf of the storage (laid_out_views); p.T.sum(),
         # p[0].norm(): a view's reduction reads the storage (laid_out_views)
         refuse_storage_leaf(func, args, kwargs, (_LaidOutData, LaidOutValue), _LaidOutView)

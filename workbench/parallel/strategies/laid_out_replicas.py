@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from .laid_out_hooks import HOOKS
 from .laid_out_shape import VIEWS, _PROPS
 from .laid_out_replica_init import INIT_CALLS, from_init, one_draw, refuse_init_index
 from .laid_out_views import users_call
@@ -65,6 +66,15 @@ class ReplicaStorage(torch.Tensor):
         t = args[0] if args else None
         if isinstance(t, ReplicaStorage):
             shape = torch.Size(t._wb_shape)
+            if func in HOOKS and users_call():
+                # the hook got the replicas' storage gradient (2, 2, 3, 3) for (6, 3): a
+                # clamping hook 0.010 off one device's after two steps (habits9b)
+                raise NotImplementedError(
+                    f"{func.__name__} on DistributedDataParallel's parameter over "
+                    "tensor-parallel DistTensors: the hook would see the replicas' storage "
+                    f"gradient (shape {tuple(t.as_subclass(_T).shape)}, every replica's "
+                    f"shards), not the module's {tuple(shape)}.  Read or change the "
+                    "gradient after loss.backward() through p.grad, before optimizer.step()")
             refuse_init_index(t)            # sparse_, dirac_, orthogonal_ (laid_out_replica_init)
             if func in NUMEL and users_call(depth=-1):
                 return math.prod(shape)

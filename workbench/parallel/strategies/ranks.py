@@ -202,6 +202,7 @@ def run_per_rank(group, module, params, args, kwargs, owner: int = 0):
     per, dim = group.split(args, kwargs)
     outs, snap = [], buffer_snapshot(module)
     stacked = dict(module.named_parameters())
+    places = [(m, n, p) for m in module.modules() for n, p in m._parameters.items()]
     with one_batch():           # a MoE's last_stats: every rank's part (ops/moe.py)
         for k, (a, kw) in enumerate(per):
             # the join averages the ranks' losses: a loss term attached by gradient takes
@@ -211,8 +212,11 @@ def run_per_rank(group, module, params, args, kwargs, owner: int = 0):
                     loss_share(1 / group.n):
                 bufs = [(m, n, b) for m in module.modules() for n, b in m._buffers.items()
                         if b is not None] if k != owner else []
-                outs.append(torch.func.functional_call(module, params[k], a, kw,
-                                                       tie_weights=True, strict=False))
+                try:
+                    outs.append(torch.func.functional_call(module, params[k], a, kw,
+                                                           tie_weights=True, strict=False))
+                finally:
+                    _restore_places(places)
             # a checkpoint's recompute in backward: with this rank's parameters
             # (rank_recompute.py)
             reentrant, plain = checkpoint_nodes(pytree.tree_leaves(outs[-1]), since)
@@ -223,6 +227,20 @@ def run_per_rank(group, module, params, args, kwargs, owner: int = 0):
                 hook_nodes(reentrant + plain,
                            RankScope(module, rows, bufs, lambda: loss_share(1 / group.n)))
     return group.join(outs, dim)
+
+
+def _restore_places(places) -> None:
+    """Every ``(module, name, parameter)`` of ``places`` back as it was.  torch's
+    ``functional_call`` leaves a module reached under two names (``nn.Sequential(l, act,
+    l)``: ``0.weight`` and ``2.weight`` name one attribute) holding the tensor swapped in:
+    it swaps that attribute twice, saving the first swap's tensor as the second's
+    original, and restores in the same order (torch 2.13 ``torch/nn/utils/
+    stateless.py`` ``_reparametrize_module``; measured: ``l.weight`` is the passed tensor
+    afterwards).  DDP then read rank N-1's row as the module's parameter and its next
+    forward raised "assigned after wrapping" (habits9b)."""
+    for m, n, p in places:
+        if m._parameters.get(n) is not p:
+            m._parameters[n] = p
 
 
 def check_batch_stats(group, module, who: str, local_ok: bool = False) -> None:

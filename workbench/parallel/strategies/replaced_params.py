@@ -23,6 +23,8 @@ the parameter and the fix (tie or replace before wrapping).
 """
 from __future__ import annotations
 
+from .laid_out_hooks import carry_hooks
+
 __all__ = ["check_places", "check_named", "snapshot", "mark_successor", "follow_successors",
            "check_dist_places"]
 
@@ -105,9 +107,11 @@ def check_named(module, snap: list, who: str) -> None:
 
 
 def mark_successor(old, new) -> None:
-    """``old`` (a module's parameter) was replaced by ``new`` when a wrapper laid it out."""
+    """``old`` (a module's parameter) was replaced by ``new`` when a wrapper laid it out;
+    the gradient hooks a user registered on ``old`` move to ``new`` (.laid_out_hooks)."""
     if new is not old:
         old._wb_successor = new
+        carry_hooks(old, new)
 
 
 def _last(p):
