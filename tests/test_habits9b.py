@@ -26,7 +26,11 @@ the fix.  Each test failed before its fix.
    3)`` (a clamping hook 0.010 off after two steps, silently), a DistTensor's
    ``register_hook`` raised the dispatcher's NoRuleError advising
    ``allow_replicate_fallback``, under which the hook went on a gathered copy and never
-   ran: each now raises naming the fix.
+   ran: each now raises naming the fix;
+6. a ``register_hook`` with FSDP's ``no_sync()`` / fully_shard's
+   ``set_requires_gradient_sync(False)``: the hook got None inside the first backward
+   (the gradients are held unsharded, reduced summed at the synced backward, where the
+   hook would run once on the sum): now the block raises naming the fix, before it runs.
 """
 import pytest
 import torch
@@ -240,4 +244,39 @@ def test_a_hook_on_a_tensor_parallel_parameter_raises_naming_the_fix(kind, how, 
         else:
             getattr(p, how)(lambda a: None)
     train(ref, wr)                          # the loop goes on as one device's
+    assert_same(wr, ref)
+
+
+# ---- 6. a gradient hook with accumulation without communication --------------------------
+@pytest.mark.parametrize("kind", PLAIN)
+def test_a_gradient_hook_with_no_sync_is_one_devices_or_raises(kind):
+    """DDP's ``no_sync()``: the hook runs on each micro-batch's gradient, one device's
+    (pinned: it held before).  FSDP's ``no_sync()`` / fully_shard's
+    ``set_requires_gradient_sync(False)`` hold the micro-batches' gradients and reduce
+    their sum at the synced backward, where the hook would run once on the sum: raises
+    naming the fix before the block (before: the hook got None inside the first backward,
+    an AttributeError from the user's own code)."""
+    ref, wr = pair(kind)
+    for p in ref.parameters():
+        p.register_hook(lambda g: g.clamp(-0.01, 0.01))
+    for p in wr.params():
+        p.register_hook(lambda g: g.clamp(-0.01, 0.01))
+    ro = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = wr.optimizer(cls=torch.optim.SGD, lr=0.1)
+    bs = batches(3)
+    for x, y in bs:
+        mse(ref(x), y).backward()
+    if kind in ("fsdp", "fully_shard"):
+        with pytest.raises(RuntimeError, match=r"gradient hook.*once on the micro-batches' "
+                           r"summed gradient.*synchronization on"):
+            with wr.no_sync():
+                pass
+        assert all(p.grad is None for p in wr.params())
+        return
+    with wr.no_sync():
+        for x, y in bs[:2]:
+            mse(wr.out(x), y).backward()
+    mse(wr.out(bs[2][0]), bs[2][1]).backward()
+    ro.step()
+    opt.step()
     assert_same(wr, ref)

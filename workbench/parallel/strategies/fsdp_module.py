@@ -29,6 +29,7 @@ from collections import OrderedDict
 from ..dcp_interop import as_stateful
 from .fsdp_units import tree_cast
 from .fully_shard_tp import built, tp_named_parameters
+from .laid_out_hooks import refuse_held_hooks
 
 __all__ = ["FSDPModule", "fsdp_class", "install_hooks"]
 
@@ -202,6 +203,9 @@ class FSDPModule:
                 "under torch.distributed is not built: accumulate with sync on (each "
                 "backward reduce-scatters onto the shards, where the gradients add up to the "
                 "same sum)")
+        if not requires_gradient_sync:     # a user's p.register_hook (.laid_out_hooks)
+            refuse_held_hooks([p for m in mods for p in m.parameters()],
+                              "set_requires_gradient_sync(False)")
         for m in mods:
             m._wb_fully_shard.requires_gradient_sync = requires_gradient_sync
 

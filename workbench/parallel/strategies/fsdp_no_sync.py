@@ -34,6 +34,8 @@ import contextlib
 
 import torch
 
+from .laid_out_hooks import refuse_held_hooks
+
 __all__ = ["NoSync"]
 
 
@@ -47,6 +49,7 @@ class NoSync:
         """FSDP1's ``no_sync`` (module docstring): inside the block no backward
         communicates; each rank's unsharded gradients are held and the first backward
         after it reduce-scatters their sum onto the shards."""
+        refuse_held_hooks(self.module.parameters(), "FullyShardedDataParallel.no_sync()")
         old, self._sync_enabled = self._sync_enabled, False
         try:
             yield

@@ -39,7 +39,7 @@ import math
 
 import torch
 
-__all__ = ["HOOKS", "register", "carry_hooks", "check_hooks"]
+__all__ = ["HOOKS", "register", "carry_hooks", "check_hooks", "refuse_held_hooks"]
 
 _T = torch.Tensor
 HOOKS = (_T.register_hook, _T.register_post_accumulate_grad_hook)
@@ -86,7 +86,11 @@ def register(p, func, fn):
     if getattr(p, "_wb_full", None) is None or not getattr(p, "_wb_here", False):
         _refuse(p, func)
     if func is _T.register_hook:
+        p._wb_grad_hooks = True         # FSDP's gradient accumulation refuses it (below)
+
         def on_storage(g):
+            if g is None:               # FSDP holding the gradients (no_sync): none yet
+                refuse_held_hooks([p], "a backward that holds the gradients")
             new = fn(_module_grad(p, g))
             return None if new is None else _storage_grad(p, new, g)
         return _plain(_T.register_hook, p, on_storage)
@@ -100,6 +104,23 @@ def register(p, func, fn):
                 p.grad = as_chunk_rows(p.grad, math.prod(p._wb_shape), p._wb_shape)
         return fn(p)
     return _plain(_T.register_post_accumulate_grad_hook, p, accumulated)
+
+
+def refuse_held_hooks(params, who: str) -> None:
+    """``who`` (``FullyShardedDataParallel.no_sync()``, ``fully_shard``'s
+    ``set_requires_gradient_sync(False)``) holds each micro-batch's gradient unsharded and
+    reduce-scatters their sum at the next synced backward, so a ``register_hook`` on one
+    of ``params`` would run once, on the sum, where one device runs it on each micro-batch's
+    gradient (a clamp, a centralization: another number): raise naming the fix.  (FSDP2's
+    own hook on a sharded parameter runs once on the sum, torch 2.13
+    ``_fsdp_param_group.py`` ``post_backward``.)"""
+    if any(getattr(p, "_wb_grad_hooks", False) for p in params):
+        raise RuntimeError(
+            f"{who}: a parameter has a gradient hook (p.register_hook), which would run once "
+            "on the micro-batches' summed gradient at the synced backward, not on each "
+            "micro-batch's gradient as on one device.  Accumulate with synchronization on "
+            "(each backward reduce-scatters: the same sum), or remove the hook "
+            "(handle.remove())")
 
 
 def check_hooks(module, who: str, distributed: bool, keeps: bool = False) -> None:
