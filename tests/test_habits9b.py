@@ -30,7 +30,10 @@ the fix.  Each test failed before its fix.
 6. a ``register_hook`` with FSDP's ``no_sync()`` / fully_shard's
    ``set_requires_gradient_sync(False)``: the hook got None inside the first backward
    (the gradients are held unsharded, reduced summed at the synced backward, where the
-   hook would run once on the sum): now the block raises naming the fix, before it runs.
+   hook would run once on the sum): now the block raises naming the fix, before it runs;
+7. ``weight_norm`` / ``spectral_norm`` on a layer after wrapping raised naming the wrong
+   fix (``p.full_tensor().requires_grad_()``; "tie before wrapping"): now "register the
+   parametrization before wrapping", which trains as one device.
 """
 import pytest
 import torch
@@ -279,4 +282,38 @@ def test_a_gradient_hook_with_no_sync_is_one_devices_or_raises(kind):
     mse(wr.out(bs[2][0]), bs[2][1]).backward()
     ro.step()
     opt.step()
+    assert_same(wr, ref)
+
+
+# ---- 7. weight_norm / spectral_norm on a wrapped layer -----------------------------------
+PARAMETRIZATIONS = {"weight_norm": nn.utils.parametrizations.weight_norm,
+                    "spectral_norm": nn.utils.parametrizations.spectral_norm}
+
+
+@pytest.mark.parametrize("kind", PLAIN)
+@pytest.mark.parametrize("how", list(PARAMETRIZATIONS))
+def test_a_parametrization_after_wrapping_raises_naming_before(kind, how):
+    """Before: weight_norm raised "requires_grad_() of a detached alias ... take
+    p.full_tensor().requires_grad_()", spectral_norm's next forward "parameter '0.weight'
+    was assigned after wrapping ... weight tying": neither the fix."""
+    ref, wr = pair(kind)
+    x, y = batches(1)[0]
+    with pytest.raises(RuntimeError, match="parametriz.*Register the parametrization "
+                       "before wrapping"):
+        PARAMETRIZATIONS[how](wr.m[0])
+        wr.out(x)
+
+
+@pytest.mark.parametrize("kind", PLAIN)
+@pytest.mark.parametrize("how", list(PARAMETRIZATIONS))
+def test_a_parametrization_before_wrapping_trains_as_one_device(kind, how):
+    """The fix the error names (a pin: it held before); spectral_norm's power-iteration
+    buffers too (torch.manual_seed: its u, v start from a draw)."""
+    m, r = mk(), mk()
+    torch.manual_seed(3)
+    PARAMETRIZATIONS[how](m[0])
+    torch.manual_seed(3)
+    PARAMETRIZATIONS[how](r[0])
+    ref, wr = pair(kind, m, r)
+    train(ref, wr)
     assert_same(wr, ref)

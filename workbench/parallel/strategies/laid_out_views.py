@@ -178,6 +178,14 @@ def refuse_storage_leaf(func, args, kwargs, aliases, views) -> None:
     if not (isinstance(t, aliases) and _laid_out(t)) and not storage_view(t, views) or \
             not users_call():
         return
+    if _from_parametrize():
+        # weight_norm(wrapped_layer) raised the message below (habits9b), naming a copy
+        raise RuntimeError(
+            "a parametrization (torch.nn.utils.parametrizations.weight_norm / spectral_norm, "
+            "register_parametrization) of a wrapped parameter: the wrapper stores it "
+            f"otherwise than the module's shape ({getattr(t, '_wb_layout', 'laid out')}) "
+            "and would not follow it.  Register the parametrization before wrapping (the "
+            "wrapper then lays out its original and trains it as one device)")
     raise RuntimeError(
         "requires_grad_() of a detached alias, copy or view of a wrapped parameter "
         "(p.detach(), p.data, p.detach().clone(), p[i]): the wrapper stores the parameter "
@@ -187,6 +195,19 @@ def refuse_storage_leaf(func, args, kwargs, aliases, views) -> None:
         "the module parameter's leaf one device gives.  For a leaf of the module's shape "
         "with its own gradient take p.full_tensor().requires_grad_() (a copy); to train "
         "the parameter itself use p (its gradient in p.grad)")
+
+
+_PARAMETRIZE = os.path.join(_TORCH, "nn", "utils", "parametrize.py")
+
+
+def _from_parametrize() -> bool:
+    """Is ``torch.nn.utils.parametrize`` on the call stack (read only to word an error)?"""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_filename == _PARAMETRIZE:
+            return True
+        f = f.f_back
+    return False
 
 
 _AUTOGRAD_RUNS = (torch.autograd.backward, _T.backward, torch.autograd.grad)

@@ -34,7 +34,35 @@ _FIX = ("the wrapper laid out the module's parameters when it was built, so it w
         "wte.weight in the model's __init__)")
 
 
-def _raise(who: str, name: str, now, new: bool = False) -> None:
+_PARAMETRIZED = ("the wrapper laid out the module's parameters when it was built, so it "
+                 "would not follow it.  Register the parametrization before wrapping (the "
+                 "wrapper then lays out its original and trains it as one device)")
+
+
+def _parametrized(m, attr: str) -> bool:
+    """Did ``torch.nn.utils.parametrize`` move ``m.<attr>`` into ``m.parametrizations``
+    (``weight_norm`` / ``spectral_norm`` / ``register_parametrization`` after wrapping)?"""
+    from torch.nn.utils import parametrize
+    return m is not None and parametrize.is_parametrized(m, attr)
+
+
+def _place(root, name: str):
+    """``(module, attribute)`` of the dotted parameter ``name`` under ``root``."""
+    path, _, attr = name.rpartition(".")
+    try:
+        return (root.get_submodule(path) if path else root), attr
+    except AttributeError:
+        return None, attr
+
+
+def _raise(who: str, name: str, now, new: bool = False, place=None) -> None:
+    if place is not None and _parametrized(*place):
+        # before (habits9b): "assigned after wrapping ... weight tying", which it was not
+        raise RuntimeError(
+            f"{who}: the module's parameter {name!r} was parametrized after wrapping "
+            "(torch.nn.utils.parametrizations.weight_norm / spectral_norm, "
+            "register_parametrization: it moved into module.parametrizations); "
+            + _PARAMETRIZED)
     if new:
         what = f"the module's parameter {name!r} was registered after wrapping"
     else:
@@ -52,7 +80,7 @@ def check_places(units, who: str) -> None:
             for m, attr in places:
                 now = m._parameters.get(attr)
                 if now is not shard:
-                    _raise(who, name, now)
+                    _raise(who, name, now, place=(m, attr))
 
 
 def check_dist_places(module, who: str, entries=None) -> None:
@@ -85,7 +113,7 @@ def check_named(module, snap: list, who: str) -> None:
     for name, p in snap:
         q = have.get(name)
         if q is not p:
-            _raise(who, name, q)
+            _raise(who, name, q, place=_place(module, name))
     if len(have) != len({n for n, _ in snap}):
         extra = next(n for n in have if n not in {n for n, _ in snap})
         _raise(who, extra, have[extra], new=True)
