@@ -75,9 +75,9 @@ def _storage_grad(p, new, g):
 
 def _refuse(p, func) -> None:
     raise RuntimeError(
-        f"{func.__name__} on a wrapped parameter: {p._wb_layout}, and this process does not "
-        "hold every rank's part, so the hook would see the storage's gradient, not the "
-        f"module's.  Instead {_FIX}")
+        f"{func.__name__} on this wrapped parameter is not built ({p._wb_layout}, which "
+        "this process does not read as the module's tensor): the hook would see the "
+        f"storage's gradient, not the module's.  Instead {_FIX}")
 
 
 def register(p, func, fn):
@@ -143,8 +143,7 @@ def check_hooks(module, who: str, distributed: bool, keeps: bool = False) -> Non
                 f"{who}: parameter {name!r} has a gradient hook ({what}), and {who} "
                 "replaces the module's parameters by its own, so the hook would "
                 + ("be called with a parameter the hook's code does not know.  Register "
-                   f"it after wrapping, on {who}'s parameters (model.parameters()), where "
-                   "it reads one device's p.grad" if post else
+                   f"it after wrapping, on {who}'s parameters (model.parameters())" if post else
                    f"see this process's chunk of the gradient.  Instead {_FIX}"))
 
 
