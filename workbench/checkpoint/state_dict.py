@@ -201,11 +201,31 @@ def _laid_out_as(v, p):
     return distribute_tensor(v.detach(), p.mesh, p.placements)
 
 
+def _holds_state(optim) -> bool:
+    """torch's test of an optimizer that has stepped (``optim.state`` not empty), and for
+    ``wb.ZeroRedundancyOptimizer`` its ranks' own optimizers, which hold the states (the
+    wrapper's ``state`` stays empty, as torch's ZeroRedundancyOptimizer's): read through
+    the wrapper alone, a ZeRO run that had stepped and then zeroed its gradients
+    (``zero_grad()``) took one more step here (step + 1, Adam's moments times beta)."""
+    if optim.state:
+        return True
+    inner = getattr(optim, "optimizers", None)          # ZeroRedundancyOptimizer: per rank
+    held = isinstance(inner, dict) and any(o is not None and bool(o.state)
+                                           for o in inner.values())
+    group = getattr(optim, "group", None)
+    if isinstance(inner, dict) and getattr(group, "distributed", False):
+        dev = next((p.device for g in optim.param_groups for p in g["params"]), None)
+        flag = torch.tensor([float(held)], device=dev)  # a rank owning nothing holds none:
+        dist.all_reduce(flag, dist.ReduceOp.MAX, group=group.pg)    # all ranks decide alike
+        held = bool(flag.item())
+    return held
+
+
 def _init_optim_state(optim) -> None:
     """torch's ``_init_optim_state``: an optimizer that has taken no step gets its states
     from one step with zero gradients and ``lr`` 0 (the parameters keep their values)."""
-    if optim.state or any(p.grad is not None for g in optim.param_groups
-                          for p in g["params"]):
+    if _holds_state(optim) or any(p.grad is not None for g in optim.param_groups
+                                  for p in g["params"]):
         return
     for g in optim.param_groups:
         for p in g["params"]:

@@ -1,0 +1,85 @@
+"""Train-to-serve probed as a user would (serve9): checkpoints between layouts, the KV
+cache, paged attention and continuous batching, each held to a single-device reference
+(``generate`` without a cache, torch's own ``torch.distributed.checkpoint`` helpers on
+the plain module)."""
+import copy
+
+import pytest
+import torch
+import torch.distributed.checkpoint.state_dict as tsd
+from torch import nn
+
+import workbench as wb
+from workbench.checkpoint import get_state_dict
+
+MESH = wb.Mesh.grid(3, ["dp"])
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(5, 10)
+        self.l2 = nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+X = [torch.randn(6, 5, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+
+def _trained(zero: bool):
+    """Two AdamW steps, then ``zero_grad()`` (every training loop's last line)."""
+    torch.manual_seed(0)
+    m = Net()
+    if zero:
+        m = wb.DistributedDataParallel(m, MESH)
+        o = wb.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, MESH, lr=1e-2)
+    else:
+        o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    for x in X:
+        o.zero_grad()
+        y = m(wb.shard_tensor(x, MESH, ["S(0)"]) if zero else x)
+        loss = (y ** 2).mean()
+        (loss.full() if isinstance(loss, wb.DistTensor) else loss).backward()
+        o.step()
+    o.zero_grad()
+    return m, o
+
+
+def _full(v):
+    return v.full() if isinstance(v, wb.DistTensor) else v
+
+
+def test_get_state_dict_of_a_zero_optimizer_after_zero_grad_takes_no_step():
+    """Its states live in the ranks' own optimizers (the wrapper's ``state`` is empty, as
+    torch's ZeRO's): get_state_dict took them for a fresh optimizer's and ran torch's
+    state-initializing step (lr 0, zero gradients) twice: step 2 saved as 4, Adam's
+    moments multiplied by beta1^2 and beta2^2, in the optimizer itself too."""
+    pm, po = _trained(zero=False)
+    _, want = tsd.get_state_dict(pm, po)                    # torch's, on one device
+    m, o = _trained(zero=True)
+    before = copy.deepcopy(o.state_dict())
+    _, got = get_state_dict(m, o)
+    for i, (fqn, st) in enumerate(want["state"].items()):
+        assert torch.equal(got["state"][fqn]["step"], st["step"])      # 2, as torch's
+        for name, v in st.items():          # DDP's mean of 3 ranks' gradients: rounding
+            torch.testing.assert_close(_full(got["state"][fqn][name]), v)
+            assert torch.equal(_full(got["state"][fqn][name]), before["state"][i][name])
+    after = o.state_dict()
+    for i, st in before["state"].items():
+        for name, v in st.items():
+            assert torch.equal(after["state"][i][name], v), (i, name)
+
+
+def test_a_fresh_zero_optimizer_gets_the_states_torch_gives_a_fresh_one():
+    torch.manual_seed(0)
+    pm = Net()
+    _, want = tsd.get_state_dict(pm, torch.optim.AdamW(pm.parameters(), lr=1e-2))
+    torch.manual_seed(0)
+    m = wb.DistributedDataParallel(Net(), MESH)
+    _, got = get_state_dict(m, wb.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW,
+                                                           MESH, lr=1e-2))
+    for fqn, st in want["state"].items():
+        for name, v in st.items():
+            assert torch.equal(_full(got["state"][fqn][name]), v), (fqn, name)
