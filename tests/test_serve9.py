@@ -83,3 +83,30 @@ def test_a_fresh_zero_optimizer_gets_the_states_torch_gives_a_fresh_one():
     for fqn, st in want["state"].items():
         for name, v in st.items():
             assert torch.equal(_full(got["state"][fqn][name]), v), (fqn, name)
+
+
+@pytest.mark.parametrize("bad", ["shape", "missing", "unexpected"])
+def test_a_set_model_state_dict_that_fails_leaves_a_plain_module_as_it_was(bad):
+    """torch's load_state_dict copies every value that fits, then raises; the wrappers
+    (DDP, FSDP, tensor parallel) check first and change nothing.  The plain module, the
+    one-device reference, now changes nothing either, with torch's error."""
+    from workbench.checkpoint import set_model_state_dict
+    torch.manual_seed(0)
+    m = Net()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    sd = {k: v + 1 for k, v in before.items()}
+    if bad == "shape":
+        sd["l2.weight"] = torch.zeros(4, 10)
+    elif bad == "missing":
+        del sd["l2.bias"]
+    else:
+        sd["l3.weight"] = torch.zeros(1)
+    word = {"shape": "size mismatch for l2.weight", "missing": 'Missing key.*"l2.bias"',
+            "unexpected": 'Unexpected key.*"l3.weight"'}[bad]
+    with pytest.raises(RuntimeError, match=word):
+        set_model_state_dict(m, sd)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    m2 = wb.DistributedDataParallel(Net(), MESH)        # the wrapper's, for comparison
+    with pytest.raises(RuntimeError, match=word.replace("l2", "(module.)?l2")):
+        set_model_state_dict(m2, sd)

@@ -332,7 +332,19 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict, *,
         if isinstance(v, DistTensor) and mine in own and not isinstance(own[mine], DistTensor):
             v = v.full()                # a plain tensor takes the full value
         given[mine] = v
-    return model.load_state_dict(given, strict=options.strict)
+    # torch's load_state_dict copies every value that fits before it raises for a wrong
+    # shape, a missing or an unexpected key; the wrappers check first and change nothing.
+    # So a plain module's tensors are kept and put back: a failed set leaves it as it was
+    kept = [(t, t.detach().clone()) for t in own.values()
+            if isinstance(t, torch.Tensor) and not isinstance(t, DistTensor)
+            and t.device.type != "meta"]
+    try:
+        return model.load_state_dict(given, strict=options.strict)
+    except BaseException:
+        with torch.no_grad():
+            for t, old in kept:
+                t.copy_(old)
+        raise
 
 
 def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dict, *,
