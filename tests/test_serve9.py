@@ -110,3 +110,30 @@ def test_a_set_model_state_dict_that_fails_leaves_a_plain_module_as_it_was(bad):
     m2 = wb.DistributedDataParallel(Net(), MESH)        # the wrapper's, for comparison
     with pytest.raises(RuntimeError, match=word.replace("l2", "(module.)?l2")):
         set_model_state_dict(m2, sd)
+
+
+@pytest.mark.parametrize("which", ["plain", "fsdp", "zero"])
+def test_an_optimizer_state_of_another_shape_is_refused_naming_it(which):
+    """torch's Optimizer.load_state_dict takes moments of any shape; the next step then
+    failed on a broadcast ("The size of tensor a (3) must match ...")."""
+    from workbench.checkpoint import set_optimizer_state_dict
+    torch.manual_seed(0)
+    m = Net()
+    if which == "fsdp":
+        m = wb.FullyShardedDataParallel(m, MESH)
+    if which == "zero":
+        m = wb.DistributedDataParallel(m, MESH)
+        o = wb.ZeroRedundancyOptimizer(m.parameters(), torch.optim.AdamW, MESH, lr=1e-2)
+    else:
+        o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _, osd = get_state_dict(m, o)           # the states as zeros, as torch's
+    before = copy.deepcopy(o.state_dict())
+    bad = copy.deepcopy(osd)
+    bad["state"]["l1.weight"]["exp_avg"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match=r"'exp_avg' of 'l1.weight' has shape \(3, 3\).*"
+                                         r"\(10, 5\)"):
+        set_optimizer_state_dict(m, o, bad)
+    after = o.state_dict()
+    for i, st in before["state"].items():
+        for name, v in st.items():
+            assert torch.equal(_full(after["state"][i][name]), _full(v)), (i, name)

@@ -374,6 +374,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dic
     loads = []
     for i, (o, fqns) in enumerate(zip(opts, all_fqns)):
         state, groups, k = {}, [], 0
+        held = _current_states(o)
         for g, group in enumerate(o.param_groups):
             mine = fqns[k:k + len(group["params"])]
             saved = [group_of.get(f) for f in mine]
@@ -389,11 +390,39 @@ def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dic
                            "params": list(range(k, k + len(mine)))})
             for j, (f, p) in enumerate(zip(mine, group["params"])):
                 if f in saved_state:
+                    _check_shapes(f, saved_state[f], held.get(k + j, {}))
                     state[k + j] = {n: _laid_out_as(v, p) for n, v in saved_state[f].items()}
             k += len(mine)
         loads.append((o, {"state": state, "param_groups": groups}))
     for o, osd in loads:
         o.load_state_dict(osd)
+
+
+def _current_states(o) -> dict:
+    """{index in the optimizer's state dict: its states} that ``o`` holds now, as its
+    ``state_dict()`` gives them (one device's shapes, whatever the wrapper's storage; a
+    ZeRO optimizer's from its ranks' own optimizers, none under torch.distributed, where
+    they live on their owners)."""
+    if not _holds_state(o) or (isinstance(getattr(o, "optimizers", None), dict) and
+                               getattr(getattr(o, "group", None), "distributed", False)):
+        return {}
+    return o.state_dict()["state"]
+
+
+def _check_shapes(fqn, saved: dict, held: dict) -> None:
+    """A saved state of another shape than the one the optimizer holds for ``fqn`` (e.g.
+    the moments of another model's parameter) is refused naming it: torch's
+    ``Optimizer.load_state_dict`` takes it and the next step fails on a broadcast."""
+    for name, v in saved.items():
+        have = held.get(name)
+        if isinstance(v, (torch.Tensor, DistTensor)) and isinstance(have, (torch.Tensor,
+                                                                           DistTensor)) \
+                and tuple(v.shape) != tuple(have.shape):
+            raise ValueError(
+                f"set_optimizer_state_dict: state {name!r} of {fqn!r} has shape "
+                f"{tuple(v.shape)}, the optimizer holds {tuple(have.shape)} for it (the "
+                "parameter's); give the optimizer state dict of this model (the saving "
+                "run's get_optimizer_state_dict)")
 
 
 def set_state_dict(model: nn.Module, optimizers, *, model_state_dict: dict,
