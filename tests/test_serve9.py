@@ -137,3 +137,17 @@ def test_an_optimizer_state_of_another_shape_is_refused_naming_it(which):
     for i, st in before["state"].items():
         for name, v in st.items():
             assert torch.equal(_full(after["state"][i][name]), _full(v)), (i, name)
+
+
+# ---- sampling -----------------------------------------------------------------------------
+
+def test_filter_logits_refuses_greedy_params_and_logits_of_another_rank():
+    """filter_logits(logits, SamplingParams()) divided by temperature 0: [[inf, nan, -inf]]
+    silently (HF's TemperatureLogitsWarper refuses 0); 1-d logits were an IndexError."""
+    from workbench.serve import SamplingParams, filter_logits
+    with pytest.raises(ValueError, match="temperature=0"):
+        filter_logits(torch.tensor([[1.0, 0.0, -2.0]]), SamplingParams())
+    with pytest.raises(ValueError, match=r"shape \(3,\); give the last position's \(B, V\)"):
+        filter_logits(torch.tensor([1.0, 0.0, -2.0]), SamplingParams(1.0, top_k=2))
+    got = filter_logits(torch.tensor([[1.0, 0.0, -2.0]]), SamplingParams(0.5, top_k=2))
+    assert torch.equal(got, torch.tensor([[2.0, 0.0, float("-inf")]]))

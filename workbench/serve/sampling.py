@@ -61,7 +61,15 @@ class SamplingParams:
 
 def filter_logits(logits, params: SamplingParams):
     """logits (B, V) -> float32 logits / temperature with the tokens top-k and top-p
-    drop set to -inf (B, V)."""
+    drop set to -inf (B, V).  Greedy params (temperature 0) are refused: logits / 0 are
+    inf and nan, as Hugging Face's ``TemperatureLogitsWarper`` refuses them."""
+    if params.greedy:
+        raise ValueError("filter_logits(params=SamplingParams(temperature=0)): greedy decoding "
+                         "filters nothing (logits / 0 would be inf and nan); give a temperature "
+                         "> 0, or take the argmax with sample_next(logits, params)")
+    if logits.ndim != 2:
+        raise ValueError(f"filter_logits: logits of shape {tuple(logits.shape)}; give the last "
+                         "position's (B, V), e.g. logits[:, -1, :]")
     x = logits.float() / params.temperature                                 # (B, V)
     V = x.shape[-1]
     if params.top_k is not None and params.top_k < V:
