@@ -151,3 +151,59 @@ def test_filter_logits_refuses_greedy_params_and_logits_of_another_rank():
         filter_logits(torch.tensor([1.0, 0.0, -2.0]), SamplingParams(1.0, top_k=2))
     got = filter_logits(torch.tensor([[1.0, 0.0, -2.0]]), SamplingParams(0.5, top_k=2))
     assert torch.equal(got, torch.tensor([[2.0, 0.0, float("-inf")]]))
+
+
+def _chunked_zero(steps):
+    """ZeRO-1 in chunks over dp beside tensor parallelism over tp (test_dp_family's)."""
+    mesh = wb.Mesh([[0, 1], [2, 3]], ["dp", "tp"])
+    torch.manual_seed(0)
+    model = wb.parallelize(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)),
+                           mesh, {"0": "colwise", "2": "rowwise"}, mesh_dim="tp")
+    opt = wb.ZeroRedundancyOptimizer(wb.dist_parameters(model), torch.optim.AdamW, mesh, "dp",
+                                     partition="chunks", lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x = wb.shard_tensor(torch.randn(8, 16, generator=g), mesh, [wb.Shard(0), wb.Replicate()])
+    for _ in range(steps):
+        opt.zero_grad()
+        (model(x) ** 2).mean().backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("steps", [0, 2])
+def test_state_dict_helpers_name_a_chunked_zero_optimizer_and_the_way_that_works(
+        tmp_path, steps):
+    """Its groups hold flat chunks, not the model's parameters: get_state_dict failed with
+    step()'s "no parameter has a gradient; call loss.backward() first" (trained), or named
+    its chunks "not among model.named_parameters()" (fresh).  The way named, saving it as
+    itself into the same layout, gives its states back."""
+    from workbench.checkpoint import get_optimizer_state_dict, load, save
+    model, opt = _chunked_zero(steps)
+    before = copy.deepcopy(opt.state_dict())
+    for fn in (lambda: get_state_dict(model, opt), lambda: get_optimizer_state_dict(model, opt)):
+        with pytest.raises(NotImplementedError, match=r"partition='chunks'.*same layout"):
+            fn()
+    if not steps:
+        return
+    after = opt.state_dict()
+    assert all(torch.equal(after["state"][i][n], v) for i, st in before["state"].items()
+               for n, v in st.items())
+    save(tmp_path, {"optim": opt})
+    model2, opt2 = _chunked_zero(1)
+    load(tmp_path, {"optim": opt2})
+    got = opt2.state_dict()
+    assert all(torch.equal(got["state"][i][n], v) for i, st in before["state"].items()
+               for n, v in st.items())
+
+
+def test_a_state_initializing_step_that_fails_leaves_the_lr_as_it_was():
+    """get_state_dict gives a fresh optimizer its states with one step at lr 0 (torch's
+    _init_optim_state); LBFGS's step wants a closure and raised, and the lr stayed 0 (as
+    with torch's own helper): the next training step then moved nothing."""
+    torch.manual_seed(0)
+    m = Net()
+    o = torch.optim.LBFGS(m.parameters(), lr=0.5)
+    with pytest.raises(TypeError, match="closure"):
+        get_state_dict(m, o)
+    assert o.param_groups[0]["lr"] == 0.5
+    assert all(p.grad is None for p in m.parameters())

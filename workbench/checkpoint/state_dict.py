@@ -125,6 +125,19 @@ def _optimizers(optimizers, name) -> list:
                 "Optimizer; a recipe's stage optimizers (Hybrid) move between layouts "
                 "with wb.checkpoint.training.save_training / resume_training (python -m "
                 "workbench train --save / --resume), or their own state_dict()")
+        from ..parallel.strategies.zero_optimizer_dist import ChunkedZeroOptimizer
+        if isinstance(o, ChunkedZeroOptimizer):
+            # its groups hold the flat chunks it steps, not the model's parameters: read
+            # through them, a trained one took a state-initializing step ("no parameter
+            # has a gradient"), a fresh one named its chunks "not among named_parameters"
+            raise NotImplementedError(
+                f"{name}: optimizers[{i}] is ZeroRedundancyOptimizer(partition='chunks'), "
+                "whose states are flat chunks per data-parallel rank, not keyed by the "
+                "model's parameters; not built here. Save it as itself, "
+                "wb.checkpoint.save(path, {'model': model.state_dict(), 'optim': opt}), and "
+                "load it into the same layout; or train with the hybrid recipe "
+                "(Hybrid(dp=..., zero=1), python -m workbench train --save / --resume), "
+                "whose checkpoints reshard these states into any layout")
     return opts
 
 
@@ -238,12 +251,14 @@ def _init_optim_state(optim) -> None:
         if "lr" in g:
             lrs.append(g["lr"])
             g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-    with values_kept(p for g in optim.param_groups for p in g["params"]):
-        optim.step()                    # state_dict() copies taken before stay current
-    for g in optim.param_groups:
-        if "lr" in g:
-            g["lr"] = lrs.pop(0)
-    optim.zero_grad(set_to_none=True)
+    try:
+        with values_kept(p for g in optim.param_groups for p in g["params"]):
+            optim.step()                # state_dict() copies taken before stay current
+    finally:                            # a step that raises (LBFGS wants a closure) leaves
+        for g in optim.param_groups:    # the lr as it was, not 0 (as torch's left it)
+            if "lr" in g:
+                g["lr"] = lrs.pop(0)
+        optim.zero_grad(set_to_none=True)
 
 
 # ---- get -----------------------------------------------------------------------------------
