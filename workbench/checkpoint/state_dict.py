@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from ..parallel.dcp_interop import as_stateful
+from ..parallel.dcp_interop import as_optim_stateful, as_stateful
 from ..parallel.dist_tensor import DistTensor
 from ..parallel.load_back import values_kept
 from .flat_optim import flatten as _flatten, unflatten as _unflatten
@@ -295,8 +295,10 @@ def get_optimizer_state_dict(model: nn.Module, optimizers, *, submodules=None,
         for g in osd["param_groups"]:
             groups.append({**g, "params": [fqns[i] for i in g["params"]]})
     out = {"state": state, "param_groups": groups}
-    if options.flatten_optimizer_state_dict:
-        out = _flatten(out)
+    # holding DistTensors (tensor parallelism's states): torch's dcp.save / dcp.load read
+    # it as Stateful (full tensors, loaded back into the DistTensors), as the model's
+    out = as_stateful(_flatten(out)) if options.flatten_optimizer_state_dict else \
+        as_optim_stateful(out)
     return {} if _rank0_only(options) else out
 
 
