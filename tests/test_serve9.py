@@ -256,3 +256,12 @@ def test_torchs_dcp_moves_tensor_parallel_optimizer_states_between_layouts(tmp_p
     for fqn, st in wo["state"].items():
         for name, v in st.items():
             assert torch.equal(go["state"][fqn][name], v), (fqn, name)
+
+
+def test_top_p_keeps_every_token_tied_with_the_last_one_kept_as_documented():
+    from workbench.serve import SamplingParams, filter_logits
+    x = torch.log(torch.tensor([[0.5, 0.25, 0.25, 1e-3]]))
+    got = filter_logits(x, SamplingParams(1.0, top_p=0.6))
+    assert (got > float("-inf")).tolist() == [[True, True, True, False]]
+    got = filter_logits(x, SamplingParams(1.0, top_p=0.45))     # reached by the first alone
+    assert (got > float("-inf")).tolist() == [[True, False, False, False]]

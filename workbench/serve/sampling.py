@@ -12,7 +12,12 @@ The order and meaning are Hugging Face ``transformers``' logits warpers
     top_p = p        keep the smallest set of most likely tokens whose probability
                      reaches p (Holtzman et al. 2020, "The Curious Case of Neural Text
                      Degeneration"): in descending order, token i is kept when the
-                     mass before it is < p, so the most likely token always is
+                     mass before it is < p, so the most likely token always is;
+                     tokens tied with the last one kept are kept too, as top_k keeps
+                     ties (probabilities 0.5, 0.25, 0.25 and p = 0.6 keep all three;
+                     Hugging Face's sort keeps one of the tied pair, whichever it puts
+                     first): the set does not depend on an order of ties, so every
+                     layout keeps the same tokens
     then             softmax, one draw per row (``torch.multinomial``)
 
 Written with torch ops only (argmax, topk, softmax, cumsum, gather, masked_fill,
