@@ -265,3 +265,26 @@ def test_top_p_keeps_every_token_tied_with_the_last_one_kept_as_documented():
     assert (got > float("-inf")).tolist() == [[True, True, True, False]]
     got = filter_logits(x, SamplingParams(1.0, top_p=0.45))     # reached by the first alone
     assert (got > float("-inf")).tolist() == [[True, False, False, False]]
+
+
+# ---- a pipeline-trained model, served -----------------------------------------------------
+
+def test_generate_on_a_pipeline_split_model_names_the_way_to_serve_it():
+    """generate(model) of Hybrid(pp=2) failed inside the model's forward, naming
+    training's calls (strategy.forward_backward / evaluate); the way named now,
+    serve_model(cfg, state_dict=model.state_dict()), gives one device's tokens."""
+    from workbench.models import build_model
+    from workbench.models.config import get_config
+    from workbench.recipes.hybrid import Hybrid
+    from workbench.serve import Engine, generate, serve_model
+    cfg = get_config("tiny", dtype="float32")
+    idx = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    want = generate(build_model(cfg, seed=4).eval(), idx, 6)
+    piped = Hybrid(pp=2).build_model(cfg, seed=4)
+    with pytest.raises(TypeError, match=r"pipeline stages.*serve_model\(model.cfg, tp=\.\.\., "
+                                        r"state_dict=model.state_dict\(\)\)"):
+        generate(piped, idx, 6)
+    with pytest.raises(TypeError, match=r"state_dict=model.state_dict\(\)"):
+        Engine(piped, 8, 4)
+    served = serve_model(piped.cfg, tp=2, state_dict=piped.state_dict())
+    assert torch.equal(generate(served.model, served.place(idx), 6).full(), want)
