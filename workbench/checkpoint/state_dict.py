@@ -33,7 +33,14 @@ with torch's semantics:
 
 Differences, as the wrappers' own ``state_dict()``: an optimizer's states come in one
 device's shapes (full tensors, not DTensor shards); the deprecated ``submodules=``
-argument raises (filter the returned dict instead).  torch's own helpers do not know
+argument raises (filter the returned dict instead).  A failed set changes nothing: a
+plain module's values are put back when ``load_state_dict`` raises (torch's copies what
+fits first), and a saved optimizer state of another shape than the one the optimizer
+holds is refused naming it (torch's load takes it; the next step fails).  A
+``ZeroRedundancyOptimizer``'s states are read from its ranks' own optimizers;
+``partition="chunks"`` (flat chunks, not keyed by parameters) is refused, naming the way.
+A dict holding DistTensors (tensor parallelism) is read by torch's ``dcp.save`` /
+``dcp.load`` as ``Stateful``: full tensors, loaded back in place.  torch's own helpers do not know
 ``wb.FullyShardedDataParallel`` (they look the names up as attributes of the wrapper)
 nor DistTensors (``full_state_dict=True`` raises ``Unexpected value type``); over
 ``wb.DistributedDataParallel`` (torch DDP's names) they keep the ``module.`` prefix, which
