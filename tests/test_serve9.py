@@ -288,3 +288,24 @@ def test_generate_on_a_pipeline_split_model_names_the_way_to_serve_it():
         Engine(piped, 8, 4)
     served = serve_model(piped.cfg, tp=2, state_dict=piped.state_dict())
     assert torch.equal(generate(served.model, served.place(idx), 6).full(), want)
+
+
+# ---- the KV cache at its capacity ---------------------------------------------------------
+
+def test_a_cache_at_its_capacity_raises_naming_the_fix_and_keeps_what_it_held():
+    """Never wraps: a decode past max_len raises before any layer stores (the cache's
+    tokens still equal the cacheless decode's), naming what to do."""
+    from workbench.models import build_model
+    from workbench.models.config import get_config
+    from workbench.serve import KVCache, generate
+    cfg = get_config("tiny", dtype="float32", n_kv_head=2)
+    m = build_model(cfg, seed=0).eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, 4), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(cfg.n_layer, max_len=7)
+    out = generate(m, idx, 3, cache=cache)              # 7 tokens, 6 held (the last not fed)
+    assert torch.equal(out, generate(m, idx, 3, use_cache=False))
+    with pytest.raises(ValueError, match=r"6 held \+ 2 new tokens exceed max_len=7 \(nothing "
+                                         r"was stored\); ask for fewer tokens"):
+        generate(m, torch.cat([out, out[:, -1:]], 1), 1, cache=cache)
+    assert all(k.shape[2] == 6 for k in cache.keys + cache.values)
+    assert torch.equal(generate(m, out, 1, cache=cache), generate(m, out, 1, use_cache=False))
