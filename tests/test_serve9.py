@@ -309,3 +309,31 @@ def test_a_cache_at_its_capacity_raises_naming_the_fix_and_keeps_what_it_held():
         generate(m, torch.cat([out, out[:, -1:]], 1), 1, cache=cache)
     assert all(k.shape[2] == 6 for k in cache.keys + cache.values)
     assert torch.equal(generate(m, out, 1, cache=cache), generate(m, out, 1, use_cache=False))
+
+
+@pytest.mark.parametrize("source", ["tp4", "fsdp"])
+def test_set_state_dict_takes_disttensors_of_another_mesh_into_tensor_parallel(source):
+    """The module docstring: the set_* functions take DistTensors 'whatever the layout
+    that saved it'; into a tensor-parallel module, those of another mesh (TP 4's, FSDP's
+    on dp=3) were refused with 'the DistTensor lives on Mesh(tp=4 ...); load its .full()
+    instead'.  They are gathered first, as into a plain module."""
+    from workbench.checkpoint import StateDictOptions, set_state_dict
+    if source == "tp4":
+        m, o = _tp(4, 2)
+    else:
+        torch.manual_seed(0)
+        m = wb.FullyShardedDataParallel(Net(), MESH)
+        o = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        for x in X:
+            o.zero_grad()
+            m(wb.shard_tensor(x, MESH, ["S(0)"])).full().pow(2).mean().backward()
+            o.step()
+    msd, osd = get_state_dict(m, o)
+    m2, o2 = _tp(2, 0)
+    set_state_dict(m2, o2, model_state_dict=msd, optim_state_dict=osd)
+    full = StateDictOptions(full_state_dict=True)
+    (wm, wo), (gm, go) = get_state_dict(m, o, options=full), get_state_dict(m2, o2, options=full)
+    assert all(torch.equal(gm[k], v) for k, v in wm.items())
+    for fqn, st in wo["state"].items():
+        for name, v in st.items():
+            assert torch.equal(go["state"][fqn][name], v), (fqn, name)

@@ -353,8 +353,10 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict, *,
     given = {}
     for k, v in model_state_dict.items():
         mine = key.get(k, k)
-        if isinstance(v, DistTensor) and mine in own and not isinstance(own[mine], DistTensor):
-            v = v.full()                # a plain tensor takes the full value
+        if isinstance(v, DistTensor) and mine in own and (
+                not isinstance(own[mine], DistTensor) or own[mine].mesh != v.mesh):
+            v = v.full()                # a plain tensor, or one on another mesh (FSDP's or
+            #                             TP 4's into TP 2), takes the full value
         given[mine] = v
     # torch's load_state_dict copies every value that fits before it raises for a wrong
     # shape, a missing or an unexpected key; the wrappers check first and change nothing.
