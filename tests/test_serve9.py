@@ -1,7 +1,11 @@
-"""Train-to-serve probed as a user would (serve9): checkpoints between layouts, the KV
-cache, paged attention and continuous batching, each held to a single-device reference
-(``generate`` without a cache, torch's own ``torch.distributed.checkpoint`` helpers on
-the plain module)."""
+"""Train-to-serve probed as a user would (serve9): the defects found, each held to a
+single-device reference (torch's own ``torch.distributed.checkpoint`` helpers on the
+plain module, ``generate`` without a cache).  Checkpoints between layouts (the
+state-dict helpers on ZeRO, TP, FSDP; torch's DCP), sampling's filter, generation on a
+pipeline-split model, the KV cache at its capacity.  Paged attention and continuous
+batching (random arrivals, preemption, budgets, seeded sampling, tp 2) matched
+``generate`` token for token in every probe: their tests are test_paged_attention.py,
+test_serve_engine.py and the audits."""
 import copy
 import warnings
 
