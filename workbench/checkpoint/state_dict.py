@@ -33,7 +33,14 @@ with torch's semantics:
 
 Differences, as the wrappers' own ``state_dict()``: an optimizer's states come in one
 device's shapes (full tensors, not DTensor shards); the deprecated ``submodules=``
-argument raises (filter the returned dict instead).  torch's own helpers do not know
+argument raises (filter the returned dict instead).  A failed set changes nothing: a
+plain module's values are put back when ``load_state_dict`` raises (torch's copies what
+fits first), and a saved optimizer state of another shape than the one the optimizer
+holds is refused naming it (torch's load takes it; the next step fails).  A
+``ZeroRedundancyOptimizer``'s states are read from its ranks' own optimizers;
+``partition="chunks"`` (flat chunks, not keyed by parameters) is refused, naming the way.
+A dict holding DistTensors (tensor parallelism) is read by torch's ``dcp.save`` /
+``dcp.load`` as ``Stateful``: full tensors, loaded back in place.  torch's own helpers do not know
 ``wb.FullyShardedDataParallel`` (they look the names up as attributes of the wrapper)
 nor DistTensors (``full_state_dict=True`` raises ``Unexpected value type``); over
 ``wb.DistributedDataParallel`` (torch DDP's names) they keep the ``module.`` prefix, which
@@ -51,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from ..parallel.dcp_interop import as_stateful
+from ..parallel.dcp_interop import as_optim_stateful, as_stateful
 from ..parallel.dist_tensor import DistTensor
 from ..parallel.load_back import values_kept
 from .flat_optim import flatten as _flatten, unflatten as _unflatten
@@ -125,6 +132,19 @@ def _optimizers(optimizers, name) -> list:
                 "Optimizer; a recipe's stage optimizers (Hybrid) move between layouts "
                 "with wb.checkpoint.training.save_training / resume_training (python -m "
                 "workbench train --save / --resume), or their own state_dict()")
+        from ..parallel.strategies.zero_optimizer_dist import ChunkedZeroOptimizer
+        if isinstance(o, ChunkedZeroOptimizer):
+            # its groups hold the flat chunks it steps, not the model's parameters: read
+            # through them, a trained one took a state-initializing step ("no parameter
+            # has a gradient"), a fresh one named its chunks "not among named_parameters"
+            raise NotImplementedError(
+                f"{name}: optimizers[{i}] is ZeroRedundancyOptimizer(partition='chunks'), "
+                "whose states are flat chunks per data-parallel rank, not keyed by the "
+                "model's parameters; not built here. Save it as itself, "
+                "wb.checkpoint.save(path, {'model': model.state_dict(), 'optim': opt}), and "
+                "load it into the same layout; or train with the hybrid recipe "
+                "(Hybrid(dp=..., zero=1), python -m workbench train --save / --resume), "
+                "whose checkpoints reshard these states into any layout")
     return opts
 
 
@@ -201,11 +221,31 @@ def _laid_out_as(v, p):
     return distribute_tensor(v.detach(), p.mesh, p.placements)
 
 
+def _holds_state(optim) -> bool:
+    """torch's test of an optimizer that has stepped (``optim.state`` not empty), and for
+    ``wb.ZeroRedundancyOptimizer`` its ranks' own optimizers, which hold the states (the
+    wrapper's ``state`` stays empty, as torch's ZeroRedundancyOptimizer's): read through
+    the wrapper alone, a ZeRO run that had stepped and then zeroed its gradients
+    (``zero_grad()``) took one more step here (step + 1, Adam's moments times beta)."""
+    if optim.state:
+        return True
+    inner = getattr(optim, "optimizers", None)          # ZeroRedundancyOptimizer: per rank
+    held = isinstance(inner, dict) and any(o is not None and bool(o.state)
+                                           for o in inner.values())
+    group = getattr(optim, "group", None)
+    if isinstance(inner, dict) and getattr(group, "distributed", False):
+        dev = next((p.device for g in optim.param_groups for p in g["params"]), None)
+        flag = torch.tensor([float(held)], device=dev)  # a rank owning nothing holds none:
+        dist.all_reduce(flag, dist.ReduceOp.MAX, group=group.pg)    # all ranks decide alike
+        held = bool(flag.item())
+    return held
+
+
 def _init_optim_state(optim) -> None:
     """torch's ``_init_optim_state``: an optimizer that has taken no step gets its states
     from one step with zero gradients and ``lr`` 0 (the parameters keep their values)."""
-    if optim.state or any(p.grad is not None for g in optim.param_groups
-                          for p in g["params"]):
+    if _holds_state(optim) or any(p.grad is not None for g in optim.param_groups
+                                  for p in g["params"]):
         return
     for g in optim.param_groups:
         for p in g["params"]:
@@ -218,12 +258,14 @@ def _init_optim_state(optim) -> None:
         if "lr" in g:
             lrs.append(g["lr"])
             g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-    with values_kept(p for g in optim.param_groups for p in g["params"]):
-        optim.step()                    # state_dict() copies taken before stay current
-    for g in optim.param_groups:
-        if "lr" in g:
-            g["lr"] = lrs.pop(0)
-    optim.zero_grad(set_to_none=True)
+    try:
+        with values_kept(p for g in optim.param_groups for p in g["params"]):
+            optim.step()                # state_dict() copies taken before stay current
+    finally:                            # a step that raises (LBFGS wants a closure) leaves
+        for g in optim.param_groups:    # the lr as it was, not 0 (as torch's left it)
+            if "lr" in g:
+                g["lr"] = lrs.pop(0)
+        optim.zero_grad(set_to_none=True)
 
 
 # ---- get -----------------------------------------------------------------------------------
@@ -260,8 +302,10 @@ def get_optimizer_state_dict(model: nn.Module, optimizers, *, submodules=None,
         for g in osd["param_groups"]:
             groups.append({**g, "params": [fqns[i] for i in g["params"]]})
     out = {"state": state, "param_groups": groups}
-    if options.flatten_optimizer_state_dict:
-        out = _flatten(out)
+    # holding DistTensors (tensor parallelism's states): torch's dcp.save / dcp.load read
+    # it as Stateful (full tensors, loaded back into the DistTensors), as the model's
+    out = as_stateful(_flatten(out)) if options.flatten_optimizer_state_dict else \
+        as_optim_stateful(out)
     return {} if _rank0_only(options) else out
 
 
@@ -309,10 +353,24 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict, *,
     given = {}
     for k, v in model_state_dict.items():
         mine = key.get(k, k)
-        if isinstance(v, DistTensor) and mine in own and not isinstance(own[mine], DistTensor):
-            v = v.full()                # a plain tensor takes the full value
+        if isinstance(v, DistTensor) and mine in own and (
+                not isinstance(own[mine], DistTensor) or own[mine].mesh != v.mesh):
+            v = v.full()                # a plain tensor, or one on another mesh (FSDP's or
+            #                             TP 4's into TP 2), takes the full value
         given[mine] = v
-    return model.load_state_dict(given, strict=options.strict)
+    # torch's load_state_dict copies every value that fits before it raises for a wrong
+    # shape, a missing or an unexpected key; the wrappers check first and change nothing.
+    # So a plain module's tensors are kept and put back: a failed set leaves it as it was
+    kept = [(t, t.detach().clone()) for t in own.values()
+            if isinstance(t, torch.Tensor) and not isinstance(t, DistTensor)
+            and t.device.type != "meta"]
+    try:
+        return model.load_state_dict(given, strict=options.strict)
+    except BaseException:
+        with torch.no_grad():
+            for t, old in kept:
+                t.copy_(old)
+        raise
 
 
 def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dict, *,
@@ -342,6 +400,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dic
     loads = []
     for i, (o, fqns) in enumerate(zip(opts, all_fqns)):
         state, groups, k = {}, [], 0
+        held = _current_states(o)
         for g, group in enumerate(o.param_groups):
             mine = fqns[k:k + len(group["params"])]
             saved = [group_of.get(f) for f in mine]
@@ -357,11 +416,39 @@ def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dic
                            "params": list(range(k, k + len(mine)))})
             for j, (f, p) in enumerate(zip(mine, group["params"])):
                 if f in saved_state:
+                    _check_shapes(f, saved_state[f], held.get(k + j, {}))
                     state[k + j] = {n: _laid_out_as(v, p) for n, v in saved_state[f].items()}
             k += len(mine)
         loads.append((o, {"state": state, "param_groups": groups}))
     for o, osd in loads:
         o.load_state_dict(osd)
+
+
+def _current_states(o) -> dict:
+    """{index in the optimizer's state dict: its states} that ``o`` holds now, as its
+    ``state_dict()`` gives them (one device's shapes, whatever the wrapper's storage; a
+    ZeRO optimizer's from its ranks' own optimizers, none under torch.distributed, where
+    they live on their owners)."""
+    if not _holds_state(o) or (isinstance(getattr(o, "optimizers", None), dict) and
+                               getattr(getattr(o, "group", None), "distributed", False)):
+        return {}
+    return o.state_dict()["state"]
+
+
+def _check_shapes(fqn, saved: dict, held: dict) -> None:
+    """A saved state of another shape than the one the optimizer holds for ``fqn`` (e.g.
+    the moments of another model's parameter) is refused naming it: torch's
+    ``Optimizer.load_state_dict`` takes it and the next step fails on a broadcast."""
+    for name, v in saved.items():
+        have = held.get(name)
+        if isinstance(v, (torch.Tensor, DistTensor)) and isinstance(have, (torch.Tensor,
+                                                                           DistTensor)) \
+                and tuple(v.shape) != tuple(have.shape):
+            raise ValueError(
+                f"set_optimizer_state_dict: state {name!r} of {fqn!r} has shape "
+                f"{tuple(v.shape)}, the optimizer holds {tuple(have.shape)} for it (the "
+                "parameter's); give the optimizer state dict of this model (the saving "
+                "run's get_optimizer_state_dict)")
 
 
 def set_state_dict(model: nn.Module, optimizers, *, model_state_dict: dict,

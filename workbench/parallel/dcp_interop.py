@@ -19,12 +19,18 @@ it knows) and failed with "expected BytesStorageMetadata".  Two things here:
   call: ``wb.checkpoint.save`` / ``load`` (DCP's own format, each rank's shard written
   without a gather).  A load into a DistTensor elsewhere never reaches such a hook (DCP
   drops the value first): DCP's own error is what comes.
+
+An optimizer's state dict holding DistTensors (``wb.checkpoint.get_optimizer_state_dict``
+over tensor-parallel parameters: ``{"state": {fqn: {"exp_avg": DistTensor, ...}},
+"param_groups": [...]}``) is read the same way, as a :class:`DistOptimStateDict`: DCP
+saves the full tensors and its load copies them back into the DistTensors in place.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
-__all__ = ["install", "DistStateDict", "as_stateful"]
+__all__ = ["install", "DistStateDict", "DistOptimStateDict", "as_stateful",
+           "as_optim_stateful"]
 
 
 def _message(what: str, fqn: str | None) -> str:
@@ -110,3 +116,83 @@ def as_stateful(sd):
     if meta is not None:
         out._metadata = meta
     return out
+
+
+def _leaves(tree, path=()):
+    """(path, leaf) of a nested dict / list."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, path + (k,))
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _leaves(v, path + (i,))
+    else:
+        yield path, tree
+
+
+def _get(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree, path, value) -> None:
+    _get(tree, path[:-1])[path[-1]] = value
+
+
+class DistOptimStateDict(dict):
+    """An optimizer's state dict holding DistTensors: an ordinary dict, which DCP also
+    reads as ``Stateful`` (module docstring)."""
+
+    def __repr__(self):
+        return repr(dict(self))
+
+    def __reduce__(self):
+        return (dict, (), None, None, iter(self.items()))
+
+    def state_dict(self) -> dict:
+        """A copy of the nesting with each DistTensor as its full tensor (what DCP saves
+        and loads into); the other values as they are."""
+        from .dist_tensor import DistTensor
+
+        def copy(v):
+            if isinstance(v, dict):
+                return {k: copy(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [copy(x) for x in v]
+            return v.full().detach() if isinstance(v, DistTensor) else v
+        return copy(dict(self))
+
+    def load_state_dict(self, state_dict) -> None:
+        """DCP's loaded values into this dict's DistTensors in place (every check first: a
+        failure changes nothing); other values replaced, as DCP replaces them."""
+        import torch
+
+        from .dist_tensor import DistTensor
+        from .module_state import load_dist_
+        mine = dict(_leaves(dict(self)))
+        given = list(_leaves(state_dict))
+        for path, v in given:
+            cur = mine.get(path)
+            if isinstance(cur, DistTensor) and (not isinstance(v, torch.Tensor) or
+                                                 tuple(v.shape) != tuple(cur.shape)):
+                raise RuntimeError(f"load into {'.'.join(map(str, path))!r}: DCP gave "
+                                   f"{type(v).__name__} {tuple(getattr(v, 'shape', ()))}, the "
+                                   f"DistTensor holds {tuple(cur.shape)}")
+        for path, v in given:
+            cur = mine.get(path)
+            if isinstance(cur, DistTensor):
+                err = load_dist_(cur, v, ".".join(map(str, path)))
+                if err:
+                    raise RuntimeError(err)
+            elif path in mine and cur is not v:
+                _set(self, path, v)
+
+
+def as_optim_stateful(osd):
+    """``osd`` (an optimizer's nested state dict) as a :class:`DistOptimStateDict` where
+    it holds a DistTensor; else ``osd`` itself."""
+    from .dist_tensor import DistTensor
+    if type(osd) is not dict or not any(isinstance(v, DistTensor) for _, v in _leaves(osd)):
+        return osd
+    return DistOptimStateDict(osd)

@@ -67,7 +67,8 @@ def layout_of(model):
     if any(p.mesh is not mesh for p in params):
         raise TypeError("Engine(model=...): the model's parameters live on several meshes "
                         "(pipeline stages?); the engine serves one tensor-parallel group: lay "
-                        "the model out with serve_model(cfg, tp=...)")
+                        "the model out with serve_model(model.cfg, tp=..., "
+                        "state_dict=model.state_dict())")
     names = tuple(mesh.dim_names)
     if "tp" not in names:
         raise TypeError(f"Engine(model=...): the model is laid out on a mesh {names} with no "

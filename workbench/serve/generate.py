@@ -51,6 +51,17 @@ def _check(model, idx, max_new_tokens, use_cache):
                         "the wrapper's full_state_dict() (DDP, FSDP wrappers), or the "
                         "state_dict() of a module sharded in place (fully_shard, "
                         "parallelize_module: its DistTensors are gathered)")
+    meshes = []
+    for p in model.parameters():
+        if isinstance(p, DistTensor) and not any(p.mesh == m for m in meshes):
+            meshes.append(p.mesh)
+    if len(meshes) > 1:     # the model's own forward refused it naming training's calls
+        raise TypeError(f"generate(model=...): a model split into pipeline stages (its "
+                        f"parameters live on {len(meshes)} meshes); generation runs the whole "
+                        "model token by token on one layout: serve its weights with "
+                        "serve_model(model.cfg, tp=..., state_dict=model.state_dict()) (each "
+                        "stage's DistTensors gathered), then generate(served.model, "
+                        "served.place(idx), ...)")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens!r}: give an int >= 0")

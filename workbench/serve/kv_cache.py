@@ -106,8 +106,10 @@ class KVCache:
                              f"cached {tuple(old_k.shape)} (batch and heads must match); start "
                              "a new cache for a new batch")
         if self.max_len is not None and self.get_seq_length(layer) + k.shape[2] > self.max_len:
-            raise ValueError(f"KVCache: {self.get_seq_length(layer)} + {k.shape[2]} tokens "
-                             f"exceed max_len={self.max_len}")
+            raise ValueError(f"KVCache: {self.get_seq_length(layer)} held + {k.shape[2]} new "
+                             f"tokens exceed max_len={self.max_len} (nothing was stored); "
+                             "ask for fewer tokens, or build the cache with a larger "
+                             "max_len, at most the model's seq_len (KVCache.for_model)")
         self.keys[layer] = k if old_k is None else torch.cat((old_k, k), 2)       # (B, nkv, T, hd)
         self.values[layer] = v if old_v is None else torch.cat((old_v, v), 2)
         return self.keys[layer], self.values[layer]

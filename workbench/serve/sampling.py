@@ -12,7 +12,12 @@ The order and meaning are Hugging Face ``transformers``' logits warpers
     top_p = p        keep the smallest set of most likely tokens whose probability
                      reaches p (Holtzman et al. 2020, "The Curious Case of Neural Text
                      Degeneration"): in descending order, token i is kept when the
-                     mass before it is < p, so the most likely token always is
+                     mass before it is < p, so the most likely token always is;
+                     tokens tied with the last one kept are kept too, as top_k keeps
+                     ties (probabilities 0.5, 0.25, 0.25 and p = 0.6 keep all three;
+                     Hugging Face's sort keeps one of the tied pair, whichever it puts
+                     first): the set does not depend on an order of ties, so every
+                     layout keeps the same tokens
     then             softmax, one draw per row (``torch.multinomial``)
 
 Written with torch ops only (argmax, topk, softmax, cumsum, gather, masked_fill,
@@ -61,7 +66,15 @@ class SamplingParams:
 
 def filter_logits(logits, params: SamplingParams):
     """logits (B, V) -> float32 logits / temperature with the tokens top-k and top-p
-    drop set to -inf (B, V)."""
+    drop set to -inf (B, V).  Greedy params (temperature 0) are refused: logits / 0 are
+    inf and nan, as Hugging Face's ``TemperatureLogitsWarper`` refuses them."""
+    if params.greedy:
+        raise ValueError("filter_logits(params=SamplingParams(temperature=0)): greedy decoding "
+                         "filters nothing (logits / 0 would be inf and nan); give a temperature "
+                         "> 0, or take the argmax with sample_next(logits, params)")
+    if logits.ndim != 2:
+        raise ValueError(f"filter_logits: logits of shape {tuple(logits.shape)}; give the last "
+                         "position's (B, V), e.g. logits[:, -1, :]")
     x = logits.float() / params.temperature                                 # (B, V)
     V = x.shape[-1]
     if params.top_k is not None and params.top_k < V:
