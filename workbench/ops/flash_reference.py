@@ -22,11 +22,11 @@ dS = P * (dP - D_i), dQ_i += dS K_j * scale, dK_j += dS^T Q_i * scale.
 Grouped-query attention (Ainslie et al. 2023): query heads are viewed as
 (Hkv, G) so that G query heads share one K/V head without copying it; dK and dV
 sum over the G heads.  Dropout keeps each probability with ``keep_prob`` and
-scales by 1/keep_prob; the mask of tile (i, j) is regenerated from
-(seed, i, j) in backward, as FlashAttention does with its Philox counter, so
-it is never stored either.  Empty tiles (see masks.py) are skipped in both
-passes.  Work is done in float32 (float64 for float64 inputs), as the kernels
-accumulate in float32.
+scales by 1/keep_prob (keep_prob 0 keeps none: zeros, as torch's dropout(p=1));
+the mask of tile (i, j) is regenerated from (seed, i, j) in backward, as
+FlashAttention does with its Philox counter, so it is never stored either.
+Empty tiles (see masks.py) are skipped in both passes.  Work is done in float32
+(float64 for float64 inputs), as the kernels accumulate in float32.
 """
 from __future__ import annotations
 
@@ -110,9 +110,9 @@ class FlashAttention2(torch.autograd.Function):
                 p = (s - m_use).exp_()                                 # (B, Hkv, G, Tq, Tk)
                 alpha = (m - m_use).exp_()                  # rescales the earlier tiles
                 l = alpha * l + p.sum(-1, keepdim=True)     # softmax denominator: no dropout
-                if keep_prob < 1.0:
+                if keep_prob < 1.0:                         # keep_prob 0: p * 0, as torch
                     p = p * tile_dropout_keep(seed, i, j, p.shape, keep_prob, q.device)
-                    p = p / keep_prob
+                    p = p / keep_prob if keep_prob > 0 else p
                 acc = alpha * acc + p @ v5[..., c0:c1, :].to(ct)       # (B, Hkv, G, Tq, Dv)
                 m = m_new
             o5[..., r0:r1, :] = acc / l.masked_fill(l == 0, 1.0)       # a row with no key -> 0
@@ -160,7 +160,7 @@ class FlashAttention2(torch.autograd.Function):
                 p_kept = p
                 if keep_prob < 1.0:
                     z = tile_dropout_keep(ctx.seed, i, j, p.shape, keep_prob, q.device)
-                    z = z.to(ct) / keep_prob                 # the forward's 1/keep_prob scaling
+                    z = z.to(ct) / keep_prob if keep_prob > 0 else z.to(ct)   # forward's scaling
                     p_kept, dp = p * z, dp * z
                 dv[..., c0:c1, :] += (p_kept.transpose(-1, -2) @ doi).sum(2)  # sum G heads
                 ds = p * (dp - delta[..., r0:r1, :])        # softmax backward

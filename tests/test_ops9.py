@@ -1,0 +1,274 @@
+"""ops9: the fused ops against what F.rms_norm / scaled_dot_product_attention accept (torch
+2.13, measured), and their torch_npu dispatch with torch_npu absent. Each fix's test failed
+before it."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import workbench as wb
+import workbench.ops as ops
+
+BACKENDS = ("reference", "unfused", "native")
+
+
+def _rn(*shape, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed + 7 * sum(shape))
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _f_rms_norm(x, w, eps):
+    with warnings.catch_warnings():          # "Mismatch dtype ... Cannot dispatch to fused"
+        warnings.simplefilter("ignore")
+        return F.rms_norm(x, tuple(w.shape), w, eps)
+
+
+# ---- 1. rms_norm with a weight of another dtype, as F.rms_norm ---------------------------
+
+MIXED = [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+         (torch.float32, torch.bfloat16), (torch.float16, torch.bfloat16),
+         (torch.float32, torch.float64), (torch.float64, torch.float32)]
+
+
+@pytest.mark.parametrize("backend", ["reference", "native"])
+@pytest.mark.parametrize("xd, wd", MIXED)
+def test_rms_norm_takes_a_weight_of_another_dtype_as_f_rms_norm(backend, xd, wd):
+    """F.rms_norm returns x's dtype: (x_f32 * rstd) * weight in their promoted dtype, cast
+    back; gradients in each input's dtype. Before: 'inputs must share one dtype'."""
+    x0, w0, dy = _rn(4, 3, 16, dtype=xd), _rn(16, dtype=wd, seed=1), _rn(4, 3, 16, dtype=xd,
+                                                                          seed=2)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    want = _f_rms_norm(x, w, 1e-6)
+    dwant = torch.autograd.grad(want, (x, w), dy)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    with ops.use(backend):
+        got = ops.rms_norm(x, w, eps=1e-6)
+    dgot = torch.autograd.grad(got, (x, w), dy)
+    assert got.dtype == want.dtype == xd
+    torch.testing.assert_close(got, want, rtol=0, atol=0)        # the same roundings
+    for a, b in zip(dgot, dwant):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b)
+
+
+def test_rms_norm_float64_weight_multiplies_in_float64_as_f_rms_norm():
+    """A float64 weight on float32 x: F.rms_norm multiplies in float64 then rounds once;
+    casting the weight to float32 first (the old formula) rounds twice."""
+    x, w = _rn(64, 33, dtype=torch.float32), _rn(33, seed=5) * 1.37
+    want = _f_rms_norm(x, w, 1e-6)
+    got = ops.rms_norm(x, w, eps=1e-6)
+    assert torch.equal(got, want)
+
+
+def test_rms_norm_unfused_mixed_returns_x_dtype_and_the_cost_counts_its_cast():
+    x, w = _rn(4, 16, dtype=torch.bfloat16), _rn(16, dtype=torch.float32)
+    with ops.use("unfused"):
+        got = ops.rms_norm(x, w)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, _f_rms_norm(x, w, 1e-6), rtol=2e-2, atol=2e-2)
+    same = ops.cost("rms_norm", x, w.bfloat16())
+    mixed = ops.cost("rms_norm", x, w)
+    # * weight reads a float32 weight (16 * 2 bytes more) and writes float32 (64 * 2 more);
+    # a cast reads that (64 * 4) and writes bf16 (64 * 2)
+    assert mixed.bytes_unfused - same.bytes_unfused == 16 * 2 + 64 * 2 + 64 * 4 + 64 * 2
+    assert mixed.bytes_fused - same.bytes_fused == 16 * 2         # the weight's own bytes
+
+
+def test_rms_norm_still_refuses_a_non_floating_weight():
+    with pytest.raises(TypeError, match=r"weight.dtype is torch.int64; use one of"):
+        ops.rms_norm(_rn(2, 8, dtype=torch.float32), torch.ones(8, dtype=torch.int64))
+
+
+# ---- 2. flash_attention: dropout_p=1.0 and broadcast batch / heads, as sdpa -----------------
+
+def _att(backend, *args, **kw):
+    with ops.use(backend):
+        return ops.flash_attention(*args, **kw)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_one_gives_zeros_and_zero_gradients_as_sdpa(backend, causal):
+    """sdpa(dropout_p=1.0): all zeros, gradients all zero (torch's dropout multiplies by 0).
+    Before: 'dropout_p=1.0; it must be in [0, 1)'."""
+    q, k, v = (_rn(2, 4, 5 + i, 8, seed=i).requires_grad_() for i in (0, 2, 2))
+    want = F.scaled_dot_product_attention(q, k, v, dropout_p=1.0, is_causal=causal)
+    dwant = torch.autograd.grad(want.sum(), (q, k, v))
+    got = _att(backend, q, k, v, dropout_p=1.0, causal=causal)
+    dgot = torch.autograd.grad(got.sum(), (q, k, v))
+    assert bool((want == 0).all())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(dgot, dwant):
+        assert bool((b == 0).all())
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("p", [1.5, -0.1, 1.0000001, float("nan")])
+def test_dropout_outside_zero_one_is_refused_as_sdpa_refuses_it(p):
+    q = _rn(1, 1, 3, 4)
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, q, q, dropout_p=p)
+    with pytest.raises(ValueError, match=r"dropout_p=.*; it must be in \[0, 1\]"):
+        ops.flash_attention(q, q, q, dropout_p=p)
+
+
+def test_dropout_p_of_another_type_names_it():
+    q = _rn(1, 1, 3, 4)
+    with pytest.raises(TypeError, match=r"dropout_p='0.1'; give a float in \[0, 1\]"):
+        ops.flash_attention(q, q, q, dropout_p="0.1")
+
+
+# (q, k, v) batch and heads that sdpa(enable_gqa=True) takes on CPU (torch 2.13, measured)
+BROADCAST = {
+    "kv batch 1": ((2, 4), (1, 4), (1, 4)),
+    "k batch 1 only": ((2, 4), (1, 4), (2, 4)),
+    "q batch 1": ((1, 4), (2, 4), (2, 4)),
+    "q and v batch 1": ((1, 4), (2, 4), (1, 4)),
+    "kv batch 1 with gqa": ((2, 4), (1, 2), (1, 2)),
+    "k 1 head, v 2 heads": ((2, 4), (2, 1), (2, 2)),
+    "q batch 1, k 2 heads, v 4": ((1, 4), (2, 2), (2, 4)),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(BROADCAST))
+def test_batch_and_kv_heads_broadcast_as_sdpa_values_and_gradients(backend, name):
+    """Before: 'k.shape=... and v.shape=... must share (batch, heads, seq), and batch with q'."""
+    (bq, hq), (bk, hk), (bv, hv) = BROADCAST[name]
+    q = _rn(bq, hq, 5, 8).requires_grad_()
+    k = _rn(bk, hk, 7, 8, seed=1).requires_grad_()
+    v = _rn(bv, hv, 7, 6, seed=2).requires_grad_()
+    mask = torch.rand(5, 7, generator=torch.Generator().manual_seed(0)) > 0.3
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    dwant = torch.autograd.grad(want.sum(), (q, k, v))
+    got = _att(backend, q, k, v, mask=mask, **(
+        {"tile_q": 2, "tile_k": 3} if backend == "reference" else {}))
+    dgot = torch.autograd.grad(got.sum(), (q, k, v))
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want)
+    for a, b in zip(dgot, dwant):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", ["kv batch 1", "k 1 head, v 2 heads"])
+def test_broadcast_attention_on_meta_and_its_cost(name):
+    (bq, hq), (bk, hk), (bv, hv) = BROADCAST[name]
+    q, k, v = (torch.empty(b, h, 5, 8, device="meta") for b, h in ((bq, hq), (bk, hk), (bv, hv)))
+    assert ops.flash_attention(q, k, v, causal=True).shape == (2, 4, 5, 8)
+    c = ops.cost("flash_attention", q, k, v, causal=True)
+    full = ops.cost("flash_attention", torch.empty(2, 4, 5, 8, device="meta"),
+                    *(torch.empty(2, 4, 5, 8, device="meta") for _ in range(2)), causal=True)
+    assert c.flops == full.flops and c.backward_flops == full.backward_flops
+    stored_less = ((2 * 4 - bk * hk) + (2 * 4 - bv * hv)) * 5 * 8 * 4   # k, v: own bytes
+    assert c.bytes_fused == full.bytes_fused - stored_less
+
+
+# what sdpa(enable_gqa=True) refuses: refused here, naming the shapes
+REFUSED = {
+    "batch 2 vs 3": ((2, 4, 5, 8), (3, 4, 7, 8), (3, 4, 7, 8), "batch sizes do not broadcast"),
+    "q heads 2, kv heads 4": ((2, 2, 5, 8), (2, 4, 7, 8), (2, 4, 7, 8),
+                              "q heads to be a multiple of k heads and of v heads"),
+    "q heads 1, kv heads 4": ((2, 1, 5, 8), (2, 4, 7, 8), (2, 4, 7, 8),
+                              "q heads to be a multiple of k heads and of v heads"),
+    "q heads 4, v heads 3": ((2, 4, 5, 8), (2, 4, 7, 8), (2, 3, 7, 8),
+                             "q heads to be a multiple of k heads and of v heads"),
+    "head_dim": ((2, 4, 5, 8), (2, 4, 7, 1), (2, 4, 7, 8), "q head_dim 8 != k head_dim 1"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_what_sdpa_with_gqa_refuses_is_refused_naming_the_shapes(name):
+    *shapes, message = REFUSED[name]
+    q, k, v = (_rn(*s) for s in shapes)
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    for backend in BACKENDS:
+        with pytest.raises(ValueError, match=message):
+            _att(backend, q, k, v)
+    with pytest.raises(ValueError, match=message):
+        ops.cost("flash_attention", q, k, v)
+
+
+def test_keys_and_values_of_different_lengths_are_refused():
+    """sdpa on CPU returns a number for k of 7 keys and v of 6 values (its flash kernel does
+    not check; its math kernel raises): refused here."""
+    q, k, v = _rn(2, 4, 5, 8), _rn(2, 4, 7, 8), _rn(2, 4, 6, 8)
+    with pytest.raises(ValueError, match="k has 7 keys and v 6 values"):
+        ops.flash_attention(q, k, v)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("heads", [(0, 0, 0), (0, 2, 2)])
+def test_no_query_heads_gives_the_empty_output_sdpa_gives(backend, heads):
+    """Before: 'q has 0 heads, ...; grouped-query attention needs ...' (sdpa: (2, 0, 3, 4))."""
+    q, k, v = (_rn(2, h, s, 4, seed=i).requires_grad_()
+               for i, (h, s) in enumerate(zip(heads, (3, 5, 5))))
+    want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    got = _att(backend, q, k, v, causal=True)
+    assert got.shape == want.shape == (2, 0, 3, 4)
+    grads = torch.autograd.grad(got.sum(), (q, k, v), allow_unused=True)
+    assert [None if g is None else g.shape for g in grads] in (
+        [q.shape, k.shape, v.shape], [q.shape, None, None])
+    assert ops.cost("flash_attention", q, k, v).flops == 0
+
+
+@pytest.mark.parametrize("heads", [(2, 0, 0), (0, 0, 2)])
+def test_k_or_v_without_heads_is_refused(heads):
+    """sdpa gives (2, 2, 3, 4) of uninitialised numbers for k, v without heads, and crashes
+    the process (SIGFPE) for q and k without heads but v with 2: refused here."""
+    q, k, v = (_rn(2, h, s, 4) for h, s in zip(heads, (3, 5, 5)))
+    with pytest.raises(ValueError, match=r"each at least 1"):
+        ops.flash_attention(q, k, v)
+
+
+# ---- 3. linear as F.linear: a 1-d weight, a broadcast bias, no input features ---------------
+
+LINEAR = {
+    "1-d weight": ((3, 8), (8,), None),
+    "1-d x and weight": ((8,), (8,), None),
+    "bias (1,)": ((3, 8), (4, 8), (1,)),
+    "bias ()": ((3, 8), (4, 8), ()),
+    "bias (3, 1)": ((3, 8), (4, 8), (3, 1)),
+    "bias (3, 4) on 3-d x": ((2, 3, 8), (4, 8), (3, 4)),
+    "no input features": ((3, 0), (4, 0), (4,)),
+    "no input features, 1-d weight": ((3, 0), (0,), None),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(LINEAR))
+def test_linear_takes_what_f_linear_takes_values_and_gradients(backend, name):
+    """Before: 'need weight (out, in)', 'bias.shape=(1,); expected (4,)', and the reference
+    backward raised 'cannot reshape tensor of 0 elements into shape [-1, 0]'."""
+    xs, ws, bs = LINEAR[name]
+    args = [_rn(*xs).requires_grad_(), _rn(*ws, seed=1).requires_grad_()]
+    if bs is not None:
+        args.append(_rn(*bs, seed=2).requires_grad_())
+    want = F.linear(*args)
+    dy = _rn(*want.shape, seed=3)
+    dwant = torch.autograd.grad(want, args, dy)
+    with ops.use(backend):
+        got = ops.linear(*args)
+    dgot = torch.autograd.grad(got, args, dy)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want)
+    for a, b in zip(dgot, dwant):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b)
+    c = ops.cost("linear", *args)
+    assert c.flops == 2 * want.numel() * xs[-1] + (want.numel() if bs is not None else 0)
+
+
+@pytest.mark.parametrize("xs, ws, bs, message", [
+    ((3, 8), (8,), (1,), r"weight.shape=\(8,\) is 1-d, which takes no bias"),
+    ((3, 8), (4, 8), (2,), r"bias.shape=\(2,\) does not broadcast to the result's shape \(3, 4\)"),
+    ((3, 8), (4, 8), (2, 3, 4), r"bias.shape=\(2, 3, 4\) does not broadcast"),
+])
+def test_linear_refuses_what_f_linear_refuses(xs, ws, bs, message):
+    x, w, b = _rn(*xs), _rn(*ws), _rn(*bs)
+    with pytest.raises(RuntimeError):
+        F.linear(x, w, b)
+    with pytest.raises(ValueError, match=message):
+        ops.linear(x, w, b)
