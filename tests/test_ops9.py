@@ -272,3 +272,197 @@ def test_linear_refuses_what_f_linear_refuses(xs, ws, bs, message):
         F.linear(x, w, b)
     with pytest.raises(ValueError, match=message):
         ops.linear(x, w, b)
+
+
+def test_linear_refuses_a_bias_torch_takes_or_not_by_memory_layout():
+    """F.linear(contiguous 3-d x, w, bias (3, 1)) raises; the same x made non-contiguous
+    gives a number (torch 2.13): refused here, naming the expand that works on both."""
+    x, w, b = _rn(2, 3, 8), _rn(4, 8, seed=1), _rn(3, 1, seed=2)
+    with pytest.raises(RuntimeError):
+        F.linear(x, w, b)
+    F.linear(x.transpose(0, 1).contiguous().transpose(0, 1), w, b)
+    with pytest.raises(ValueError, match=r"bias.expand\(\*bias.shape\[:-1\], 4\)"):
+        ops.linear(x, w, b)
+    torch.testing.assert_close(ops.linear(x, w, b.expand(3, 4)), F.linear(x, w, b.expand(3, 4)))
+
+
+# ---- 3. second derivatives: exact, or refused (never autograd's silent zeros) -------------
+
+GRADGRAD = {
+    "swiglu": (ops.swiglu, [(3, 6)]),
+    "rotary_embedding": (ops.rotary_embedding, [(2, 5, 4), (5, 4), (5, 4)]),
+    "rotary_embedding interleave": (lambda x, c, s: ops.rotary_embedding(x, c, s, "interleave"),
+                                    [(2, 5, 4), (5, 4), (5, 4)]),
+    "linear": (ops.linear, [(2, 3, 4), (5, 4), (5,)]),
+    "rms_norm": (ops.rms_norm, [(3, 5), (5,)]),
+}
+
+
+@pytest.mark.parametrize("name", list(GRADGRAD))
+def test_reference_backwards_are_twice_differentiable(name):
+    """Before: @once_differentiable, so hessian() through the reference backend gave zeros."""
+    fn, shapes = GRADGRAD[name]
+    args = [_rn(*s, seed=i).requires_grad_() for i, s in enumerate(shapes)]
+    with ops.use("reference"):
+        assert torch.autograd.gradgradcheck(fn, args, eps=1e-6, atol=1e-5)
+        h = torch.autograd.functional.hessian(lambda a: fn(a, *args[1:]).pow(2).sum(),
+                                              args[0].detach())
+    want = torch.autograd.functional.hessian(
+        lambda a: GRADGRAD_REF[name](a, *[t.detach() for t in args[1:]]).pow(2).sum(),
+        args[0].detach())
+    torch.testing.assert_close(h, want)
+
+
+def _rotate(x, mode):
+    if mode == "half":
+        a, b = x.chunk(2, -1)
+        return torch.cat((-b, a), -1)
+    p = x.unflatten(-1, (-1, 2))
+    return torch.stack((-p[..., 1], p[..., 0]), -1).flatten(-2)
+
+
+GRADGRAD_REF = {
+    "swiglu": lambda x: F.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1],
+    "rotary_embedding": lambda x, c, s: x * c + _rotate(x, "half") * s,
+    "rotary_embedding interleave": lambda x, c, s: x * c + _rotate(x, "interleave") * s,
+    "linear": F.linear,
+    "rms_norm": lambda x, w: F.rms_norm(x, tuple(w.shape), w, 1e-6),
+}
+
+
+def test_flash_reference_second_derivative_raises_instead_of_zeros():
+    """Its backward treats the saved log-sum-exp as a constant: no double backward (torch's
+    fused kernels have none either). Before: hessian() returned zeros."""
+    q = _rn(1, 2, 3, 4).requires_grad_()
+    with ops.use("reference"):
+        out = ops.flash_attention(q, q, q)
+        with pytest.raises(RuntimeError, match="reference backward is not differentiable"):
+            torch.autograd.functional.hessian(lambda a: ops.flash_attention(a, a, a).sum(),
+                                              q.detach())
+    g, = torch.autograd.grad(out.sum(), q, create_graph=True)    # first order still runs
+    want = F.scaled_dot_product_attention(q, q, q)
+    torch.testing.assert_close(g, torch.autograd.grad(want.sum(), q)[0])
+    with pytest.raises(RuntimeError, match="use wb.ops.use\\('unfused'\\)"):
+        torch.autograd.grad(g.sum(), q)
+
+
+# ---- 4. Cluster(None, n): get_profile's default, documented --------------------------------
+
+def test_cluster_none_profile_is_get_profiles_default_and_says_so():
+    from workbench.sim_mesh.profiles import DEFAULT_PROFILE, get_profile
+    c = wb.plan.Cluster(None, 8)
+    assert c.profile is get_profile(None) is get_profile(DEFAULT_PROFILE)
+    assert str(c) == str(wb.plan.Cluster("a100", 8))
+    doc = " ".join(wb.plan.Cluster.__doc__.split())
+    assert "or None for :func:`~workbench.sim_mesh.profiles.get_profile`'s default" in doc
+    assert f'(``DEFAULT_PROFILE``, ``"{DEFAULT_PROFILE}"``)' in doc
+
+
+# ---- the torch_npu path (a stand-in torch_npu, as tests/test_npu_contracts.py) ---------------
+
+from .test_npu_contracts import fake  # noqa: E402,F401  (the stand-in torch_npu fixture)
+
+
+def test_public_ops_are_the_dispatch_tables_ops_each_with_an_npu_path():
+    assert sorted(f.__name__ for f in ops.PUBLIC_OPS) == list(ops.op_names())
+    assert all("npu" in ops.backends(name) for name in ops.op_names())
+
+
+def test_npu_rms_norm_with_a_weight_of_another_dtype_runs_the_formula(fake):
+    """npu_rms_norm's mixed-dtype contract is unconfirmed: the formula in torch ops instead,
+    which gives F.rms_norm's numbers."""
+    x, w = _rn(4, 16, dtype=torch.bfloat16), _rn(16, dtype=torch.float32, seed=1)
+    got = ops.rms_norm(x, w)
+    assert fake.calls == []
+    torch.testing.assert_close(got, _f_rms_norm(x, w, 1e-6), rtol=0, atol=0)
+    ops.rms_norm(x, w.bfloat16())
+    assert [name for name, _ in fake.calls] == ["npu_rms_norm"]
+
+
+def test_npu_attention_with_dropout_one_is_zeros_without_keep_prob_zero(fake):
+    q, k, v = (_rn(2, 4, 6, 8, dtype=torch.float32, seed=i).requires_grad_() for i in range(3))
+    out = ops.flash_attention(q, k, v, dropout_p=1.0)
+    assert fake.calls[0][1]["keep_prob"] == 1.0
+    assert bool((out == 0).all())
+    assert all(bool((g == 0).all()) for g in torch.autograd.grad(out.sum(), (q, k, v)))
+
+
+def test_npu_attention_gets_one_batch_and_one_kv_head_count(fake):
+    q = _rn(2, 4, 6, 8, dtype=torch.float32).requires_grad_()
+    k = _rn(1, 1, 6, 8, dtype=torch.float32, seed=1).requires_grad_()
+    v = _rn(1, 2, 6, 8, dtype=torch.float32, seed=2).requires_grad_()
+    got = ops.flash_attention(q, k, v)
+    call = fake.calls[0][1]
+    assert call["key"].shape == call["value"].shape == (2, 2, 6, 8)
+    want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v)),
+                    torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("op", ["flash_attention", "sdpa"])
+def test_broadcast_batch_on_dist_tensors_is_refused_naming_the_expand(op):
+    """On DistTensors (wb.ops.flash_attention or sdpa) a k/v batch of 1 raised "shape
+    '[1, 2, 4, 8]' is invalid for input of size 0"; now a clear refusal, and its fix runs."""
+    mesh = wb.Mesh.grid((2,))
+    q, k, v = _rn(2, 2, 4, 8), _rn(1, 2, 4, 8, seed=1), _rn(1, 2, 4, 8, seed=2)
+    fn = ops.flash_attention if op == "flash_attention" else F.scaled_dot_product_attention
+    dq = wb.shard_tensor(q, mesh, [wb.Shard(0)])
+    dk, dv = (wb.shard_tensor(t, mesh, [wb.Replicate()]) for t in (k, v))
+    with pytest.raises(ValueError, match=r"must share the batch size .* k.expand\(2, -1, -1, -1\)"):
+        fn(dq, dk, dv)
+    out = fn(dq, dk.expand(2, -1, -1, -1), dv.expand(2, -1, -1, -1))
+    torch.testing.assert_close(out.full(), F.scaled_dot_product_attention(q, k, v))
+
+
+# ---- 3. arguments: each refusal names the argument, its value and the fix -----------------
+
+_X = torch.ones(3, 8)
+_Q = torch.ones(1, 2, 3, 4)
+_LISTS = lambda: ([torch.ones(3)], [torch.ones(3)], [torch.zeros(3)], [torch.zeros(3)])  # noqa
+
+
+@pytest.mark.parametrize("call, error, message", [
+    # before: "tuple indices must be integers or slices, not float", "chunk(): argument 'dim'
+    # ... must be int, not bool", "'<=' not supported between instances of 'int' and 'str'"
+    (lambda: ops.swiglu(_X, 1.0), TypeError, r"swiglu: dim=1.0; give an int"),
+    (lambda: ops.swiglu(_X, True), TypeError, r"swiglu: dim=True; give an int"),
+    (lambda: ops.swiglu(_X, "a"), TypeError, r"swiglu: dim='a'; give an int"),
+    (lambda: ops.swiglu(torch.tensor(1.0)), ValueError, r"swiglu: x is 0-d"),
+    # before: IndexError: tuple index out of range
+    (lambda: ops.rotary_embedding(torch.tensor(1.0), torch.ones(()), torch.ones(())),
+     ValueError, r"rotary_embedding: x is 0-d; give x of shape \(\.\.\., head_dim\)"),
+    # before: accepted as bool("yes") / bool(None); sdpa's is_causal refuses both
+    (lambda: ops.flash_attention(_Q, _Q, _Q, causal="yes"), TypeError,
+     r"causal='yes'; give True or False"),
+    (lambda: ops.flash_attention(_Q, _Q, _Q, causal=None), TypeError,
+     r"causal=None; give True or False"),
+    (lambda: ops.flash_attention(_Q, _Q, _Q, tile_q=True), ValueError,
+     r"tile_q=True; give a positive int"),
+    (lambda: ops.flash_attention(_Q, _Q, _Q, dropout_p=True), TypeError,
+     r"dropout_p=True; give a float in \[0, 1\]"),
+    # before: "'<=' not supported between instances of 'int' and 'str'"
+    (lambda: ops.adamw(*_LISTS(), 1, lr="0.1"), TypeError, r"adamw: lr='0.1'; give a real"),
+    (lambda: ops.adamw(*_LISTS(), 1, lr=0.1, beta1=None), TypeError, r"adamw: beta1=None;"),
+])
+def test_bad_arguments_name_the_argument_value_and_fix(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_causal_rejection_matches_sdpa_and_a_zero_d_dropout_tensor_is_taken_as_sdpa():
+    with pytest.raises(TypeError, match="is_causal"):
+        F.scaled_dot_product_attention(_Q, _Q, _Q, is_causal="yes")
+    q = _rn(1, 2, 3, 4)
+    for backend in BACKENDS:
+        torch.testing.assert_close(_att(backend, q, q, q, dropout_p=torch.tensor(0.0)),
+                                   F.scaled_dot_product_attention(q, q, q,
+                                                                  dropout_p=torch.tensor(0.0)))
+
+
+def test_return_lse_has_the_broadcast_batch():
+    q, k, v = _rn(1, 2, 3, 4), _rn(1, 2, 5, 4, seed=1), _rn(2, 2, 5, 4, seed=2)
+    out, lse = ops.flash_attention(q, k, v, return_lse=True)
+    assert out.shape == (2, 2, 3, 4) and lse.shape == (2, 2, 3)
+    torch.testing.assert_close(lse[1], torch.logsumexp(q[0] @ k[0].transpose(-1, -2) / 2, -1))

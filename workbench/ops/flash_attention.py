@@ -109,7 +109,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                          "tiles (fused kernels do not report them); wrap the call in "
                          "`with wb.ops.use('reference'):`")
     out = impl(q, k, v, call)
-    return (out, _lse(q, k, call)) if return_lse else out
+    return (out, _lse(q, k, v, call)) if return_lse else out
 
 
 class _MetaFused(torch.autograd.Function):
@@ -137,11 +137,11 @@ class _MetaFused(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _lse(q, k, c: AttentionCall) -> torch.Tensor:
+def _lse(q, k, v, c: AttentionCall) -> torch.Tensor:
     """logsumexp_j(scale * q_i . k_j) over the keys row i may attend: (B, Hq, Sq), fp32
     (fp64 for fp64 inputs: a float64 caller, e.g. ring attention's merge, keeps its
     precision)."""
-    q, k, _ = _aligned(q, k, k)
+    q, k, _ = _aligned(q, k, v)                                  # v's batch may be q's
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, 1)
@@ -155,8 +155,11 @@ def _lse(q, k, c: AttentionCall) -> torch.Tensor:
 def _check(q, k, v, causal, mask, dropout_p, scale, tile_q, tile_k, stats) -> AttentionCall:
     _check_shapes(q, k, v, dropout_p)
     _checks.same_device(_OP, q=q, k=k, v=v)     # the op's only: a cost takes meta tensors
+    if not isinstance(causal, bool):            # "yes" or None read as bool() before
+        raise TypeError(f"{_OP}: causal={causal!r}; give True or False (sdpa's is_causal "
+                        "takes a bool only)")
     for name, size in (("tile_q", tile_q), ("tile_k", tile_k)):
-        if size is not None and (not isinstance(size, int) or size < 1):
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ValueError(f"{_OP}: {name}={size!r}; give a positive int (e.g. 128)")
     D = q.shape[3]
     # 1/sqrt(D); a head_dim of 0 makes every score 0 whatever the scale (torch's kernels
@@ -196,7 +199,10 @@ def _check_shapes(q, k, v, dropout_p) -> None:
                          "grouped-query attention needs q heads to be a multiple of k heads and "
                          "of v heads (each at least 1), as scaled_dot_product_attention("
                          "enable_gqa=True) asks")
-    if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
+    if not (isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, torch.Tensor) and
+            dropout_p.dim() == 0 and not dropout_p.is_complex()) or \
+            isinstance(dropout_p, bool) or getattr(dropout_p, "dtype", None) == torch.bool:
+        # (sdpa takes a 0-d tensor too, and a bool as 0.0 / 1.0: refused here)
         raise TypeError(f"{_OP}: dropout_p={dropout_p!r}; give a float in [0, 1]")
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"{_OP}: dropout_p={dropout_p}; it must be in [0, 1], as "

@@ -33,7 +33,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .masks import PARTIAL, SKIP, AttentionMask, plan_tiles
 
@@ -124,8 +123,15 @@ class FlashAttention2(torch.autograd.Function):
         return o
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_o):
+        with torch.no_grad():
+            dq, dk, dv = FlashAttention2._grads(ctx, grad_o)
+        if torch.is_grad_enabled():         # create_graph=True: differentiating these raises
+            dq, dk, dv = _NotTwice.apply(dq, dk, dv, *ctx.saved_tensors[:3], grad_o)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+    @staticmethod
+    def _grads(ctx, grad_o):
         q, k, v, o, lse = ctx.saved_tensors
         plan, mask, scale, keep_prob = ctx.plan, ctx.mask, ctx.scale, ctx.keep_prob
         B, Hq, Sq, D = q.shape
@@ -166,8 +172,25 @@ class FlashAttention2(torch.autograd.Function):
                 ds = p * (dp - delta[..., r0:r1, :])        # softmax backward
                 dq[..., r0:r1, :] += (ds @ kj) * scale
                 dk[..., c0:c1, :] += (ds.transpose(-1, -2) @ qi).sum(2) * scale
-        return (dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                None, None, None, None, None, None, None)
+        return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _NotTwice(torch.autograd.Function):
+    """The first-order gradients (dq, dk, dv), tied to q, k, v and dO in the graph so that
+    differentiating them again raises.  The backward above uses the saved L as a constant,
+    so its own derivative would be wrong; ``@once_differentiable`` raises only when dO
+    requires grad, and otherwise leaves the gradients unconnected, which autograd reads as
+    zero second derivatives (``torch.autograd.functional.hessian`` returned zeros)."""
+
+    @staticmethod
+    def forward(ctx, dq, dk, dv, *inputs):
+        return dq.view_as(dq), dk.view_as(dk), dv.view_as(dv)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("wb.ops.flash_attention's reference backward is not differentiable "
+                           "(no double backward, as torch's fused attention kernels); for "
+                           "second derivatives use wb.ops.use('unfused')")
 
 
 def _count(stats: TileStats | None, field: str, partial: bool = False) -> None:

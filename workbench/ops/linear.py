@@ -14,7 +14,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.overrides import handle_torch_function, has_torch_function
 
 from ..npu.guard import check_dtype
@@ -56,6 +55,13 @@ def _check_shapes(x, weight, bias) -> None:
                          "bias (F.linear refuses it too); give weight.unsqueeze(0) for one "
                          "output with a bias of shape (1,)")
     out = tuple(x.shape[:-1]) + (weight.shape[0],)
+    if bias is not None and x.dim() >= 3 and bias.dim() >= 2 and bias.shape[-1] == 1 \
+            and weight.shape[0] != 1 and math.prod(bias.shape[:-1]) > 1:
+        # torch 2.13 flattens a contiguous 3-d x into one GEMM whose bias (rows, out)
+        # this does not broadcast to: F.linear raises, or not, by x's memory layout
+        raise ValueError(f"{_OP}: bias.shape={tuple(bias.shape)} on x.shape={tuple(x.shape)}: "
+                         "F.linear takes it or raises depending on x's memory layout; "
+                         f"give bias.expand(*bias.shape[:-1], {weight.shape[0]})")
     if bias is not None and not _checks.broadcasts(tuple(bias.shape), out):
         raise ValueError(f"{_OP}: bias.shape={tuple(bias.shape)} does not broadcast to the "
                          f"result's shape {out}; expected ({weight.shape[0]},)")
@@ -71,7 +77,6 @@ class _Linear(torch.autograd.Function):
         return y + bias if bias is not None else y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
         # only the gradients autograd asks for, as aten's linear / addmm backward (each
         # GEMM guarded by its input's mask): no dgrad for data, no wgrad for a frozen weight
