@@ -466,3 +466,16 @@ def test_return_lse_has_the_broadcast_batch():
     out, lse = ops.flash_attention(q, k, v, return_lse=True)
     assert out.shape == (2, 2, 3, 4) and lse.shape == (2, 2, 3)
     torch.testing.assert_close(lse[1], torch.logsumexp(q[0] @ k[0].transpose(-1, -2) / 2, -1))
+
+
+def test_rms_norm_mixed_dtypes_on_dist_tensors_as_on_one_device():
+    mesh = wb.Mesh.grid((2,))
+    x, w = _rn(4, 8, dtype=torch.bfloat16), _rn(8, dtype=torch.float32, seed=1)
+    want = _f_rms_norm(x, w, 1e-6)
+    dx = wb.shard_tensor(x, mesh, [wb.Shard(0)])
+    dw = wb.shard_tensor(w, mesh, [wb.Replicate()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for out in (ops.rms_norm(dx, dw, 1e-6), F.rms_norm(dx, (8,), dw, 1e-6)):
+            assert out.dtype == torch.bfloat16
+            torch.testing.assert_close(out.full(), want, rtol=0, atol=0)
