@@ -153,7 +153,7 @@ def test_batch_and_kv_heads_broadcast_as_sdpa_values_and_gradients(backend, name
 
 
 @pytest.mark.parametrize("name", ["kv batch 1", "k 1 head, v 2 heads"])
-def test_broadcast_attention_on_meta_and_its_cost(name):
+def test_broadcast_attention_on_meta_and_its_flops(name):
     (bq, hq), (bk, hk), (bv, hv) = BROADCAST[name]
     q, k, v = (torch.empty(b, h, 5, 8, device="meta") for b, h in ((bq, hq), (bk, hk), (bv, hv)))
     assert ops.flash_attention(q, k, v, causal=True).shape == (2, 4, 5, 8)
@@ -161,8 +161,34 @@ def test_broadcast_attention_on_meta_and_its_cost(name):
     full = ops.cost("flash_attention", torch.empty(2, 4, 5, 8, device="meta"),
                     *(torch.empty(2, 4, 5, 8, device="meta") for _ in range(2)), causal=True)
     assert c.flops == full.flops and c.backward_flops == full.backward_flops
-    stored_less = ((2 * 4 - bk * hk) + (2 * 4 - bv * hv)) * 5 * 8 * 4   # k, v: own bytes
-    assert c.bytes_fused == full.bytes_fused - stored_less
+
+
+def _saved_bytes(fn):
+    """Bytes autograd keeps for backward, each storage once (test_ops_flash_attention's)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 1.0])
+@pytest.mark.parametrize("name", list(BROADCAST))
+def test_broadcast_attention_cost_counts_what_is_saved(name, dropout_p):
+    """A batch-1 input is copied to B by the unfused matmuls (and saved so); k and v of
+    different head counts are copied to one count by the reference kernel."""
+    (bq, hq), (bk, hk), (bv, hv) = BROADCAST[name]
+    q, k, v = (_rn(b, h, s, 8, dtype=torch.float32, seed=i).requires_grad_()
+               for i, (b, h, s) in enumerate(((bq, hq, 5), (bk, hk, 7), (bv, hv, 7))))
+    c = ops.cost("flash_attention", q, k, v, causal=True, dropout_p=dropout_p)
+    for backend, want in (("unfused", c.saved_bytes_unfused), ("reference", c.saved_bytes_fused)):
+        with ops.use(backend):
+            got = _saved_bytes(lambda: ops.flash_attention(q, k, v, causal=True,
+                                                           dropout_p=dropout_p))
+        assert got == want, backend
 
 
 # what sdpa(enable_gqa=True) refuses: refused here, naming the shapes

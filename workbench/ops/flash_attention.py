@@ -337,16 +337,21 @@ def _cost(q, k, v, *, causal=False, mask=None, dropout_p=0.0, scale=None, **_til
     # mask is B * Sk bytes, not the B * Sq * Sk of its broadcast view)
     m_read = nbytes(mask) if isinstance(mask, torch.Tensor) else 0
     empty_rows = keep is not None and not bool(keep.any(-1).all())
-    inputs = nbytes(q) + nbytes(k) + nbytes(v)
+    L = _kv_heads(k, v)       # k and v of different head counts: copied to L heads (_aligned)
+    inputs = nbytes(q) + sum(nbytes(t) * (L // t.shape[1] if t.shape[1] else 1) for t in (k, v))
     out = B * Hq * Sq * Dv * e
     lse = B * Hq * Sq * max(4, e)                          # float32 log-sum-exp per row
-    gk, gv = (Hq // t.shape[1] if t.shape[1] else 1 for t in (k, v))
-    kv = nbytes(k) * gk + nbytes(v) * gv                   # K/V as the unfused matmuls read them
+    # copies the unfused matmuls make: K/V repeated per query head (GQA), and an input of
+    # batch 1 expanded to B (a broadcast batched matmul materialises it, and saves that)
+    fq, fk, fv = (B // t.shape[0] if t.shape[0] and B else 1 for t in (q, k, v))
+    fk, fv = (f * (Hq // t.shape[1] if t.shape[1] else 1) for f, t in ((fk, k), (fv, v)))
+    kv = nbytes(k) * fk + nbytes(v) * fv                   # K/V as the unfused matmuls read them
 
     unfused = [                                            # (bytes read, bytes written)
-        (nbytes(k), nbytes(k) * gk) if gk > 1 else (0, 0),     # repeat_interleave for GQA
-        (nbytes(v), nbytes(v) * gv) if gv > 1 else (0, 0),
-        (nbytes(q) + nbytes(k) * gk, S * e),               # S = Q K^T
+        (nbytes(k), nbytes(k) * fk) if fk > 1 else (0, 0),     # repeat_interleave for GQA,
+        (nbytes(v), nbytes(v) * fv) if fv > 1 else (0, 0),     # broadcast batch copies
+        (nbytes(q), nbytes(q) * fq) if fq > 1 else (0, 0),
+        (nbytes(q) * fq + nbytes(k) * fk, S * e),          # S = Q K^T
         (S * e, S * e),                                    # * scale
         (m + S * e, m + S * e) if keep is not None else (0, 0),  # ~keep, masked_fill
         (m, 0) if keep is not None else (0, 0),            # keep.any(-1): rows with a key
@@ -355,9 +360,9 @@ def _cost(q, k, v, *, causal=False, mask=None, dropout_p=0.0, scale=None, **_til
         *([(0, S * e), (S * e, S), (S * e + S, S * e)] if dropout_p > 0
           else []),                                        # rand, >=, * kept,
         (S * e, S * e) if 0 < dropout_p < 1 else (0, 0),   # / keep_prob (not for p = 1)
-        (S * e + nbytes(v) * gv, out),                     # O = P V
+        (S * e + nbytes(v) * fv, out),                     # O = P V
     ]
-    saved_unfused = (nbytes(q) + kv + S * e + m            # q, k, v; P; the mask
+    saved_unfused = (nbytes(q) * fq + kv + S * e + m       # q, k, v; P; the mask
                      + (S * e + m // Sk if empty_rows else 0)
                      + (S + S * e if dropout_p > 0 else 0))   # the kept mask, P after it
     return OpCost(_OP, flops=2 * pairs * (D + Dv), backward_flops=2 * pairs * (3 * D + 2 * Dv),
