@@ -505,3 +505,12 @@ def test_rms_norm_mixed_dtypes_on_dist_tensors_as_on_one_device():
         for out in (ops.rms_norm(dx, dw, 1e-6), F.rms_norm(dx, (8,), dw, 1e-6)):
             assert out.dtype == torch.bfloat16
             torch.testing.assert_close(out.full(), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("xd, wd", MIXED)
+def test_rms_norm_mixed_cost_counts_what_is_saved(xd, wd):
+    x, w = _rn(4, 16, dtype=xd).requires_grad_(), _rn(16, dtype=wd, seed=1).requires_grad_()
+    c = ops.cost("rms_norm", x, w)
+    for backend, want in (("reference", c.saved_bytes_fused), ("unfused", c.saved_bytes_unfused)):
+        with ops.use(backend):
+            assert _saved_bytes(lambda: ops.rms_norm(x, w)) == want, backend
