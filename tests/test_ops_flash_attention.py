@@ -264,7 +264,7 @@ def test_tile_stats_only_on_the_reference():
 
 @pytest.mark.parametrize("change, message", [
     (lambda q, k, v: (q[0], k, v), r"q.shape=\(4, 8, 8\); expected 4-d"),
-    (lambda q, k, v: (q[:, :3], k, v), "q has 3 heads, k and v have 2"),
+    (lambda q, k, v: (q[:, :3], k, v), "q has 3 heads, k 2 and v 2"),
     (lambda q, k, v: (q, k[..., :4], v), "q head_dim 8 != k head_dim 4"),
     (lambda q, k, v: (q, k, v.double()), "inputs must share one dtype"),
     (lambda q, k, v: (q.long(), k, v), "q.dtype is torch.int64"),
@@ -280,7 +280,7 @@ def test_bad_shapes_are_named(change, message):
     (dict(mask=torch.ones(3, 8, dtype=torch.bool)), r"mask.shape=\(3, 8\) does not broadcast"),
     (dict(mask="causal"), "mask must be None, a bool tensor or a MaskPattern"),
     (dict(mask=ops.BlockDiagonal((3, 4))), "BlockDiagonal.*lengths summing to 7"),
-    (dict(dropout_p=1.0), r"dropout_p=1.0; it must be in \[0, 1\)"),
+    (dict(dropout_p=1.5), r"dropout_p=1.5; it must be in \[0, 1\]"),
     (dict(tile_q=0), "tile_q=0; give a positive int"),
 ])
 def test_bad_arguments_are_named(kwargs, message):

@@ -16,6 +16,7 @@ under ``torch.no_grad``.  :class:`AdamW` wraps the functional step as a
 from __future__ import annotations
 
 import math
+import numbers
 from collections import defaultdict
 from typing import Sequence
 
@@ -60,6 +61,11 @@ def _check_numbers(step, lr, beta1, beta2, eps, weight_decay) -> None:
     for name, value, lo, hi in (("lr", lr, 0, math.inf), ("beta1", beta1, 0, 1),
                                 ("beta2", beta2, 0, 1), ("eps", eps, 0, math.inf),
                                 ("weight_decay", weight_decay, 0, math.inf)):
+        real = isinstance(value, numbers.Real) and not isinstance(value, bool) or (
+            isinstance(value, torch.Tensor) and value.numel() == 1
+            and value.dtype.is_floating_point)          # (a str gave "'<=' not supported")
+        if not real:
+            raise TypeError(f"{_OP}: {name}={value!r}; give a real number (e.g. lr=1e-3)")
         if not lo <= value < hi:
             raise ValueError(f"{_OP}: {name}={value}; it must be in [{lo}, {hi})")
 

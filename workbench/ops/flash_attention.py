@@ -11,11 +11,15 @@ signature of PyTorch's ``scaled_dot_product_attention``.  Backends:
   keep_prob = 1 - dropout_p, called positionally).
 
 k and v may have fewer heads than q (grouped-query attention: Hq % Hkv == 0,
-query head h uses K/V head h // (Hq // Hkv), as ``repeat_interleave``).
+query head h uses K/V head h // (Hq // Hkv), as ``repeat_interleave``): always on, as
+``scaled_dot_product_attention(..., enable_gqa=True)``, which takes k and v of different
+head counts too (each dividing Hq).  The batch sizes of q, k and v broadcast (each 1 or
+the same B), as sdpa's do (measured on torch 2.13, CPU).
 """
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +44,7 @@ _OP = "flash_attention"
 class AttentionCall:
     """The checked arguments every backend receives."""
     mask: AttentionMask | None   # causal + mask, combined; None = attend everywhere
+                                 # (built for (B, Hkv) of :func:`_aligned`'s k and v)
     dropout_p: float
     scale: float
     tile_q: int
@@ -74,6 +79,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         ANDed with ``causal``.  A query row with no key gets output 0.
     dropout_p: probability of dropping an attention weight (applied whenever > 0,
         as in ``scaled_dot_product_attention``); the kernels keep with 1 - dropout_p.
+        1.0 drops every weight: the output is zeros and so are the gradients, as sdpa's
+        (torch's dropout multiplies by 0 rather than dividing by keep_prob = 0).
     scale: default 1/sqrt(D).
     tile_q, tile_k, tile_stats: the reference backend's tile sizes and a
         :class:`TileStats` it fills with the tiles it computed and skipped.
@@ -95,14 +102,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     q, k, v = _autocast(q, k, v)
     call = _check(q, k, v, causal, mask, dropout_p, scale, tile_q, tile_k, tile_stats)
     if q.is_meta and not return_lse:    # a dry run: shapes, and what a fused kernel keeps
-        return _MetaFused.apply(q, k, v)
-    impl = dispatch(_OP, (q, k, v))
+        return _MetaFused.apply(*_aligned(q, k, v))
+    impl = dispatch(_OP, (q, k, v)) if q.shape[1] else _no_heads
     if tile_stats is not None and impl is not _reference:
         raise ValueError("flash_attention(tile_stats=...): only the reference backend counts "
                          "tiles (fused kernels do not report them); wrap the call in "
                          "`with wb.ops.use('reference'):`")
     out = impl(q, k, v, call)
-    return (out, _lse(q, k, call)) if return_lse else out
+    return (out, _lse(q, k, v, call)) if return_lse else out
 
 
 class _MetaFused(torch.autograd.Function):
@@ -130,10 +137,11 @@ class _MetaFused(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _lse(q, k, c: AttentionCall) -> torch.Tensor:
+def _lse(q, k, v, c: AttentionCall) -> torch.Tensor:
     """logsumexp_j(scale * q_i . k_j) over the keys row i may attend: (B, Hq, Sq), fp32
     (fp64 for fp64 inputs: a float64 caller, e.g. ring attention's merge, keeps its
     precision)."""
+    q, k, _ = _aligned(q, k, v)                                  # v's batch may be q's
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, 1)
@@ -147,15 +155,18 @@ def _lse(q, k, c: AttentionCall) -> torch.Tensor:
 def _check(q, k, v, causal, mask, dropout_p, scale, tile_q, tile_k, stats) -> AttentionCall:
     _check_shapes(q, k, v, dropout_p)
     _checks.same_device(_OP, q=q, k=k, v=v)     # the op's only: a cost takes meta tensors
+    if not isinstance(causal, bool):            # "yes" or None read as bool() before
+        raise TypeError(f"{_OP}: causal={causal!r}; give True or False (sdpa's is_causal "
+                        "takes a bool only)")
     for name, size in (("tile_q", tile_q), ("tile_k", tile_k)):
-        if size is not None and (not isinstance(size, int) or size < 1):
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
             raise ValueError(f"{_OP}: {name}={size!r}; give a positive int (e.g. 128)")
     D = q.shape[3]
     # 1/sqrt(D); a head_dim of 0 makes every score 0 whatever the scale (torch's kernels
     # then return the mean of v; 1/sqrt(0) would raise ZeroDivisionError here)
     scale = (1.0 / math.sqrt(D) if D else 1.0) if scale is None else _checks.scale(_OP, scale)
-    built = build_mask(q.shape[2], k.shape[2], q.shape[1], k.shape[1], q.shape[0], bool(causal),
-                       mask, q.device)
+    B, Hkv = _batch(q, k, v), _kv_heads(k, v)
+    built = build_mask(q.shape[2], k.shape[2], q.shape[1], Hkv, B, bool(causal), mask, q.device)
     return AttentionCall(built, float(dropout_p), scale, tile_q or TILE_Q, tile_k or TILE_K, stats)
 
 
@@ -168,22 +179,67 @@ def _check_shapes(q, k, v, dropout_p) -> None:
             raise ValueError(f"{_OP}: {name}.shape={tuple(t.shape)}; expected 4-d (batch, heads, "
                              f"seq, head_dim). Fix: add a heads dim with {name}.unsqueeze(1)")
     _checks.same_dtype(_OP, q=q, k=k, v=v)
-    (B, Hq, Sq, D), (Bk, Hkv, Sk, Dk) = q.shape, k.shape
-    if k.shape[:3] != v.shape[:3] or Bk != B:
-        raise ValueError(f"{_OP}: k.shape={tuple(k.shape)} and v.shape={tuple(v.shape)} must "
-                         f"share (batch, heads, seq), and batch with q.shape={tuple(q.shape)}")
+    (_, Hq, Sq, D), (_, Hk, Sk, Dk), (_, Hv, Sv, _) = q.shape, k.shape, v.shape
+    shapes = f"q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}"
+    if len({n for n in (q.shape[0], k.shape[0], v.shape[0]) if n != 1}) > 1:
+        raise ValueError(f"{_OP}: batch sizes do not broadcast ({shapes}); each must be 1 or "
+                         "the same B, as scaled_dot_product_attention takes")
+    if Sk != Sv:
+        # (torch 2.13's CPU flash kernel returns a number for this; its math kernel raises)
+        raise ValueError(f"{_OP}: k has {Sk} keys and v {Sv} values ({shapes}); give one "
+                         "value per key")
     if Dk != D:
         raise ValueError(f"{_OP}: q head_dim {D} != k head_dim {Dk} (q.shape={tuple(q.shape)}, "
                          f"k.shape={tuple(k.shape)})")
-    if Hkv < 1 or Hq % Hkv:
-        raise ValueError(f"{_OP}: q has {Hq} heads, k and v have {Hkv}; grouped-query attention "
-                         f"needs q heads to be a multiple of k/v heads")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"{_OP}: dropout_p={dropout_p}; it must be in [0, 1)")
+    if (Hq or (Hk == 0) != (Hv == 0)) and (Hk < 1 or Hv < 1 or Hq % Hk or Hq % Hv):
+        # (no query head: an empty output, as sdpa's, unless one of k, v has heads and the
+        # other none, which crashes torch 2.13's CPU sdpa; k or v without heads for q heads
+        # gives sdpa uninitialised numbers)
+        raise ValueError(f"{_OP}: q has {Hq} heads, k {Hk} and v {Hv} ({shapes}); "
+                         "grouped-query attention needs q heads to be a multiple of k heads and "
+                         "of v heads (each at least 1), as scaled_dot_product_attention("
+                         "enable_gqa=True) asks")
+    if not (isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, torch.Tensor) and
+            dropout_p.dim() == 0 and not dropout_p.is_complex()) or \
+            isinstance(dropout_p, bool) or getattr(dropout_p, "dtype", None) == torch.bool:
+        # (sdpa takes a 0-d tensor too, and a bool as 0.0 / 1.0: refused here)
+        raise TypeError(f"{_OP}: dropout_p={dropout_p!r}; give a float in [0, 1]")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{_OP}: dropout_p={dropout_p}; it must be in [0, 1], as "
+                         "scaled_dot_product_attention takes")
+
+
+def _batch(q, k, v) -> int:
+    """The broadcast batch size (checked by :func:`_check_shapes`)."""
+    return max(q.shape[0], k.shape[0], v.shape[0]) if min(
+        q.shape[0], k.shape[0], v.shape[0]) else 0
+
+
+def _kv_heads(k, v) -> int:
+    """K/V heads the kernels see: k's and v's when equal, else their lcm (which divides Hq);
+    1 for k and v without heads (q has none then either)."""
+    return max(1, k.shape[1] if k.shape[1] == v.shape[1] else math.lcm(k.shape[1], v.shape[1]))
+
+
+def _aligned(q, k, v):
+    """q, k, v with one batch size (broadcast views: no copy) and k, v with one head count
+    (repeat_interleave to their lcm, only when they differ): the layout the tiled and NPU
+    kernels take.  Autograd sums the gradients of broadcast copies back."""
+    B, H = _batch(q, k, v), _kv_heads(k, v)
+    q, k, v = (t if t.shape[0] == B else t.expand(B, *t.shape[1:]) for t in (q, k, v))
+    k, v = (t if t.shape[1] == H else t.repeat_interleave(H // t.shape[1], 1) for t in (k, v))
+    return q, k, v
+
+
+def _no_heads(q, k, v, c: AttentionCall):
+    """q without heads: the empty (B, 0, Sq, Dv) output sdpa gives, on the autograd graph
+    (every backend: there is no work to do)."""
+    return _unfused(q, k[:, :0], v[:, :0], c)
 
 
 @register(_OP, "reference")
 def _reference(q, k, v, c: AttentionCall):
+    q, k, v = _aligned(q, k, v)
     seed = int(torch.randint(0, 2**62, ())) if c.dropout_p > 0 else 0   # from torch's RNG
     return FlashAttention2.apply(q, k, v, c.mask, c.scale, 1.0 - c.dropout_p, seed,
                                  c.tile_q, c.tile_k, c.stats)
@@ -197,15 +253,19 @@ def _native(q, k, v, c: AttentionCall):
              else c.mask.dense4(q.shape[2], k.shape[2], q.device))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, dropout_p=c.dropout_p,
                                           is_causal=causal_only, scale=c.scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+                                          enable_gqa=q.shape[1] != k.shape[1]
+                                          or q.shape[1] != v.shape[1])
 
 
 @register(_OP, "unfused")
 def _unfused(q, k, v, c: AttentionCall):
-    """Textbook attention: every S x S intermediate goes to memory; P is kept for backward."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:                                   # GQA by copying K/V to every query head
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    """Textbook attention: every S x S intermediate goes to memory; P is kept for backward.
+    Batch sizes broadcast in the matmuls."""
+    gk, gv = (q.shape[1] // t.shape[1] if t.shape[1] else 1 for t in (k, v))
+    if gk > 1:                                       # GQA by copying K/V to every query head
+        k = k.repeat_interleave(gk, 1)
+    if gv > 1:
+        v = v.repeat_interleave(gv, 1)
     s = (q @ k.transpose(-2, -1)) * c.scale          # (B, Hq, Sq, Sk) scores
     if c.mask is not None:
         keep = c.mask.dense4(q.shape[2], k.shape[2], q.device)
@@ -217,7 +277,7 @@ def _unfused(q, k, v, c: AttentionCall):
             p = p.masked_fill(~has_key, 0.0)         # ... the fused kernels output 0 there
     if c.dropout_p > 0:                              # dropout: an S x S bool mask in memory
         kept = torch.rand_like(p) >= c.dropout_p
-        p = p * kept / (1.0 - c.dropout_p)
+        p = p * kept / (1.0 - c.dropout_p) if c.dropout_p < 1 else p * kept   # p=1: times 0
     return p @ v                                     # (B, Hq, Sq, Dv)
 
 
@@ -231,10 +291,14 @@ def _npu(q, k, v, c: AttentionCall):
     npu = torch_npu_module()
     for t in (q, k, v):
         check_dtype(t, "wb.ops.flash_attention")
+    q, k, v = _aligned(q, k, v)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"{_OP} on the NPU: q.dtype is {q.dtype}; npu_fusion_attention takes "
                         "float16, bfloat16 or float32 (q.float())")
     B, Hq, Sq, _ = q.shape
+    # dropout_p=1 drops everything (sdpa: zeros, zero gradients); keep_prob=0 is outside
+    # what npu_fusion_attention documents, so run it without dropout and multiply by 0
+    keep_prob = 1.0 - c.dropout_p if c.dropout_p < 1 else 1.0
     if c.mask is None:
         atten_mask, sparse_mode = None, 0
     elif c.mask.causal_only:                         # left-up causal == PyTorch's is_causal
@@ -249,22 +313,23 @@ def _npu(q, k, v, c: AttentionCall):
     out = npu.npu_fusion_attention(
         q, k, v, Hq, "BNSD",
         None, None, atten_mask,                      # pse, padding_mask, atten_mask
-        c.scale, 1.0 - c.dropout_p,                  # scale (default there is 1.0!), keep_prob
+        c.scale, keep_prob,                          # scale (default there is 1.0!), keep_prob
         _NPU_FULL_BAND, _NPU_FULL_BAND,              # pre_tockens, next_tockens
         0, None, None, None,                         # inner_precise, prefix, actual_seq_q/kvlen
         sparse_mode)
-    return out[0]
+    return out[0] if c.dropout_p < 1 else out[0] * 0     # every weight dropped: zeros
 
 
 @register_cost(_OP)
 def _cost(q, k, v, *, causal=False, mask=None, dropout_p=0.0, scale=None, **_tiles) -> OpCost:
     """FLOPs count the matmuls over the (query, key) pairs actually attended; the unfused
-    bytes follow ``_unfused`` kernel by kernel."""
+    bytes follow ``_unfused`` kernel by kernel.  Inputs broadcast along batch are read
+    as their own bytes (as a broadcast mask is); outputs and scores have the batch B."""
     _check_shapes(q, k, v, dropout_p)
-    B, Hq, Sq, D = q.shape
-    Hkv, Sk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    _, Hq, Sq, D = q.shape
+    B, Sk, Dv = _batch(q, k, v), k.shape[2], v.shape[3]
     e, S = q.element_size(), B * Hq * Sq * Sk              # S: elements of one score matrix
-    built = build_mask(Sq, Sk, Hq, Hkv, B, bool(causal), mask)
+    built = build_mask(Sq, Sk, Hq, _kv_heads(k, v), B, bool(causal), mask)
     keep = None if built is None else built.dense4(Sq, Sk, "cpu")      # (b, h, Sq, Sk)
     pairs = S if keep is None else int(keep.sum()) * (B * Hq // (keep.shape[0] * keep.shape[1]))
     m = 0 if keep is None else keep.numel()                # bytes of the bool mask, built
@@ -272,25 +337,32 @@ def _cost(q, k, v, *, causal=False, mask=None, dropout_p=0.0, scale=None, **_til
     # mask is B * Sk bytes, not the B * Sq * Sk of its broadcast view)
     m_read = nbytes(mask) if isinstance(mask, torch.Tensor) else 0
     empty_rows = keep is not None and not bool(keep.any(-1).all())
-    inputs = nbytes(q) + nbytes(k) + nbytes(v)
+    L = _kv_heads(k, v)       # k and v of different head counts: copied to L heads (_aligned)
+    inputs = nbytes(q) + sum(nbytes(t) * (L // t.shape[1] if t.shape[1] else 1) for t in (k, v))
     out = B * Hq * Sq * Dv * e
     lse = B * Hq * Sq * max(4, e)                          # float32 log-sum-exp per row
-    groups = Hq // Hkv
-    kv = (nbytes(k) + nbytes(v)) * groups                  # K/V as the unfused matmuls read them
+    # copies the unfused matmuls make: K/V repeated per query head (GQA), and an input of
+    # batch 1 expanded to B (a broadcast batched matmul materialises it, and saves that)
+    fq, fk, fv = (B // t.shape[0] if t.shape[0] and B else 1 for t in (q, k, v))
+    fk, fv = (f * (Hq // t.shape[1] if t.shape[1] else 1) for f, t in ((fk, k), (fv, v)))
+    kv = nbytes(k) * fk + nbytes(v) * fv                   # K/V as the unfused matmuls read them
 
     unfused = [                                            # (bytes read, bytes written)
-        (nbytes(k) + nbytes(v), kv) if groups > 1 else (0, 0),   # repeat_interleave for GQA
-        (nbytes(q) + nbytes(k) * groups, S * e),           # S = Q K^T
+        (nbytes(k), nbytes(k) * fk) if fk > 1 else (0, 0),     # repeat_interleave for GQA,
+        (nbytes(v), nbytes(v) * fv) if fv > 1 else (0, 0),     # broadcast batch copies
+        (nbytes(q), nbytes(q) * fq) if fq > 1 else (0, 0),
+        (nbytes(q) * fq + nbytes(k) * fk, S * e),          # S = Q K^T
         (S * e, S * e),                                    # * scale
         (m + S * e, m + S * e) if keep is not None else (0, 0),  # ~keep, masked_fill
         (m, 0) if keep is not None else (0, 0),            # keep.any(-1): rows with a key
         (S * e, S * e),                                    # softmax
         (S * e, S * e) if empty_rows else (0, 0),          # zero the rows with no key
-        *([(0, S * e), (S * e, S), (S * e + S, S * e), (S * e, S * e)] if dropout_p > 0
-          else []),                                        # rand, >=, * kept, / keep_prob
-        (S * e + nbytes(v) * groups, out),                 # O = P V
+        *([(0, S * e), (S * e, S), (S * e + S, S * e)] if dropout_p > 0
+          else []),                                        # rand, >=, * kept,
+        (S * e, S * e) if 0 < dropout_p < 1 else (0, 0),   # / keep_prob (not for p = 1)
+        (S * e + nbytes(v) * fv, out),                     # O = P V
     ]
-    saved_unfused = (nbytes(q) + kv + S * e + m            # q, k, v; P; the mask
+    saved_unfused = (nbytes(q) * fq + kv + S * e + m       # q, k, v; P; the mask
                      + (S * e + m // Sk if empty_rows else 0)
                      + (S + S * e if dropout_p > 0 else 0))   # the kept mask, P after it
     return OpCost(_OP, flops=2 * pairs * (D + Dv), backward_flops=2 * pairs * (3 * D + 2 * Dv),

@@ -22,18 +22,17 @@ dS = P * (dP - D_i), dQ_i += dS K_j * scale, dK_j += dS^T Q_i * scale.
 Grouped-query attention (Ainslie et al. 2023): query heads are viewed as
 (Hkv, G) so that G query heads share one K/V head without copying it; dK and dV
 sum over the G heads.  Dropout keeps each probability with ``keep_prob`` and
-scales by 1/keep_prob; the mask of tile (i, j) is regenerated from
-(seed, i, j) in backward, as FlashAttention does with its Philox counter, so
-it is never stored either.  Empty tiles (see masks.py) are skipped in both
-passes.  Work is done in float32 (float64 for float64 inputs), as the kernels
-accumulate in float32.
+scales by 1/keep_prob (keep_prob 0 keeps none: zeros, as torch's dropout(p=1));
+the mask of tile (i, j) is regenerated from (seed, i, j) in backward, as
+FlashAttention does with its Philox counter, so it is never stored either.
+Empty tiles (see masks.py) are skipped in both passes.  Work is done in float32
+(float64 for float64 inputs), as the kernels accumulate in float32.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .masks import PARTIAL, SKIP, AttentionMask, plan_tiles
 
@@ -110,9 +109,9 @@ class FlashAttention2(torch.autograd.Function):
                 p = (s - m_use).exp_()                                 # (B, Hkv, G, Tq, Tk)
                 alpha = (m - m_use).exp_()                  # rescales the earlier tiles
                 l = alpha * l + p.sum(-1, keepdim=True)     # softmax denominator: no dropout
-                if keep_prob < 1.0:
+                if keep_prob < 1.0:                         # keep_prob 0: p * 0, as torch
                     p = p * tile_dropout_keep(seed, i, j, p.shape, keep_prob, q.device)
-                    p = p / keep_prob
+                    p = p / keep_prob if keep_prob > 0 else p
                 acc = alpha * acc + p @ v5[..., c0:c1, :].to(ct)       # (B, Hkv, G, Tq, Dv)
                 m = m_new
             o5[..., r0:r1, :] = acc / l.masked_fill(l == 0, 1.0)       # a row with no key -> 0
@@ -124,8 +123,15 @@ class FlashAttention2(torch.autograd.Function):
         return o
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_o):
+        with torch.no_grad():
+            dq, dk, dv = FlashAttention2._grads(ctx, grad_o)
+        if torch.is_grad_enabled():         # create_graph=True: differentiating these raises
+            dq, dk, dv = _NotTwice.apply(dq, dk, dv, *ctx.saved_tensors[:3], grad_o)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+    @staticmethod
+    def _grads(ctx, grad_o):
         q, k, v, o, lse = ctx.saved_tensors
         plan, mask, scale, keep_prob = ctx.plan, ctx.mask, ctx.scale, ctx.keep_prob
         B, Hq, Sq, D = q.shape
@@ -160,14 +166,31 @@ class FlashAttention2(torch.autograd.Function):
                 p_kept = p
                 if keep_prob < 1.0:
                     z = tile_dropout_keep(ctx.seed, i, j, p.shape, keep_prob, q.device)
-                    z = z.to(ct) / keep_prob                 # the forward's 1/keep_prob scaling
+                    z = z.to(ct) / keep_prob if keep_prob > 0 else z.to(ct)   # forward's scaling
                     p_kept, dp = p * z, dp * z
                 dv[..., c0:c1, :] += (p_kept.transpose(-1, -2) @ doi).sum(2)  # sum G heads
                 ds = p * (dp - delta[..., r0:r1, :])        # softmax backward
                 dq[..., r0:r1, :] += (ds @ kj) * scale
                 dk[..., c0:c1, :] += (ds.transpose(-1, -2) @ qi).sum(2) * scale
-        return (dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                None, None, None, None, None, None, None)
+        return dq.flatten(1, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _NotTwice(torch.autograd.Function):
+    """The first-order gradients (dq, dk, dv), tied to q, k, v and dO in the graph so that
+    differentiating them again raises.  The backward above uses the saved L as a constant,
+    so its own derivative would be wrong; ``@once_differentiable`` raises only when dO
+    requires grad, and otherwise leaves the gradients unconnected, which autograd reads as
+    zero second derivatives (``torch.autograd.functional.hessian`` returned zeros)."""
+
+    @staticmethod
+    def forward(ctx, dq, dk, dv, *inputs):
+        return dq.view_as(dq), dk.view_as(dk), dv.view_as(dv)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise RuntimeError("wb.ops.flash_attention's reference backward is not differentiable "
+                           "(no double backward, as torch's fused attention kernels); for "
+                           "second derivatives use wb.ops.use('unfused')")
 
 
 def _count(stats: TileStats | None, field: str, partial: bool = False) -> None:

@@ -1,5 +1,8 @@
 """Linear: ``y = x @ weight.T + bias`` (x (..., in), weight (out, in), bias (out,)).
 
+As ``F.linear`` (torch 2.13, measured): a 1-d weight (in,) gives y (...) and takes no
+bias; a bias broadcasts against y (..., out), e.g. of shape (1,) or ().
+
 The fused form adds the bias in the matmul's epilogue (one GEMM, ``addmm``);
 unfused, the matmul writes y to memory and a second kernel reads it back to add
 the bias.  Backward (the two GEMMs of every linear layer):
@@ -7,9 +10,10 @@ the bias.  Backward (the two GEMMs of every linear layer):
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.overrides import handle_torch_function, has_torch_function
 
 from ..npu.guard import check_dtype
@@ -23,7 +27,8 @@ _OP = "linear"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` with x (..., in), weight (out, in), bias (out,) or None."""
+    """``x @ weight.T + bias`` with x (..., in), weight (out, in) or (in,), bias None or
+    broadcasting against the result (..., out), as ``F.linear``."""
     tensors = (x, weight) if bias is None else (x, weight, bias)
     if has_torch_function(tensors):
         return handle_torch_function(linear, tensors, x, weight, bias)
@@ -34,16 +39,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _checks.same_dtype(_OP, x=x, weight=weight, bias=bias)
     _checks.same_device(_OP, x=x, weight=weight, bias=bias)
     _check_shapes(x, weight, bias)
+    if weight.dim() == 1:                               # (in,): one output, its dim dropped
+        return dispatch(_OP, tensors)(x, weight.unsqueeze(0), None).squeeze(-1)
     return dispatch(_OP, tensors)(x, weight, bias)
 
 
 def _check_shapes(x, weight, bias) -> None:
-    """weight (out, in) with in == x.shape[-1], bias (out,) (the op's check and its cost's)."""
-    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+    """weight (out, in) or (in,) with in == x.shape[-1], bias broadcasting against the
+    result (the op's check and its cost's)."""
+    if weight.dim() not in (1, 2) or x.dim() < 1 or x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"{_OP}: x.shape={tuple(x.shape)}, weight.shape={tuple(weight.shape)}; "
                          "need weight (out, in) with in == x.shape[-1]")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"{_OP}: bias.shape={tuple(bias.shape)}; expected ({weight.shape[0]},)")
+    if bias is not None and weight.dim() == 1:
+        raise ValueError(f"{_OP}: weight.shape={tuple(weight.shape)} is 1-d, which takes no "
+                         "bias (F.linear refuses it too); give weight.unsqueeze(0) for one "
+                         "output with a bias of shape (1,)")
+    out = tuple(x.shape[:-1]) + (weight.shape[0],)
+    if bias is not None and x.dim() >= 3 and bias.dim() >= 2 and bias.shape[-1] == 1 \
+            and weight.shape[0] != 1 and math.prod(bias.shape[:-1]) > 1:
+        # torch 2.13 flattens a contiguous 3-d x into one GEMM whose bias (rows, out)
+        # this does not broadcast to: F.linear raises, or not, by x's memory layout
+        raise ValueError(f"{_OP}: bias.shape={tuple(bias.shape)} on x.shape={tuple(x.shape)}: "
+                         "F.linear takes it or raises depending on x's memory layout; "
+                         f"give bias.expand(*bias.shape[:-1], {weight.shape[0]})")
+    if bias is not None and not _checks.broadcasts(tuple(bias.shape), out):
+        raise ValueError(f"{_OP}: bias.shape={tuple(bias.shape)} does not broadcast to the "
+                         f"result's shape {out}; expected ({weight.shape[0]},)")
 
 
 class _Linear(torch.autograd.Function):
@@ -51,20 +72,24 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        ctx.bias_shape = None if bias is None else bias.shape
         y = x @ weight.transpose(0, 1)                  # (..., out)
         return y + bias if bias is not None else y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
         # only the gradients autograd asks for, as aten's linear / addmm backward (each
         # GEMM guarded by its input's mask): no dgrad for data, no wgrad for a frozen weight
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
         dx = dy @ weight if need_x else None            # (..., in)
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        rows = math.prod(x.shape[:-1])                  # (not reshape(-1, n): n may be 0)
+        dy2, x2 = dy.reshape(rows, dy.shape[-1]), x.reshape(rows, x.shape[-1])
         dweight = dy2.transpose(0, 1) @ x2 if need_w else None  # (out, in): every row's sum
-        dbias = dy2.sum(0) if ctx.has_bias and need_b else None
+        dbias = None
+        if ctx.has_bias and need_b:                     # summed to the bias's own shape
+            dbias = dy2.sum(0) if ctx.bias_shape == dy.shape[-1:] else \
+                dy.sum_to_size(ctx.bias_shape)
         return dx, dweight, dbias
 
 
@@ -95,8 +120,8 @@ def _npu(x, weight, bias):
 @register_cost(_OP)
 def _cost(x, weight, bias=None) -> OpCost:
     _check_shapes(x, weight, bias)
-    rows = x.numel() // x.shape[-1]
-    out, inp = weight.shape
+    rows = math.prod(x.shape[:-1])
+    out, inp = weight.shape if weight.dim() == 2 else (1, weight.shape[0])
     e = x.element_size()
     Y = rows * out * e
     B = 0 if bias is None else nbytes(bias)

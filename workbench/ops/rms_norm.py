@@ -41,7 +41,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None = 1e-6) ->
                         "give one, e.g. torch.ones(x.shape[-1]) (or use F.rms_norm without it)")
     _checks.floating(_OP, "x", x)
     _checks.floating(_OP, "weight", weight)
-    _checks.same_dtype(_OP, x=x, weight=weight)
     _checks.same_device(_OP, x=x, weight=weight)
     _check_shapes(x, weight)
     if eps is None and isinstance(x, torch.Tensor) and x.is_floating_point():
@@ -77,7 +76,9 @@ def default_eps(dtype: torch.dtype) -> float:
 class _RMSNorm(torch.autograd.Function):
     """The formula and its hand-written backward: what a fused kernel computes and keeps.
 
-    Forward computes in float32 (at least) and saves only x (in its own dtype), the
+    Forward computes in float32 (at least), multiplies by the weight in the dtype the two
+    promote to (``F.rms_norm``'s composite: ``(x_f32 * rstd) * weight``, then x's dtype;
+    a float64 weight on a float32 x multiplies in float64) and saves only x (in its own dtype), the
     weight and ``rstd`` (float32, one per row), as PyTorch's CUDA ``_fused_rms_norm``
     and torch_npu's ``npu_rms_norm`` do; ``F.rms_norm``'s CPU composite keeps a float32
     copy of x and of x * rstd as well (6 bytes per element more for a 16-bit x).
@@ -96,7 +97,7 @@ class _RMSNorm(torch.autograd.Function):
         rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + eps)  # (..., 1)
         y = xf * rstd
         if weight is not None:
-            y = y * weight.to(ct)
+            y = y * weight                           # in promote_types(ct, weight.dtype)
         ctx.save_for_backward(x, weight, rstd)
         ctx.eps, ctx.k = eps, k
         return y.to(x.dtype)
@@ -109,13 +110,14 @@ class _RMSNorm(torch.autograd.Function):
         if torch.is_grad_enabled():         # create_graph: rstd as a function of x
             rstd = torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + ctx.eps)
         x_hat = xf * rstd
-        dyf = dy.to(ct)
-        g = dyf if weight is None else dyf * weight.to(ct)          # gradient w.r.t. x_hat
+        pt = ct if weight is None else torch.promote_types(ct, weight.dtype)   # y's compute
+        dyf = dy.to(pt)
+        g = dyf if weight is None else (dyf * weight).to(ct)        # gradient w.r.t. x_hat
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dx = (rstd * (g - x_hat * (g * x_hat).mean(dims, keepdim=True))).to(x.dtype)
         if weight is not None and ctx.needs_input_grad[1]:
-            dw = (dyf * x_hat).sum_to_size(weight.shape).to(weight.dtype)
+            dw = (dyf * x_hat.to(pt)).sum_to_size(weight.shape).to(weight.dtype)
         return dx, dw, None, None
 
 
@@ -134,10 +136,12 @@ def _reference(x, weight, eps):
 
 @register(_OP, "unfused")
 def _unfused(x, weight, eps):
-    """Five element-wise kernels, each through memory."""
+    """Five element-wise kernels, each through memory (a sixth casts back to x's dtype
+    when the weight's dtype differs, as F.rms_norm returns x's dtype)."""
     ms = x.pow(2).mean(_dims(weight), keepdim=True)    # (..., 1)
     rstd = torch.rsqrt(ms + eps)
-    return x * rstd * weight
+    y = x * rstd * weight
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 # devices where F.rms_norm runs PyTorch's fused kernel, ``aten::_fused_rms_norm``
@@ -158,9 +162,13 @@ def _native(x, weight, eps):
 
 @register(_OP, "npu")
 def _npu(x, weight, eps):
-    """``torch_npu.npu_rms_norm(x, gamma, epsilon) -> (y, rstd)``; no +1 offset on gamma."""
+    """``torch_npu.npu_rms_norm(x, gamma, epsilon) -> (y, rstd)``; no +1 offset on gamma.
+    A weight of another dtype than x: the formula in torch ops (:class:`_RMSNorm`), since
+    npu_rms_norm's contract for mixed dtypes is unconfirmed (shared/reference/torch_npu.md)."""
     npu = torch_npu_module()
     check_dtype(x, "wb.ops.rms_norm")
+    if weight.dtype != x.dtype:
+        return _RMSNorm.apply(x, weight, eps, weight.dim())
     return npu.npu_rms_norm(x, weight, eps)[0]
 
 
@@ -177,6 +185,9 @@ def _cost(x, weight, eps=1e-6) -> OpCost:
         (X + rows * e, X),                               # x * rstd
         (X + W, X),                                      # * weight
     ]
+    if weight.dtype != x.dtype:                          # * weight in the promoted dtype,
+        P = x.numel() * torch.promote_types(x.dtype, weight.dtype).itemsize   # then back
+        unfused[-1:] = [(X + W, P), (P, X)]              # to x's dtype (_unfused)
     return OpCost(_OP, flops=4 * x.numel(), backward_flops=8 * x.numel(),
                   bytes_fused=2 * X + W + rstd,           # read x, weight; write y, rstd
                   bytes_unfused=sum(r + w for r, w in unfused),

@@ -24,7 +24,6 @@ import numbers
 import operator
 
 import torch
-from torch.autograd.function import once_differentiable
 from torch.overrides import handle_torch_function, has_torch_function
 
 from ..npu.device import torch_npu_module
@@ -56,6 +55,8 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 def _check_shapes(x, cos, sin) -> None:
     """An even head dim; cos and sin broadcast to x (the op's check and its cost's)."""
+    if x.dim() == 0:
+        raise ValueError(f"{_OP}: x is 0-d; give x of shape (..., head_dim)")
     if x.shape[-1] % 2:
         raise ValueError(f"{_OP}: x.shape[-1]={x.shape[-1]} is odd; rotary pairs need an even "
                          "head dim")
@@ -128,7 +129,6 @@ class _Rotary(torch.autograd.Function):
         return x * cos + _rotate(x, mode) * sin
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
         x, cos, sin = ctx.saved_tensors
         dx = dy * cos - _rotate(dy * sin, ctx.mode)                 # rotate^T = -rotate

@@ -14,9 +14,10 @@ PyTorch has no fused SwiGLU kernel: its ``native`` path is ``F.silu(a) * b``
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.overrides import handle_torch_function, has_torch_function
 
 from ..npu.device import torch_npu_module
@@ -41,6 +42,10 @@ def swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def _check_shapes(x, dim) -> None:
     """dim in range and x.shape[dim] even (the op's check and its cost's)."""
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"{_OP}: dim={dim!r}; give an int (e.g. -1, the last dim)")
+    if x.dim() == 0:
+        raise ValueError(f"{_OP}: x is 0-d; it needs a dim holding the two halves (gate, up)")
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"{_OP}: dim={dim} is out of range for x.shape={tuple(x.shape)}; "
                          f"use a dim in [{-x.dim()}, {x.dim() - 1}]")
@@ -61,7 +66,6 @@ class _SwiGLU(torch.autograd.Function):
         return (a * torch.sigmoid(a) * b).to(x.dtype)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
         (x,) = ctx.saved_tensors
         ct = torch.promote_types(x.dtype, torch.float32)

@@ -38,7 +38,12 @@ def _int(owner, name, v, lo=1):
 @dataclass(frozen=True)
 class Cluster:
     """``devices`` devices of one hardware ``profile``, in nodes of the profile's
-    ``devices_per_node`` (the last node may be partly filled)."""
+    ``devices_per_node`` (the last node may be partly filled).
+
+    ``profile`` is a name (``"a100"``, ``"ascend-910b"``, ...), a :class:`Profile`, or None
+    for :func:`~workbench.sim_mesh.profiles.get_profile`'s default
+    (``DEFAULT_PROFILE``, ``"a100"``), as every ``profile=None`` in the workbench means;
+    it is stored as the resolved Profile."""
     profile: str | Profile = "a100"
     devices: int = 8
 

@@ -180,9 +180,21 @@ def _check_4d(op, **named):
                              f"(batch, heads, seq, head_dim). Fix: {fix}")
 
 
+def _check_aligned(op, q, k, v):
+    """One batch size, and k and v with one head count: the layouts the rule shards (on one
+    device torch and wb.ops broadcast a batch of 1 and take k, v of different head counts;
+    here that raised "shape '[1, 2, 4, 8]' is invalid for input of size 0")."""
+    if not q.shape[0] == k.shape[0] == v.shape[0] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"{op} on DistTensors: q.shape={tuple(q.shape)}, k.shape="
+                         f"{tuple(k.shape)}, v.shape={tuple(v.shape)}; q, k and v must share "
+                         "the batch size and k, v the head count here. Fix: expand them first, "
+                         f"e.g. k.expand({q.shape[0]}, -1, -1, -1)")
+
+
 def _sdpa_parse(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                 enable_gqa=False):
     _check_4d("scaled_dot_product_attention", query=query, key=key, value=value)
+    _check_aligned("scaled_dot_product_attention", query, key, value)
     if not enable_gqa and query.shape[1] != key.shape[1]:
         raise ValueError(f"scaled_dot_product_attention: q has {query.shape[1]} heads and k "
                          f"{key.shape[1]}; pass enable_gqa=True for grouped-query attention")
@@ -261,6 +273,7 @@ register("scaled_dot_product_attention", [F.scaled_dot_product_attention], parse
 def _flash_parse(q, k, v, *, causal=False, mask=None, dropout_p=0.0, scale=None, tile_q=None,
                  tile_k=None, tile_stats=None):
     _check_4d("flash_attention", q=q, k=k, v=v)
+    _check_aligned("flash_attention", q, k, v)
     scale = check_number("flash_attention", "scale", scale)
     dropout_p = check_number("flash_attention", "dropout_p", dropout_p, False)
     if tile_stats is not None:
