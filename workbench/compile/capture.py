@@ -71,6 +71,41 @@ _VALUE_FUNCS = {T.__bool__, T.item, T.tolist, T.__int__, T.__float__, T.__index_
                 T.nonzero, T.numpy}
 
 
+def _extremum(kind):
+    """``torch.max`` / ``torch.min`` captured as eager DistTensors compose them
+    (``parallel.habits._extremum``): with a dim, ``(values, indices)`` from ``argmax`` /
+    ``argmin`` (the first extreme, as torch's) and ``gather`` at it, so the gradient goes to
+    that one element; with a tensor, ``maximum`` / ``minimum``.  ``max(x)`` over every dim
+    is left to break the graph: its gradient (torch's even share among NaNs) is the eager
+    ``extreme_grad`` Function's, which no table op records."""
+    arg, pair = (torch.argmax, torch.maximum) if kind == "max" else (torch.argmin, torch.minimum)
+    result = getattr(torch.return_types, kind)
+
+    def extremum(input, dim=None, keepdim=False, *, other=None, out=None):
+        if out is not None or (dim is None and other is None):
+            return NotImplemented
+        if isinstance(dim, torch.Tensor) or other is not None:
+            return pair(input, dim if other is None else other)
+        if type(dim) is not int or type(keepdim) is not bool:
+            return NotImplemented                       # torch's own error, from eager
+        n = max(input.ndim, 1)
+        if not -n <= dim < n:
+            raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, "
+                             f"{n - 1}], but got {dim})")
+        key = input.to(torch.uint8) if input.dtype == torch.bool else input
+        if input.ndim == 0:
+            return result((input.clone(), arg(key)))
+        idx = arg(key, dim, True)
+        values = torch.gather(input, dim, idx)
+        if not keepdim:
+            values, idx = values.squeeze(dim), idx.squeeze(dim)
+        return result((values, idx))
+    return extremum
+
+
+_EXTREMA = {f: _extremum(k) for k in ("max", "min") for f in (getattr(torch, k), getattr(T, k))}
+
+
 def _meta_like(x, requires_grad=None):
     rg = x.requires_grad if requires_grad is None else requires_grad
     t = torch.empty(tuple(x.shape), dtype=x.dtype, device="meta")
@@ -225,6 +260,11 @@ class _Tracer(TorchFunctionMode):
             raise Broken(GraphBreak(f"{getattr(func, '__name__', func)}() reads a traced "
                                     "tensor's value: data-dependent control flow", f, line, code))
         hit = BY_FUNC.get(func)
+        if hit is None and func in _EXTREMA:
+            with self:
+                out = _EXTREMA[func](*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         if hit is None and func in COMPOSITES:
             # a torch function the dispatcher runs as a composition of table ops (var,
             # std, logsumexp, F.normalize, addmm, mse_loss...: ops_table/composites.py):
