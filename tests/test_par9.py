@@ -47,3 +47,64 @@ def test_top1_router_without_aux_loss_gets_no_gradient_and_layouts_agree():
     ref = [r["loss"] for r in train(cfg, steps=2, timing=False)]
     got = [r["loss"] for r in train(cfg, steps=2, timing=False, strategy=Hybrid(ep=4))]
     assert got == pytest.approx(ref, abs=2e-6)
+
+
+# ---- PP: a pipeline stage whose parameters are all frozen ---------------------------------------
+
+def _freeze_first_stage(model):
+    for n, p in model.named_parameters():
+        if n.startswith("layers.0.") or n == "tok_emb.weight":
+            p.requires_grad_(False)
+
+
+@pytest.mark.parametrize("kw", [dict(pp=2), dict(pp=2, dp=2, zero=3)], ids=["pp2", "pp2-zero3"])
+def test_a_frozen_first_stage_steps_as_torch_optim(kw):
+    """Fine-tuning with stage 0 (embedding and layer 0) frozen: the later stage trains as on
+    one device, where torch.optim steps the trainable parameters; the frozen stage's
+    optimizer has nothing to step.  Its DataParallel / Zero3 raised "no parameter has a
+    gradient; call loss.backward() first" after a backward, in every optimizer_step."""
+    cfg = get_config("tiny").replace(n_layer=2)
+    ref = build_model(cfg, seed=0).train()
+    _freeze_first_stage(ref)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=3e-3,
+                            weight_decay=0.01)
+    st = Hybrid(**kw)
+    model = st.build_model(cfg, 0)
+    _freeze_first_stage(model)
+    opts = st.build_optimizer(model, 3e-3, 0.01)
+    for step in range(2):
+        x, y = get_batch(cfg, 8, step, 0)
+        opt.zero_grad()
+        want = ref(x, y)[1]
+        want.backward()
+        opt.step()
+        for o in opts:
+            o.zero_grad()
+        got = st.forward_backward(model, x, y)
+        st.optimizer_step(opts)
+        assert float(got) == pytest.approx(float(want), abs=2e-5)
+    state = {k: v.full() if hasattr(v, "full") else v for k, v in model.state_dict().items()}
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(state[n], p.detach(), atol=2e-5, rtol=0, msg=n)
+
+
+def test_a_stage_optimizer_still_refuses_a_step_before_backward():
+    """(The refusal kept where a parameter trains: a step before any backward.)"""
+    cfg = get_config("tiny").replace(n_layer=2)
+    st = Hybrid(pp=2)
+    model = st.build_model(cfg, 0)
+    opts = st.build_optimizer(model, 3e-3, 0.01)
+    with pytest.raises(RuntimeError, match="call loss.backward"):
+        st.optimizer_step(opts)
+
+
+def test_interleaved_layers_not_dividing_are_named_in_hybrids_words_at_build():
+    """Hybrid(pp=2, schedule="interleaved") on 2 layers: build_model raised the model's
+    ``pipeline_stages`` error ("n_stages=4 does not divide n_layer=2 ... give sizes="),
+    arguments the user never wrote; now Hybrid's own (pp x virtual)."""
+    cfg = get_config("tiny").replace(n_layer=2)
+    for kw in (dict(schedule="interleaved"), dict(schedule="zb-v")):
+        with pytest.raises(ValueError, match=r"pp=2 x 2 chunks = 4 stages do not divide "
+                                             r"n_layer=2; pick pp x virtual") as e:
+            Hybrid(pp=2, **kw).build_model(cfg, 0)
+        assert "sizes=" not in str(e.value)

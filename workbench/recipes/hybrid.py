@@ -243,15 +243,7 @@ class Hybrid:
             if val % tp:
                 raise ValueError(f"tp={tp} does not divide {name}={val}: tensor parallelism "
                                  "splits heads and hidden features evenly")
-        if self.stage_sizes is not None:
-            if sum(self.stage_sizes) != cfg.n_layer:
-                raise ValueError(f"stage_sizes={self.stage_sizes} hold {sum(self.stage_sizes)} "
-                                 f"layers, not n_layer={cfg.n_layer}")
-        elif cfg.n_layer % (pp * v):
-            raise ValueError(f"pp={pp} x {v} chunks = {pp * v} stages do not divide "
-                             f"n_layer={cfg.n_layer}; pick pp x virtual dividing n_layer"
-                             + (" or give stage_sizes (one layer count per stage)"
-                                if v == 1 else ""))
+        self._check_layers(cfg)
         if batch_size % (self.dp * self.m):
             n = self.dp * self.m
             raise ValueError(f"batch_size={batch_size} does not divide into dp={self.dp} x "
@@ -296,11 +288,28 @@ class Hybrid:
         if self.schedule_name == "dualpipe":
             _dualpipe.check(self, batch_size)
 
+    def _check_layers(self, cfg) -> None:
+        """The model's layers cut into pp x virtual stages (or ``stage_sizes``), said in
+        Hybrid's words; :meth:`build_model` checks it too, as it cuts the model before any
+        step's :meth:`check` (was: ``model.pipeline_stages``' "n_stages=4 does not divide
+        n_layer=2 ... give sizes=", arguments a Hybrid user never wrote)."""
+        pp, v = self.pp, self.v
+        if self.stage_sizes is not None:
+            if sum(self.stage_sizes) != cfg.n_layer:
+                raise ValueError(f"stage_sizes={self.stage_sizes} hold {sum(self.stage_sizes)} "
+                                 f"layers, not n_layer={cfg.n_layer}")
+        elif cfg.n_layer % (pp * v):
+            raise ValueError(f"pp={pp} x {v} chunks = {pp * v} stages do not divide "
+                             f"n_layer={cfg.n_layer}; pick pp x virtual dividing n_layer"
+                             + (" or give stage_sizes (one layer count per stage)"
+                                if v == 1 else ""))
+
     # ---- the strategy seam -------------------------------------------------------------------
     def build_model(self, cfg, seed: int) -> nn.Module:
         """The model, split and sharded by what it says of itself: its pipeline stages
         (``pipeline_stages``), its tensor-parallel plan (``tp_plan``) and the regions
         that take Megatron's f and g (``tp_regions``)."""
+        self._check_layers(cfg)
         with self.device:               # "meta" for a dry run (workbench.plan.dryrun)
             model = _build(cfg, seed=seed).train()
         self.cfg = cfg
