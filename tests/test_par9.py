@@ -108,3 +108,15 @@ def test_interleaved_layers_not_dividing_are_named_in_hybrids_words_at_build():
                                              r"n_layer=2; pick pp x virtual") as e:
             Hybrid(pp=2, **kw).build_model(cfg, 0)
         assert "sizes=" not in str(e.value)
+
+
+def test_micro_batch_errors_under_expert_parallelism_name_dp_and_ep_as_given():
+    """Hybrid(ep=4, pp=2, microbatches=4) on 8 sequences: the error named "dp=4", which
+    the user never typed (dp=1 x ep=4 data-parallel ranks)."""
+    cfg = get_config("tiny").replace(n_layer=2, moe_experts=4)
+    with pytest.raises(ValueError, match=r"microbatches=4: at most batch_size // dp = 2 "
+                                         r"\(batch_size=8, dp=1 x ep=4 = 4 data-parallel"):
+        Hybrid(ep=4, pp=2, microbatches=4).check(cfg, 8)
+    with pytest.raises(ValueError, match=r"batch_size=12 does not divide into dp=1 x ep=2 = "
+                                         r"2 data-parallel ranks x 4 micro-batches"):
+        Hybrid(ep=2, pp=2, microbatches=4).check(cfg, 12)
