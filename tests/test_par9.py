@@ -120,3 +120,69 @@ def test_micro_batch_errors_under_expert_parallelism_name_dp_and_ep_as_given():
     with pytest.raises(ValueError, match=r"batch_size=12 does not divide into dp=1 x ep=2 = "
                                          r"2 data-parallel ranks x 4 micro-batches"):
         Hybrid(ep=2, pp=2, microbatches=4).check(cfg, 12)
+
+
+# ---- torch.autocast: the parallel layer's output in one device's dtype -------------------------
+
+def test_expert_parallel_output_under_autocast_says_the_dtype_it_holds():
+    """Under ``torch.autocast("cpu", bfloat16)`` the experts' GEMMs run in bfloat16 and one
+    device's MoE output is bfloat16; the EP dispatcher's DistTensor said float32 (x's)
+    over bfloat16 local rows."""
+    import copy
+    import workbench as wb
+    from workbench.models.moe import MoE
+    from workbench.parallel.module import parallelize
+    from workbench.parallel.strategies.expert_parallel import expert_mesh, expert_parallel
+    cfg = get_config("tiny", d_model=8, n_head=2, d_ff=12, moe_experts=4, moe_topk=2,
+                     moe_capacity_factor=1.0, moe_aux_loss_coef=0.1)
+    g = torch.Generator().manual_seed(0)
+    m = MoE(cfg).train()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    x = torch.randn(4, 6, 8, generator=g)
+    ref = copy.deepcopy(m)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(x)
+    mesh = wb.Mesh.grid((4, 1), ["dp", "tp"])
+    m.token_dispatcher = expert_parallel(m.experts, expert_mesh(mesh, 2))
+    parallelize(m, mesh, {})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = m(wb.shard_tensor(x, mesh, [wb.Shard(0), wb.Replicate()]))
+    assert want.dtype == torch.bfloat16
+    assert got.dtype == got._local.dtype == torch.bfloat16
+    torch.testing.assert_close(got.full(), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("via", ["sdpa", "flash"])
+def test_ring_attention_under_autocast_runs_in_bfloat16_as_one_device(via):
+    """One device's attention under CPU autocast runs in bfloat16 (torch's lower-precision
+    list; the dispatcher casts attention on DistTensors the same way); the ring, entered
+    through ``context_parallel`` before the dispatcher, computed float32 inputs in float32
+    and returned float32.  Now bfloat16 out, float32 gradients for float32 leaves."""
+    import torch.nn.functional as F
+    import workbench as wb
+    from workbench.parallel.strategies import context_parallel as cp
+    p, n = 2, 8
+    mesh = wb.Mesh(list(range(p)), ["cp"])
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go = (torch.randn(1, 2, n, 4, generator=g) for _ in range(4))
+    run = (lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True)) \
+        if via == "sdpa" else (lambda a, b, c: wb.ops.flash_attention(a, b, c, causal=True))
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = run(*ref_in)
+    (want.float() * go).sum().backward()
+    dist = [wb.shard_tensor(cp.ring_order(t, p, 2), mesh, [wb.Shard(2)]).requires_grad_()
+            for t in (q, k, v)]
+    with cp.context_parallel(mesh, "cp"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = run(*dist)
+        (got.float() * wb.shard_tensor(cp.ring_order(go, p, 2), mesh, [wb.Shard(2)])).sum() \
+            .backward()
+    inv = torch.argsort(cp.slot_positions(n, p))
+    assert want.dtype == got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.full()[:, :, inv], want, rtol=2e-2, atol=1e-2)
+    for d, r in zip(dist, ref_in):
+        assert d.grad.dtype == torch.float32
+        torch.testing.assert_close(d.grad.full()[:, :, inv], r.grad, rtol=3e-2, atol=3e-2)

@@ -251,7 +251,9 @@ class ExpertParallel:
         else:
             y = torch.stack(ys).reshape(D, *(1,) * (nd - 1), *ys[0].shape)
             y = self._record_backward(y, on_backward)
-        return DistTensor(y, x.mesh, x.placements, x.shape, x.dtype)
+        # the dtype the experts computed in: x's, or under torch.autocast the GEMMs'
+        # (bfloat16), as one device's combine gives (was x's float32 over bfloat16 rows)
+        return DistTensor(y, x.mesh, x.placements, x.shape, ys[0].dtype)
 
     def _distributed(self, x, w, e, s, module, params, E):
         """One process: its tokens out and back by torch.distributed's all_to_all_single
@@ -296,7 +298,7 @@ class ExpertParallel:
         on_backward = self._record_forward(send_rows, module, x)   # before: _simulated
         y = self._unpermute(torch.cat(back), assign, ws).reshape((1,) * nd + (B, S, h))
         y = self._record_backward(y, on_backward)
-        return DistTensor(y, x.mesh, x.placements, x.shape, x.dtype)
+        return DistTensor(y, x.mesh, x.placements, x.shape, y.dtype)   # (as _simulated)
 
     def _all_counts(self, per_expert):
         """Every rank's per-expert row counts, gathered dim by dim over the expert mesh:
