@@ -186,3 +186,34 @@ def test_ring_attention_under_autocast_runs_in_bfloat16_as_one_device(via):
     for d, r in zip(dist, ref_in):
         assert d.grad.dtype == torch.float32
         torch.testing.assert_close(d.grad.full()[:, :, inv], r.grad, rtol=3e-2, atol=3e-2)
+
+
+# ---- CP: Ulysses on keys longer than the queries -----------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_ulysses_balanced_with_keys_longer_than_queries_is_sdpa(causal):
+    """q of 8 tokens against k, v of 16, each in the load-balanced ring order: the
+    all-to-all's un-permutation used the queries' length for the keys too, keeping 8 of
+    the 16 keys (0.7 off SDPA, 1.9 causal, silently).  Each tensor is now put back in its
+    own order; gradients of q, k and v are SDPA's."""
+    import torch.nn.functional as F
+    import workbench as wb
+    from workbench.parallel.strategies import context_parallel as cp
+    p = 2
+    mesh = wb.Mesh(list(range(p)), ["cp"])
+    g = torch.Generator().manual_seed(0)
+    q, go = (torch.randn(1, 4, 8, 4, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 4, 16, 4, generator=g) for _ in range(2))
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*ref_in, is_causal=causal)
+    (want * go).sum().backward()
+    dist = [wb.shard_tensor(cp.ring_order(t, p, 2), mesh, [wb.Shard(2)]).requires_grad_()
+            for t in (q, k, v)]
+    got = cp.ulysses_attention(*dist, "cp", causal=causal)
+    (got * wb.shard_tensor(cp.ring_order(go, p, 2), mesh, [wb.Shard(2)])).sum().backward()
+    for t, d, r in zip(["out", "q", "k", "v"], [got, *dist], [want, *ref_in]):
+        n = r.shape[2]
+        inv = torch.argsort(cp.slot_positions(n, p))
+        torch.testing.assert_close((d if t == "out" else d.grad).full()[:, :, inv],
+                                   r.detach() if t == "out" else r.grad, rtol=1e-5,
+                                   atol=1e-5, msg=t)
