@@ -243,9 +243,11 @@ def ulysses_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: 
     if pos is not None:             # ring order -> sequence order, locally on each rank,
         # each by its own length: keys of another length than the queries (attention to a
         # longer context) were put back in the queries' order, which dropped the rest
-        # (silently: 0.7 off one device's output)
-        hq, hk, hv = (torch.index_select(t, 2, torch.argsort(
-            slot_positions(t.shape[2], p, True).to(q.device))) for t in (hq, hk, hv))
+        # (silently: 0.7 off one device's output); one index per length, shared (each
+        # index_select saves its index for backward: the dry run counts them)
+        inv = {n: torch.argsort(slot_positions(n, p, True).to(q.device))
+               for n in {t.shape[2] for t in (hq, hk, hv)}}
+        hq, hk, hv = (torch.index_select(t, 2, inv[t.shape[2]]) for t in (hq, hk, hv))
     from ... import ops
     o = ops.flash_attention(hq, hk, hv, causal=causal, scale=scale)
     if pos is not None:
