@@ -217,3 +217,27 @@ def test_ulysses_balanced_with_keys_longer_than_queries_is_sdpa(causal):
         torch.testing.assert_close((d if t == "out" else d.grad).full()[:, :, inv],
                                    r.detach() if t == "out" else r.grad, rtol=1e-5,
                                    atol=1e-5, msg=t)
+
+
+# ---- PP: a stage whose output does not depend on its input -------------------------------------
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb_h1"])
+def test_a_stage_ignoring_its_input_is_named_not_an_attribute_error(kind):
+    """stages[1] computes from its weight alone (a user's detach): its input gets no
+    gradient, and the executor failed with "'NoneType' object has no attribute
+    'placements'" sending it back."""
+    import torch.nn.functional as F
+    import workbench as wb
+    from workbench.parallel.schedules.execute import run_pipeline
+    meshes = [wb.Mesh([r], ["pp"]) for r in range(2)]
+    g = torch.Generator().manual_seed(0)
+    w0, w1 = (wb.shard_tensor(torch.randn(4, 4, generator=g), meshes[i], [wb.Replicate()])
+              .requires_grad_() for i in range(2))
+    stages = [lambda x: torch.tanh(F.linear(x, w0)), lambda x: F.linear(x.detach(), w1)]
+    xs = [wb.shard_tensor(torch.randn(2, 4, generator=g), meshes[0], [wb.Replicate()])
+          for _ in range(2)]
+    sched = getattr(wb.schedules, "one_f_one_b" if kind == "1f1b" else "zb_h1")(2, 2)
+    with pytest.raises(ValueError, match=r"stage 1's input got no gradient in micro-batch 0's "
+                                         r"backward: stages\[1\] computes its output without"):
+        run_pipeline(sched, stages, meshes, xs, lambda out, i: out.sum(),
+                     params=[[w0], [w1]])
