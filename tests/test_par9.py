@@ -241,3 +241,14 @@ def test_a_stage_ignoring_its_input_is_named_not_an_attribute_error(kind):
                                          r"backward: stages\[1\] computes its output without"):
         run_pipeline(sched, stages, meshes, xs, lambda out, i: out.sum(),
                      params=[[w0], [w1]])
+
+
+def test_expert_parallel_on_a_mesh_without_ep_names_expert_mesh():
+    """``expert_parallel(experts, mesh)`` with the data-parallel mesh itself said only
+    "mesh dim 'ep' not in dim_names ['dp']"; now it names ``expert_mesh(mesh, ep)``."""
+    import workbench as wb
+    from workbench.parallel.strategies.expert_parallel import expert_parallel
+    model = build_model(get_config("tiny").replace(n_layer=1, moe_experts=4))
+    with pytest.raises(ValueError, match=r"has no 'ep' dim; give the expert mesh .*"
+                                         r"expert_mesh\(mesh, ep\)"):
+        expert_parallel(model.layers[0].mlp.experts, wb.Mesh.grid(2, ["dp"]))

@@ -92,6 +92,10 @@ def check_expert_parallel(num_experts: int, ep: int) -> None:
 def expert_parallel(experts: nn.Module, emesh: Mesh, chunks: int = 1) -> "ExpertParallel":
     """Shard ``experts``' parameters (experts on dim 0) over ``emesh``'s "ep" dim
     (replicated elsewhere) in place; return the token dispatcher for its MoE layer."""
+    if not isinstance(emesh, Mesh) or "ep" not in emesh.dim_names:
+        raise ValueError(f"expert_parallel: emesh={emesh!r} has no 'ep' dim; give the expert "
+                         "mesh of the layer's data-parallel mesh, expert_mesh(mesh, ep) (its "
+                         "dims are ('edp', 'ep', ...))")
     ax = emesh.dim("ep")
     E = {p.shape[0] for p in experts.parameters()}
     if len(E) != 1:
