@@ -252,3 +252,18 @@ def test_expert_parallel_on_a_mesh_without_ep_names_expert_mesh():
     with pytest.raises(ValueError, match=r"has no 'ep' dim; give the expert mesh .*"
                                          r"expert_mesh\(mesh, ep\)"):
         expert_parallel(model.layers[0].mlp.experts, wb.Mesh.grid(2, ["dp"]))
+
+
+def test_sigmoid_router_with_underflowing_scores_stays_finite():
+    """Every sigmoid score of a token below float32's smallest number (logits under -103):
+    s / sum s was 0 / 0, NaN gates and a NaN aux loss, whose gradient made the router NaN.
+    As softmax(log s) (the same numbers) they are the float64 reference's."""
+    z = -110.0 - torch.tensor([[[0.0, 1.0, 2.0, 3.0], [0.0, 0.5, 2.0, 4.0]]])
+    a = z.clone().requires_grad_()
+    w, e, _, aux = router_topk(a, 2, "sigmoid")
+    (w.sum() + aux.sum()).backward()
+    w64, e64, _, aux64 = router_topk(z.double(), 2, "sigmoid")
+    assert torch.equal(e, e64)
+    torch.testing.assert_close(w, w64.float(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(aux, aux64.float(), rtol=1e-6, atol=1e-7)
+    assert torch.isfinite(a.grad).all()

@@ -121,7 +121,10 @@ def _router_topk(logits, k, gating, cap, normalize=True):
         probs = scores
     else:
         scores = torch.sigmoid(z)                                       # s (..., S, E)
-        probs = scores / scores.sum(-1, keepdim=True)                   # s' (DeepSeek-V3)
+        # s' = s / sum s (DeepSeek-V3), written as softmax(log s): the same numbers, but
+        # finite where every s of a token underflows (logits below -103 in float32: 0 / 0
+        # made the aux loss and, through it, the router's gradient NaN)
+        probs = torch.softmax(F.logsigmoid(z), -1)                      # s' (..., S, E)
     # the k largest, ties to the lower expert index (torch.argmax's rule, as Switch's and
     # GShard's argmax routers take it); torch.topk leaves the order of equal scores
     # unspecified (torch 2.13 on CPU put the higher index first), so a tie routed a token
