@@ -267,3 +267,15 @@ def test_sigmoid_router_with_underflowing_scores_stays_finite():
     torch.testing.assert_close(w, w64.float(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(aux, aux64.float(), rtol=1e-6, atol=1e-7)
     assert torch.isfinite(a.grad).all()
+
+
+def test_context_parallel_dropout_refusal_names_a_layout_that_runs():
+    """The refusal of dropout under cp said "or cp=1", which ContextParallel itself refuses
+    ("the sequence is not split"); it names Hybrid with the same dp and tp."""
+    from workbench.recipes.context_parallel import ContextParallel
+    cfg = get_config("tiny").replace(n_layer=2, dropout=0.1)
+    with pytest.raises(ValueError, match=r"dropout=0.1: attention dropout on the ring is not "
+                                         r"built.*without context parallelism: "
+                                         r"Hybrid\(dp=2, tp=1\)") as e:
+        ContextParallel(cp=2, dp=2).check(cfg, 8)
+    assert "cp=1" not in str(e.value)
