@@ -121,14 +121,31 @@ def _router_topk(logits, k, gating, cap, normalize=True):
         probs = scores
     else:
         scores = torch.sigmoid(z)                                       # s (..., S, E)
-        probs = scores / scores.sum(-1, keepdim=True)                   # s' (DeepSeek-V3)
+        # s' = s / sum s (DeepSeek-V3), written as softmax(log s): the same numbers, but
+        # finite where every s of a token underflows (logits below -103 in float32: 0 / 0
+        # made the aux loss and, through it, the router's gradient NaN)
+        probs = torch.softmax(F.logsigmoid(z), -1)                      # s' (..., S, E)
     # the k largest, ties to the lower expert index (torch.argmax's rule, as Switch's and
     # GShard's argmax routers take it); torch.topk leaves the order of equal scores
     # unspecified (torch 2.13 on CPU put the higher index first), so a tie routed a token
     # by the backend's kernel: a stable sort is the same on every device
     top, experts = torch.sort(scores, stable=True, dim=-1, descending=True)
     top, experts = top[..., :k], experts[..., :k]                       # (..., S, k)
-    weights = (top / top.sum(-1, keepdim=True) if normalize else top).to(logits.dtype)
+    if normalize:
+        # the k chosen renormalised, written as a softmax over them: p_i / sum p_j =
+        # softmax of the chosen logits (Mixtral's G(x) = softmax(TopK(x W_g)); Megatron-LM's
+        # topk_softmax_with_capacity without pre-softmax), s_i / sum s_j = softmax of the
+        # chosen log s. Equal in exact arithmetic to top / top.sum(), but at k = 1 the gate
+        # is exactly 1 with an exactly zero gradient, as torch's softmax of one element
+        # gives; top / top.sum() left rounding (3e-11 on the tiny model's router), which
+        # Adam's normalised step turned into router updates of ~lr / 300 a step that no
+        # loss asked for, different on every layout (one device vs dp 4: 1e-4 in the
+        # loss after two steps)
+        chosen = torch.gather(z, -1, experts)
+        weights = torch.softmax(chosen if gating == "softmax" else F.logsigmoid(chosen), -1)
+    else:
+        weights = top
+    weights = weights.to(logits.dtype)
     hot = F.one_hot(experts, E)                                         # (..., S, k, E)
     # k-major priority: first choices of every token, then second choices (GShard)
     order = hot.transpose(-3, -2).reshape(*hot.shape[:-3], k * S, E)     # (..., kS, E)

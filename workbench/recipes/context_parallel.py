@@ -157,9 +157,11 @@ class ContextParallel(Hybrid):
                              f"({batch_size}) must be a multiple of dp x cp = "
                              f"{self.dp * self.cp} (recipes/moe.py: keep_sequence_order)")
         if cfg.dropout > 0:
+            # (the fix named "cp=1", which ContextParallel refuses: no context to split)
             raise ValueError(f"cp={self.cp} with dropout={cfg.dropout}: attention dropout on "
                              "the ring is not built; train with dropout 0 "
-                             "(cfg.replace(dropout=0.0)) or cp=1")
+                             "(cfg.replace(dropout=0.0)), or without context parallelism: "
+                             f"Hybrid(dp={self.dp}, tp={self.tp})")
 
     # ---- the model and its optimizer ------------------------------------------------------
     def build_model(self, cfg, seed: int):

@@ -233,9 +233,9 @@ class Hybrid:
         check_moe_layout(cfg, self.ep)
         if self._m is not None and self.dp * self._m > batch_size:
             raise ValueError(f"microbatches={self._m}: at most batch_size // dp = "
-                             f"{batch_size // self.dp} (batch_size={batch_size}, dp={self.dp}): "
-                             "every micro-batch holds at least one sequence per dp rank; lower "
-                             "microbatches")
+                             f"{batch_size // self.dp} (batch_size={batch_size}, "
+                             f"{self._dp_words()}): every micro-batch holds at least one "
+                             "sequence per dp rank; lower microbatches")
         if self._m is None and pp > 1:      # 2p micro-batches if the batch allows, else p
             self.m = 2 * pp if batch_size % (self.dp * 2 * pp) == 0 else pp
         for name, val in (("n_head", cfg.n_head), ("n_kv_head", cfg.n_kv_head),
@@ -243,18 +243,10 @@ class Hybrid:
             if val % tp:
                 raise ValueError(f"tp={tp} does not divide {name}={val}: tensor parallelism "
                                  "splits heads and hidden features evenly")
-        if self.stage_sizes is not None:
-            if sum(self.stage_sizes) != cfg.n_layer:
-                raise ValueError(f"stage_sizes={self.stage_sizes} hold {sum(self.stage_sizes)} "
-                                 f"layers, not n_layer={cfg.n_layer}")
-        elif cfg.n_layer % (pp * v):
-            raise ValueError(f"pp={pp} x {v} chunks = {pp * v} stages do not divide "
-                             f"n_layer={cfg.n_layer}; pick pp x virtual dividing n_layer"
-                             + (" or give stage_sizes (one layer count per stage)"
-                                if v == 1 else ""))
+        self._check_layers(cfg)
         if batch_size % (self.dp * self.m):
             n = self.dp * self.m
-            raise ValueError(f"batch_size={batch_size} does not divide into dp={self.dp} x "
+            raise ValueError(f"batch_size={batch_size} does not divide into {self._dp_words()} x "
                              f"{self.m} micro-batches: the micro-batches must be equal, each "
                              f"split evenly over the dp ranks; give a batch_size that divides by "
                              f"{n} (e.g. {n * max(1, round(batch_size / n))})"
@@ -296,11 +288,37 @@ class Hybrid:
         if self.schedule_name == "dualpipe":
             _dualpipe.check(self, batch_size)
 
+    def _dp_words(self) -> str:
+        """The data-parallel ranks as the user gave them: "dp=2", or with expert parallelism
+        "dp=1 x ep=4 = 4" (the dense layers' dp is edp x ep, a number nobody typed: was
+        "microbatches=4: at most batch_size // dp = 2 (batch_size=8, dp=4)" for
+        Hybrid(ep=4))."""
+        if self.ep > 1:
+            return f"dp={self.edp} x ep={self.ep} = {self.dp} data-parallel ranks"
+        return f"dp={self.dp}"
+
+    def _check_layers(self, cfg) -> None:
+        """The model's layers cut into pp x virtual stages (or ``stage_sizes``), said in
+        Hybrid's words; :meth:`build_model` checks it too, as it cuts the model before any
+        step's :meth:`check` (was: ``model.pipeline_stages``' "n_stages=4 does not divide
+        n_layer=2 ... give sizes=", arguments a Hybrid user never wrote)."""
+        pp, v = self.pp, self.v
+        if self.stage_sizes is not None:
+            if sum(self.stage_sizes) != cfg.n_layer:
+                raise ValueError(f"stage_sizes={self.stage_sizes} hold {sum(self.stage_sizes)} "
+                                 f"layers, not n_layer={cfg.n_layer}")
+        elif cfg.n_layer % (pp * v):
+            raise ValueError(f"pp={pp} x {v} chunks = {pp * v} stages do not divide "
+                             f"n_layer={cfg.n_layer}; pick pp x virtual dividing n_layer"
+                             + (" or give stage_sizes (one layer count per stage)"
+                                if v == 1 else ""))
+
     # ---- the strategy seam -------------------------------------------------------------------
     def build_model(self, cfg, seed: int) -> nn.Module:
         """The model, split and sharded by what it says of itself: its pipeline stages
         (``pipeline_stages``), its tensor-parallel plan (``tp_plan``) and the regions
         that take Megatron's f and g (``tp_regions``)."""
+        self._check_layers(cfg)
         with self.device:               # "meta" for a dry run (workbench.plan.dryrun)
             model = _build(cfg, seed=seed).train()
         self.cfg = cfg

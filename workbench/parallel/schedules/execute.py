@@ -38,7 +38,8 @@ from ..dist_tensor import DistTensor
 from ..reshard import reshard
 from .actions import Action, Schedule
 from .execute_checks import (check_even_microbatches, check_graph_weights, check_meshes,
-                             check_sendable, check_weights, microbatch_rows, stage_loss)
+                             check_sendable, check_weights, input_grad, microbatch_rows,
+                             stage_loss)
 from .simulate import simulate
 from .validate import validate
 
@@ -225,7 +226,7 @@ def _run_pipeline(schedule: Schedule, stages: Sequence[Callable], meshes: Sequen
             needs_input_grad = s > 0
             backward_action(a, schedule, out, g, x, s, params, stage_out, key, slot=slot)
             if needs_input_grad and a.kind == "B":
-                gx = _grad_of(x)
+                gx = input_grad(_grad_of(x), s, slot, a.mb)
                 dst_mesh = meshes[schedule.placement(s - 1, a.mb)[0]]
                 hs = arrived.setdefault((s - 1, a.mb), [])
                 gx_moved = _send(gx, dst_mesh, gx.placements, f"B{a.mb} stage {s}->{s - 1}",

@@ -12,7 +12,7 @@ import torch
 from ..dist_tensor import DistTensor
 
 __all__ = ["check_even_microbatches", "check_sendable", "check_weights", "stage_loss",
-           "microbatch_rows", "check_meshes", "check_graph_weights"]
+           "microbatch_rows", "check_meshes", "check_graph_weights", "input_grad"]
 
 
 def check_meshes(meshes) -> None:
@@ -166,3 +166,20 @@ def _flat(x) -> list:
 def _storage_tensors(t):
     from .. import storage
     return storage.tensors(t) if not isinstance(t, torch.Tensor) else [t]
+
+
+def input_grad(gx, s: int, slot: int, mb: int):
+    """The gradient stage ``s`` sends back for micro-batch ``mb``, or a clear error when its
+    input got none: ``stages[slot]`` computed its output without its input (or detached
+    it), so nothing flows to the stages before it.  One device would leave their
+    gradients None; the executor sends a gradient across every stage boundary, and the
+    missing one failed as "'NoneType' object has no attribute 'placements'"."""
+    if gx is None:
+        raise ValueError(f"run_pipeline: stage {s}'s input got no gradient in micro-batch "
+                         f"{mb}'s backward: stages[{slot}] computes its output without its "
+                         "input (or detaches it), so the stages before it would get no "
+                         "gradient; a pipeline sends a gradient back across every stage "
+                         f"boundary. Fix: compute stage {s}'s output from its input, or move "
+                         "what it computes from constants into the stage where the "
+                         "activation flows")
+    return gx

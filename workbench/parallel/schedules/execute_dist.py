@@ -34,7 +34,8 @@ from ...sim_mesh.trace import current_trace
 from .. import storage
 from ..dist_tensor import DistTensor
 from ..placement import Partial, Replicate, Shard
-from .execute_checks import check_graph_weights, check_sendable, microbatch_rows, stage_loss
+from .execute_checks import (check_graph_weights, check_sendable, input_grad, microbatch_rows,
+                             stage_loss)
 
 __all__ = ["run_pipeline_dist"]
 
@@ -177,7 +178,8 @@ def run_pipeline_dist(schedule, stages, meshes, inputs, loss_fn, *, params=None,
         x = stage_in[key]
         backward_action(a, schedule, out, g, x, s, params, stage_out, key)
         if s > 0 and a.kind == "B":
-            send(_grad_of(x), (s - 1) % p, _tag(2, s - 1, a.mb), f"B{a.mb} stage {s}->{s - 1}")
+            send(input_grad(_grad_of(x), s, s, a.mb), (s - 1) % p, _tag(2, s - 1, a.mb),
+                 f"B{a.mb} stage {s}->{s - 1}")
     for w in pending:
         w.wait()
     dist.broadcast(losses, src=meshes[last % p].ranks[0])

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .. import autocast as _autocast
 from ..dist_tensor import DistTensor
 from ..placement import Replicate, Shard
 from ..reshard import reshard
@@ -310,6 +311,14 @@ class context_parallel(TorchFunctionMode):
 
     def _ring(self, func, args, kwargs):
         sdpa = func is F.scaled_dot_product_attention
+        # torch.autocast's cast first, as the dispatcher applies it to attention on
+        # DistTensors (parallel/autocast.py: "lower", bfloat16 under CPU autocast): this
+        # mode runs before the dispatcher, and the ring computed float32 inputs in float32
+        # where one device's attention gives bfloat16 (Ulysses' SDPA was cast already)
+        kind = _autocast.policy_for("scaled_dot_product_attention" if sdpa
+                                    else "flash_attention", args, kwargs)
+        if kind is not None:
+            args, kwargs = _autocast.cast_args(kind, args, kwargs)
         names = (("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
                   "enable_gqa") if sdpa else ("q", "k", "v"))
         a = dict(zip(names, args))

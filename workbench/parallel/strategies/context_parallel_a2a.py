@@ -222,11 +222,13 @@ def ulysses_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: 
                         "(dim 2) is sharded over the cp mesh dim")
     axis = q.mesh.dim(mesh_dim)
     p, heads = _check_inputs(q, k, v, axis, where)
-    if balanced and q.shape[2] % (2 * p):
-        raise ValueError(f"{where}: balanced=True (the ring's load-balanced order, 2 x cp = "
-                         f"{2 * p} chunks) on a sequence of {q.shape[2]} tokens, which does not "
-                         f"divide by {2 * p}; pass balanced=False if q, k, v are in contiguous "
-                         f"slots, or use a sequence length that is a multiple of {2 * p}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if balanced and t.shape[2] % (2 * p):
+            raise ValueError(f"{where}: balanced=True (the ring's load-balanced order, 2 x cp "
+                             f"= {2 * p} chunks) on {name}'s sequence of {t.shape[2]} tokens, "
+                             f"which does not divide by {2 * p}; pass balanced=False if q, k, v "
+                             f"are in contiguous slots, or use a sequence length that is a "
+                             f"multiple of {2 * p}")
     mesh = q.mesh
 
     def to(t, dim):
@@ -237,11 +239,15 @@ def ulysses_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: 
         return reshard(t, mesh, ps)
     # the sequence gathered, the heads scattered: one all-to-all each (Shard(2) -> Shard(1))
     hq, hk, hv = (to(t, 1) for t in (q, k, v))
-    S = q.shape[2]
-    pos = slot_positions(S, p, True).to(q.device) if balanced else None
-    if pos is not None:             # ring order -> sequence order, locally on each rank
-        inv = torch.argsort(pos)
-        hq, hk, hv = (torch.index_select(t, 2, inv) for t in (hq, hk, hv))
+    pos = slot_positions(q.shape[2], p, True).to(q.device) if balanced else None
+    if pos is not None:             # ring order -> sequence order, locally on each rank,
+        # each by its own length: keys of another length than the queries (attention to a
+        # longer context) were put back in the queries' order, which dropped the rest
+        # (silently: 0.7 off one device's output); one index per length, shared (each
+        # index_select saves its index for backward: the dry run counts them)
+        inv = {n: torch.argsort(slot_positions(n, p, True).to(q.device))
+               for n in {t.shape[2] for t in (hq, hk, hv)}}
+        hq, hk, hv = (torch.index_select(t, 2, inv[t.shape[2]]) for t in (hq, hk, hv))
     from ... import ops
     o = ops.flash_attention(hq, hk, hv, causal=causal, scale=scale)
     if pos is not None:

@@ -162,6 +162,13 @@ class DataParallel(AdamWHypers):
         live = self.optimizer.live() if self.zero else \
             [i for i, p in enumerate(self.params) if p._local.grad is not None]
         if not live:
+            if not any(p.requires_grad for p in self.params):
+                # every parameter frozen (a pipeline stage whose layers are all frozen,
+                # fine-tuning the later ones): nothing to step, as torch.optim skips each
+                # parameter without a gradient (was: "call loss.backward() first", raised
+                # after a backward on every step of Hybrid(pp=2) with stage 0 frozen)
+                self.step_count += 1
+                return
             raise RuntimeError("DataParallel.step(): no parameter has a gradient; call "
                                "loss.backward() first")
         self.step_count += 1

@@ -92,6 +92,10 @@ def check_expert_parallel(num_experts: int, ep: int) -> None:
 def expert_parallel(experts: nn.Module, emesh: Mesh, chunks: int = 1) -> "ExpertParallel":
     """Shard ``experts``' parameters (experts on dim 0) over ``emesh``'s "ep" dim
     (replicated elsewhere) in place; return the token dispatcher for its MoE layer."""
+    if not isinstance(emesh, Mesh) or "ep" not in emesh.dim_names:
+        raise ValueError(f"expert_parallel: emesh={emesh!r} has no 'ep' dim; give the expert "
+                         "mesh of the layer's data-parallel mesh, expert_mesh(mesh, ep) (its "
+                         "dims are ('edp', 'ep', ...))")
     ax = emesh.dim("ep")
     E = {p.shape[0] for p in experts.parameters()}
     if len(E) != 1:
@@ -251,7 +255,9 @@ class ExpertParallel:
         else:
             y = torch.stack(ys).reshape(D, *(1,) * (nd - 1), *ys[0].shape)
             y = self._record_backward(y, on_backward)
-        return DistTensor(y, x.mesh, x.placements, x.shape, x.dtype)
+        # the dtype the experts computed in: x's, or under torch.autocast the GEMMs'
+        # (bfloat16), as one device's combine gives (was x's float32 over bfloat16 rows)
+        return DistTensor(y, x.mesh, x.placements, x.shape, ys[0].dtype)
 
     def _distributed(self, x, w, e, s, module, params, E):
         """One process: its tokens out and back by torch.distributed's all_to_all_single
@@ -296,7 +302,7 @@ class ExpertParallel:
         on_backward = self._record_forward(send_rows, module, x)   # before: _simulated
         y = self._unpermute(torch.cat(back), assign, ws).reshape((1,) * nd + (B, S, h))
         y = self._record_backward(y, on_backward)
-        return DistTensor(y, x.mesh, x.placements, x.shape, x.dtype)
+        return DistTensor(y, x.mesh, x.placements, x.shape, y.dtype)   # (as _simulated)
 
     def _all_counts(self, per_expert):
         """Every rank's per-expert row counts, gathered dim by dim over the expert mesh:

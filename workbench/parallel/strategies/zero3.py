@@ -60,6 +60,9 @@ class Zero3(AdamWHypers, DistTensorFSDP):
         ``optimizer``, a ``wb.ops.AdamW``); the gradients are then cleared."""
         # as torch.optim: a shard without a gradient (frozen, or unused) is skipped
         if all(e[3].grad is None for e in self.entries):
+            if not any(e[3].requires_grad for e in self.entries):
+                self.step_count += 1        # every shard frozen: nothing to step (as
+                return                      # DataParallel.step, torch.optim)
             raise RuntimeError("Zero3.step(): no parameter shard has a gradient; call "
                                "loss.backward() first")
         self.finish_gradient_synchronization()
