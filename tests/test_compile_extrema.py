@@ -56,3 +56,61 @@ def test_bad_dim_is_torchs_index_error():
     assert "IndexError" in prog.breaks[0].reason
     with pytest.raises(IndexError, match="Dimension out of range"):
         prog(x)
+
+
+# ---- new tensors shaped like traced ones, and advanced indexing, inside wb.compile ----
+
+Y = torch.arange(48.).reshape(8, 6).sin()
+IDX = torch.tensor([0, 2, -1])
+MORE = {
+    "zeros_like": lambda x: torch.zeros_like(x) + x * 2,
+    "ones_like dtype": lambda x: torch.ones_like(x, dtype=torch.float64) * x,
+    "full_like int": lambda x: torch.full_like(x.long(), 2.5) + x.long(),  # x's dtype: 2
+    "full_like -inf mask": lambda x: torch.where(x > 0, x, torch.full_like(x, -1e9)).softmax(-1),
+    "new_zeros": lambda x: x.new_zeros(6) + x,
+    "new_ones tuple": lambda x: x.new_ones((8, 1)) * x,
+    "new_full": lambda x: x.new_full((8, 6), 3.0) - x,
+    "const index": lambda x: x[IDX] * 2,
+    "const index dim1": lambda x: x[:, IDX].sum(1),
+    "const list index": lambda x: x[[1, 3]],
+    "const mixed": lambda x: x[IDX, 1:],
+    "const two indices": lambda x: x[IDX, torch.tensor([5, 0, -6])],
+    "const bool 1-d": lambda x: x[:, torch.tensor([True, False, True, False, True, True])],
+    "traced index": lambda x: x[x.argmax(0)],
+    "traced negative": lambda x: x[:, x.argmax(1) - 6],
+    "traced rows cols": lambda x: x[torch.arange(8), x.argmin(1)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MORE))
+@pytest.mark.parametrize("pl", [Shard(0), Shard(1)], ids=str)
+def test_like_and_indexing_compiled_as_torch(name, pl):
+    fn = MORE[name]
+    xr = Y.clone().requires_grad_()
+    ref = fn(xr)
+    x = wb.distribute_tensor(Y.clone(), MESH, [pl]).requires_grad_()
+    prog = wb.compile(fn, x, level="O2")
+    assert prog.breaks == []
+    out = prog(x)
+    got = out.full_tensor()
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+    if ref.requires_grad:
+        ref.sum().backward()
+        out.sum().backward()
+        torch.testing.assert_close(x.grad.full_tensor(), xr.grad, rtol=0, atol=1e-6)
+
+
+def test_computed_bool_mask_breaks_the_graph_and_runs_eagerly():
+    x = wb.distribute_tensor(Y.clone(), MESH, [Shard(0)])
+    prog = wb.compile(lambda t: t[:, t[0] > 0], x)
+    assert len(prog.breaks) == 1 and "nonzero" in prog.breaks[0].reason
+    torch.testing.assert_close(prog(x).full_tensor(), Y[:, Y[0] > 0])
+
+
+def test_out_of_range_computed_index_raises_when_run():
+    x = wb.distribute_tensor(Y.clone(), MESH, [Shard(1)])
+    prog = wb.compile(lambda t: t[t.argmax(1) + 8], x)
+    assert prog.breaks == []
+    with pytest.raises((IndexError, RuntimeError)):   # torch's index_select kernel's
+        prog(x)

@@ -105,6 +105,59 @@ def _extremum(kind):
 
 _EXTREMA = {f: _extremum(k) for k in ("max", "min") for f in (getattr(torch, k), getattr(T, k))}
 
+# a new tensor shaped like a traced one (its shape and dtype are static): a constant of the
+# program, as ``torch.zeros((8, 6))`` written out is (plain tensors are replicated);
+# ``empty_like`` / ``new_empty`` as zeros (one of the values torch may leave there)
+_FILL = {torch.zeros_like: 0, torch.ones_like: 1, torch.empty_like: 0,
+         T.new_zeros: 0, T.new_ones: 1, T.new_empty: 0}
+
+
+def _like(func, args, kwargs):
+    """``torch.zeros_like(x)``, ``torch.full_like(x, v)``, ``x.new_zeros(size)``... as the
+    constant they are: (the constant, or None for a form left to torch)."""
+    kw = dict(kwargs)
+    x, rest = args[0], list(args[1:])
+    if "input" in kw:
+        x = kw.pop("input")
+    if kw.pop("memory_format", None) not in (None, torch.preserve_format,
+                                             torch.contiguous_format):
+        return None
+    dtype = kw.pop("dtype", None) or x.dtype
+    rg = bool(kw.pop("requires_grad", False))
+    kw.pop("device", None), kw.pop("layout", None), kw.pop("pin_memory", None)
+    if func in (torch.full_like, T.new_full):
+        if func is T.new_full:
+            if not rest and "size" not in kw:
+                return None
+            size = rest.pop(0) if rest else kw.pop("size")
+        else:
+            size = tuple(x.shape)
+        if not rest and "fill_value" not in kw:
+            return None
+        value = rest.pop(0) if rest else kw.pop("fill_value")
+    elif func in _FILL:
+        value = _FILL[func]
+        if func in (torch.zeros_like, torch.ones_like, torch.empty_like):
+            size = tuple(x.shape)
+        else:
+            size = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) \
+                else tuple(rest) if rest else kw.pop("size", None)
+            rest = []
+            if size is None:
+                return None
+    else:
+        return None
+    if rest or kw:
+        return None
+    return torch.full(tuple(size), value, dtype=dtype).requires_grad_(rg)
+
+
+def _advanced(index) -> bool:
+    """An index holding an index tensor or a list: advanced indexing (a constant index or
+    one the program computes; a computed bool mask breaks the graph at its ``nonzero``)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, (torch.Tensor, list)) for i in items)
+
 
 def _meta_like(x, requires_grad=None):
     rg = x.requires_grad if requires_grad is None else requires_grad
@@ -260,6 +313,22 @@ class _Tracer(TorchFunctionMode):
             raise Broken(GraphBreak(f"{getattr(func, '__name__', func)}() reads a traced "
                                     "tensor's value: data-dependent control flow", f, line, code))
         hit = BY_FUNC.get(func)
+        if hit is None and (func in _FILL or func in (torch.full_like, T.new_full)):
+            with self:
+                out = _like(func, args, kwargs)
+            if out is not None:
+                return out
+        if func is T.__getitem__ and len(args) == 2 and _advanced(args[1]):
+            # x[idx], x[i, :, j] with index tensors: as eager composes them
+            # (tensor_methods' __getitem__: index_select of the index, table ops)
+            from ..parallel.ops_table.indexing import advanced_index, index_with, mixed_index
+            with self:
+                out = mixed_index(args[0], args[1])
+                if out is None:
+                    adv = advanced_index(args[0], args[1])
+                    out = None if adv is None else index_with(args[0], *adv)
+            if out is not None:
+                return out
         if hit is None and func in _EXTREMA:
             with self:
                 out = _EXTREMA[func](*args, **kwargs)

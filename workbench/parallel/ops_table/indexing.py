@@ -257,7 +257,8 @@ def advanced_index(x, idx):
         raise IndexError(f"x[{idx!r:.60}]: too many indices for a {x.ndim}-d tensor")
     if not isinstance(i, DistTensor):
         n = x.shape[dim]
-        if i.numel() and (int(i.min()) < -n or int(i.max()) >= n):
+        # a meta index (wb.compile's capture: values unknown) is checked when it runs
+        if i.numel() and i.device.type != "meta" and (int(i.min()) < -n or int(i.max()) >= n):
             if x.numel() == 0 and n:
                 # torch's index kernel reads no element of an empty result, so it checks
                 # no bound (x (1, 0)[tensor([5])] is a (1, 0) tensor): nor do we
@@ -362,12 +363,12 @@ def mixed_index(x, idx):
     for (d, i), n in zip(where, sizes):
         if y.numel() == 0 and n:        # torch's index kernel reads no element: no bound
             i = torch.zeros_like(i)     # checked (as advanced_index)
-        if i.numel() and (int(i.min()) < -n or int(i.max()) >= n):
+        if i.numel() and i.device.type != "meta" and (int(i.min()) < -n or int(i.max()) >= n):
             bad = int(i.max()) if int(i.max()) >= n else int(i.min())
             raise IndexError(f"index {bad} is out of bounds for dimension {d} with size {n}")
         ts.append(torch.where(i < 0, i + n, i).long())
-    ts = torch.broadcast_tensors(*ts)
-    B = tuple(ts[0].shape)
+    B = tuple(torch.broadcast_shapes(*(t.shape for t in ts)))
+    ts = [t.expand(B) for t in ts]            # broadcast_tensors, as table ops
     lin = torch.zeros(B, dtype=torch.long)
     for t, n in zip(ts, sizes):
         lin = lin * n + t
