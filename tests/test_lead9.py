@@ -38,3 +38,18 @@ def test_the_named_form_trains_as_one_device():
     (out.full_tensor() if hasattr(out, "full_tensor") else out).pow(2).mean().backward()
     for p, r in zip(m.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), r.grad, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("wrapper", ["DistributedDataParallel", "FullyShardedDataParallel"])
+@pytest.mark.parametrize("whole", [False, True])
+def test_ddp_and_fsdp_after_tp_on_a_slice_name_the_whole_mesh_form(wrapper, whole):
+    world = wb.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    m = _mlp()
+    wb.parallelize_module(m, world["tp"], {"0": wb.ColwiseParallel(), "2": wb.RowwiseParallel()})
+    with pytest.raises(ValueError, match=rf"world_mesh\['tp'\].*parallelize_module\(model, "
+                                         rf"world_mesh, plan\).*{wrapper}\(model, world_mesh"):
+        getattr(wb, wrapper)(m, world if whole else world["dp"])
+    # the named form works
+    m = _mlp()
+    wb.parallelize_module(m, world, {"0": wb.ColwiseParallel(), "2": wb.RowwiseParallel()})
+    getattr(wb, wrapper)(m, world)

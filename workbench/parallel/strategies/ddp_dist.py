@@ -105,6 +105,11 @@ class DistTensorDDP(BackwardHookRefusal, DistributedDataParallel):
         params = list(dist_parameters(module))
         mesh0 = params[0][1].mesh
         if mesh is None or mesh != mesh0:
+            from .mesh_advice import world_slice_advice
+            advice = world_slice_advice(mesh0, mesh, dim, f"DistributedDataParallel(mesh={mesh!r})",
+                                         f"DistributedDataParallel(model, world_mesh, dim={dim!r})")
+            if advice:
+                raise ValueError(advice)
             raise ValueError(f"DistributedDataParallel(mesh={mesh!r}): the module's DistTensor "
                              f"parameters live on {mesh0}; pass that mesh")
         if not isinstance(overlap_grad_reduce, bool):

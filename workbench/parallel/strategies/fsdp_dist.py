@@ -124,6 +124,12 @@ class DistTensorFSDP(BackwardHookRefusal, Zero3Clock, FullyShardedDataParallel):
             raise ValueError("FullyShardedDataParallel over DistTensor parameters: the module "
                              "has none; wb.parallelize it first (or pass a plain module)")
         if mesh is None or mesh != params[0][1].mesh:
+            from .mesh_advice import world_slice_advice
+            advice = world_slice_advice(params[0][1].mesh, mesh, dim,
+                                        f"FullyShardedDataParallel(mesh={mesh!r})",
+                                        f"FullyShardedDataParallel(model, world_mesh, dim={dim!r})")
+            if advice:
+                raise ValueError(advice)
             raise ValueError(f"FullyShardedDataParallel(mesh={mesh!r}): the module's DistTensor "
                              f"parameters live on {params[0][1].mesh}; pass that mesh")
         graded = [n for n, p in params if p.grad is not None]

@@ -78,17 +78,11 @@ def check_tp(module, mesh, dim, mp, reshard_after_forward, fsdp_module_cls):
     # full[dim]: under torchrun the dp slice through this process (DeviceMesh's), which
     # is the user's world_mesh["dp"]; submesh(dim) is the one through the first rank (it
     # alone was taken: every process off rank 0's dp slice was refused)
-    if mesh is not None and full.ndim == 1 and dim not in full.dim_names and \
-            full.ranks[0] == mesh.ranks[0] and not set(full.dim_names) & set(mesh.dim_names):
-        # torch's order, parallelize_module(model, world_mesh["tp"]): on simulated ranks that
-        # slice is the first data-parallel group's alone (Mesh.__getitem__)
-        raise ValueError(
-            f"fully_shard({name}, mesh={mesh}): its parameters are DistTensors on {full}, "
-            f"a slice of the world mesh (world_mesh[{full.dim_names[0]!r}]): on simulated "
-            "ranks such a slice is the first data-parallel group's alone, so tensor "
-            "parallelism over every group is parallelize_module(model, world_mesh, plan) "
-            "(it takes the 'tp' dim; the same call runs under torchrun), then "
-            f"fully_shard(..., mesh=world_mesh[{dim!r}])")
+    from .mesh_advice import world_slice_advice
+    advice = world_slice_advice(full, mesh, dim, f"fully_shard({name}, mesh={mesh})",
+                                f"fully_shard(..., mesh=world_mesh[{dim!r}])")
+    if advice:
+        raise ValueError(advice)
     if mesh is None or dim not in full.dim_names or mesh not in (full.submesh(dim), full[dim]):
         raise ValueError(
             f"fully_shard({name}, mesh={mesh}): its parameters are DistTensors on {full}; "
