@@ -47,6 +47,8 @@ from ..sim_mesh.trace import current_trace
 from . import layout, storage
 from .dist_tensor import DistTensor, TensorSpec
 from .habits import COMPOSED, FACTORIES
+from . import strides
+from .strides import lost_layout, track as track_strides
 from .views import note_views
 from . import autocast as _autocast
 from .autocast import POLICY as _AUTOCAST
@@ -247,7 +249,11 @@ def dispatch(func, args, kwargs):
         if name.endswith("_") and not name.startswith("_"):     # nn.init.*, torch.relu_
             return _writes(func, args, kwargs or {})
         if func in FACTORIES:                                   # zeros_like, new_zeros...
-            return FACTORIES[func](*args, **(kwargs or {}))
+            out = FACTORIES[func](*args, **(kwargs or {}))
+            if isinstance(out, DistTensor) and (out._gstride is not None or
+                                                strides.lost_dims(out)):
+                track_strides(func, args, kwargs, out)      # torch's: zeros_like keeps x's
+            return out
         if func in COMPOSED:                           # allclose, equal, max, min
             return COMPOSED[func](*args, **(kwargs or {}))
         return _no_rule(func, args, kwargs or {}, name)
@@ -295,7 +301,13 @@ def dispatch(func, args, kwargs):
             prep = _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key)
         if prep is None:
             return _fallback(func, args, kwargs)
-    return run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
+    out = run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
+    # the global strides, where the outputs' shards cannot tell them (or an input's were
+    # kept: its shards may tell others): torch's, from meta tensors (strides.track)
+    if prep.lost or any(getattr(x, "_gstride", None) is not None for x in inputs
+                        if type(x) is DistTensor):
+        track_strides(func, args, kwargs, out)
+    return out
 
 
 def _unsafe_scale(name, inputs) -> bool:
@@ -371,6 +383,7 @@ class _Prepared:
                            # compares them by identity, and no spec is built per call
     keep: bool = True      # keep_first_replica has work: an output replicated on some
                            # mesh dim, or uneven shards (cells to settle)
+    lost: bool = False     # an output's shards cannot tell its strides (strides.lost_dims)
 
 
 def _is_even(cand, specs, out_shapes, mesh) -> bool:
@@ -391,7 +404,8 @@ def _prepare(opdef, dec, inputs, specs, attrs, mesh, cand=None) -> _Prepared:
     expand = tuple(() if req is None else tuple(i for i in diverge if req[i].is_replicate())
                    for req in st.inputs)
     keep = not even or any(p.is_replicate() for ps in st.outputs for p in ps)
-    return _Prepared(dec, out_shapes, even, expand, cand, out_dtypes, keep=keep)
+    lost = any(lost_layout(tuple(s), mesh.shape, tuple(ps)) for s, ps in zip(out_shapes, st.outputs))
+    return _Prepared(dec, out_shapes, even, expand, cand, out_dtypes, keep=keep, lost=lost)
 
 
 def _cost_of(opdef, prep, inputs, specs, attrs, mesh):
