@@ -191,3 +191,59 @@ def test_list_of_sequences_indexes_as_a_tuple():
             got = d[idx]
         assert torch.equal(got.full(), want)
     assert torch.equal(d[[0, 1]].full(), x[[0, 1]])        # no sequence inside: an index
+
+
+# ---- item 1: the sweep's refusals where torch computes an answer ---------------------------
+@pytest.mark.parametrize("seed", [
+    1042115, 1043049,     # bmm float32 x float64 of an empty contraction: refused
+    1044382, 1044502,     # a partial sum times a tensor holding inf / nan: refused
+])
+def test_sweep_seeds_are_ok(seed):
+    out = run_program(random.Random(seed))
+    assert out.status == "ok", out.detail
+
+
+def test_a_partial_sum_squared_with_an_infinite_value_is_torchs():
+    """``d * d`` of a partial sum: the rule reduces one operand, whose value (inf) was then
+    the factor of the other's parts: refused.  Now reduced first: torch's inf; a nan
+    factor gives nan part by part as the sum does (no longer refused)."""
+    mesh = wb.Mesh.grid((2,), ["a"])
+    x = torch.tensor([1.0, float("inf"), -2.0, float("nan")], dtype=torch.float64)
+    d = wb.from_local([x / 2, x / 2], mesh, [wb.Partial()])
+    torch.testing.assert_close((d * d).full(), x * x, equal_nan=True)
+    w = torch.tensor([1.0, float("nan"), 2.0, 3.0], dtype=torch.float64)
+    e = wb.from_local([w / 4, w * 3 / 4], mesh, [wb.Partial()])
+    torch.testing.assert_close((e * w).full(), w * w, equal_nan=True)
+    assert (e * w).placements == (wb.Partial(),)        # nan: scaled part by part
+
+
+def test_bmm_of_two_dtypes_with_an_empty_contraction_is_torchs():
+    mesh = wb.Mesh.grid((2,), ["a"])
+    a = torch.randn(2, 4, 0, dtype=torch.float64)
+    b = torch.randn(2, 0, 3, dtype=torch.float32)
+    got = torch.bmm(wb.shard_tensor(a, mesh, [S(1)]), wb.shard_tensor(b, mesh, [R]))
+    want = torch.bmm(a, b)
+    assert got.dtype == want.dtype == torch.float32 and torch.equal(got.full(), want)
+
+
+# ---- item 1: the sweep's wrong answers -------------------------------------------------------
+@pytest.mark.parametrize("shape,kw", [((0,), {}), ((2, 0), dict(dim=1)), ((0, 4), dict(dim=0)),
+                                      ((1,), {}), ((2, 1), dict(dim=1))])
+@pytest.mark.parametrize("fn", ["var", "std", "var_mean", "std_mean"])
+def test_var_of_no_element_is_a_positive_nan(fn, shape, kw):
+    """torch's var of no element is a positive nan (its kernel's), of one element with
+    correction 1 a negative one (0 / 0); ours was 0 / 0 for both: signbit read True where
+    torch's reads False (seed 1045897)."""
+    x = torch.full(shape, 5.0, dtype=torch.float64)
+    mesh = wb.Mesh.grid((2,), ["a"])
+    d = wb.shard_tensor(x, mesh, [S(x.ndim - 1)] if x.shape[-1] >= 2 else [R])
+    f = getattr(torch, fn)
+    want, got = f(x, **kw), f(d, **kw)
+    for w, g in zip(want if isinstance(want, tuple) else (want,),
+                    got if isinstance(got, tuple) else (got,)):
+        assert torch.equal(torch.signbit(g.full()), torch.signbit(w))
+
+
+def test_seed_1045897_is_ok():
+    out = run_program(random.Random(1045897))
+    assert out.status == "ok", out.detail

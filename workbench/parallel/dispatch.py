@@ -276,7 +276,8 @@ def dispatch(func, args, kwargs):
     mesh = common_mesh(entry.name, inputs)
     plain = any(not isinstance(x, DistTensor) for x in inputs)  # a plain tensor or constant
     consts = ()                    # the types of constant inputs (type promotion differs)
-    if plain and entry.name in ("mul", "div") and _unsafe_scale(entry.name, inputs):
+    if entry.name in ("mul", "div") and (plain and _unsafe_scale(entry.name, inputs)
+                                         or _unsafe_factor(entry.name, inputs)):
         inputs = _partials_reduced(inputs)
     if plain:
         specs = []
@@ -321,6 +322,30 @@ def _unsafe_scale(name, inputs) -> bool:
             return True
         if name == "div" and k == 1 and isinstance(x, (int, float)) and x == 0:
             return True
+    return False
+
+
+def _unsafe_factor(name, inputs) -> bool:
+    """A tensor factor holding inf (a divisor holding 0) beside a partial sum: as for
+    numbers (:func:`_unsafe_scale`), the partial sum is reduced first, which is exact (the
+    local product refused it: ops_table/pointwise._scaled_local; seeds 1043842, 1044382,
+    1044502).  The partial inputs are read too (``d * d`` reduces one of them: its value
+    is the factor).  Values are read only where a partial sum or average is met."""
+    def summed(x):
+        return isinstance(x, DistTensor) and any(p.is_partial() and p.reduce_op in
+                                                 ("sum", "avg") for p in x.placements)
+    if not any(summed(x) for x in inputs):
+        return False
+    for k, x in enumerate(inputs):
+        if name == "div" and k == 0:
+            continue
+        ts = storage.tensors(x._local) if isinstance(x, DistTensor) else \
+            [x] if isinstance(x, torch.Tensor) else []
+        for t in ts:
+            if not t.is_floating_point() or not t.numel():
+                continue
+            if bool((t == 0).any()) if name == "div" else bool(torch.isinf(t).any()):
+                return True
     return False
 
 
