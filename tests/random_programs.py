@@ -261,6 +261,9 @@ def _close(got, want, what, loose=False):
         rtol, atol = 1e-4, 1e-5 * max(1.0, float(want.abs().nan_to_num(0, 0, 0).max())
                                       if want.numel() else 1.0)
     if not torch.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True):
+        if want.dtype == torch.bool:     # (bool - bool raises: seed 1042679 was "raised")
+            raise _Wrong(f"{what}: values differ ({int((got != want).sum())} of "
+                         f"{want.numel()} elements)")
         err = (got - want).abs().nan_to_num(float("inf")).max()
         raise _Wrong(f"{what}: values differ (max error {float(err):.3g})")
 

@@ -70,22 +70,22 @@ def test_stride_and_is_contiguous_are_the_global_tensors(mesh_shape, names, shap
     stride is arbitrary in torch too), even and uneven shards."""
     mesh = wb.Mesh.grid(mesh_shape, names)
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    lost = 0
     for pl in _placements(mesh, len(shape)):
         d = wb.shard_tensor(x, mesh, pl)
         for view, f in VIEWS.items():
             got, want = f(d), f(x)
-            if _order_lost(got):               # revO: the shards cannot tell: raises
-                with pytest.raises(NotImplementedError, match="cannot tell that dim"):
-                    got.stride()
-                with pytest.raises(NotImplementedError, match="cannot tell that dim"):
-                    got.is_contiguous()
-                continue
+            # revO: where the shards cannot tell (_order_lost), stride() raised; sweep9:
+            # the strides are kept beside the shards (strides.py), torch's here too
+            lost += _order_lost(got)
             assert got.is_contiguous() == want.is_contiguous(), (pl, view)
             for k in range(-want.ndim, want.ndim):
                 if want.shape[k] > 1:
                     assert got.stride(k) == want.stride(k), (pl, view, k)
                     assert got.stride()[k] == want.stride()[k], (pl, view, k)
             assert isinstance(got.stride(), tuple) and len(got.stride()) == want.ndim
+    if (shape, mesh_shape) == ((3, 4, 5), (3,)):
+        assert lost                     # the case revO refused is among them
 
 
 def test_stride_of_a_bad_dim_is_torchs_index_error():

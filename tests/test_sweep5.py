@@ -243,15 +243,33 @@ EMPTY_PRODUCTS = {"bmm": (torch.bmm, (2, 4, 0), (2, 0, 2)),
 
 @pytest.mark.parametrize("op", EMPTY_PRODUCTS)
 @pytest.mark.parametrize("ps", [[Replicate()], [Shard(0)], [Shard(1)]], ids=str)
-def test_a_two_dtype_product_torch_returns_for_is_refused_clearly(op, ps):
+def test_a_two_dtype_product_torch_returns_for_is_torchs(op, ps):
     # torch's bmm returns zeros before its same-dtype check when the contraction or the
     # result is empty (in the second operand's dtype); here that raised RuntimeError, as
-    # torch does for any other size: now a NotImplementedError naming the fix
+    # torch does for any other size, then a NotImplementedError naming the fix; sweep9:
+    # torch's zeros, in torch's dtype, and each operand's gradient in its own dtype
     fn, sa, sb = EMPTY_PRODUCTS[op]
-    a, b = torch.randn(sa), torch.randn(sb, dtype=torch.float64)
-    fn(a, b)                                             # torch returns
-    with pytest.raises(NotImplementedError, match="cast one operand"):
-        fn(distribute(a, MESH, ps, seed=1), distribute(b, MESH, [Replicate()], seed=2))
+    a = torch.randn(sa).requires_grad_()
+    b = torch.randn(sb, dtype=torch.float64).requires_grad_()
+    da = distribute(a.detach(), MESH, ps, seed=1).requires_grad_()
+    db = distribute(b.detach(), MESH, [Replicate()], seed=2).requires_grad_()
+    try:
+        want = fn(a, b)                 # torch returns (matmul (4, 0) @ (2, 0, 2) raises
+    except RuntimeError:                # RuntimeError where an operand requires grad)
+        with pytest.raises(RuntimeError, match="same dtype"):
+            fn(da, db)
+        want = fn(a.detach(), b.detach())       # ...and returns where none does
+        got = fn(da.detach(), db.detach())
+        assert got.dtype == want.dtype and torch.equal(got.full(), want)
+        return
+    got = fn(da, db)
+    assert got.dtype == want.dtype and torch.equal(got.full(), want)
+    want.sum().backward()
+    got.sum().backward()
+    for d, t in ((da, a), (db, b)):
+        g = d.grad.full() if d.grad is not None else torch.zeros_like(t)
+        assert g.dtype == t.dtype and torch.equal(g, t.grad if t.grad is not None else
+                                                  torch.zeros_like(t))
 
 
 @pytest.mark.parametrize("eq", ["bi,bj->bij", "ij,ij->ij", "i,j->ij"])

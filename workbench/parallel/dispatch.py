@@ -47,6 +47,8 @@ from ..sim_mesh.trace import current_trace
 from . import layout, storage
 from .dist_tensor import DistTensor, TensorSpec
 from .habits import COMPOSED, FACTORIES
+from . import strides
+from .strides import lost_layout, track as track_strides
 from .views import note_views
 from . import autocast as _autocast
 from .autocast import POLICY as _AUTOCAST
@@ -247,7 +249,11 @@ def dispatch(func, args, kwargs):
         if name.endswith("_") and not name.startswith("_"):     # nn.init.*, torch.relu_
             return _writes(func, args, kwargs or {})
         if func in FACTORIES:                                   # zeros_like, new_zeros...
-            return FACTORIES[func](*args, **(kwargs or {}))
+            out = FACTORIES[func](*args, **(kwargs or {}))
+            if isinstance(out, DistTensor) and (out._gstride is not None or
+                                                strides.lost_dims(out)):
+                track_strides(func, args, kwargs, out)      # torch's: zeros_like keeps x's
+            return out
         if func in COMPOSED:                           # allclose, equal, max, min
             return COMPOSED[func](*args, **(kwargs or {}))
         return _no_rule(func, args, kwargs or {}, name)
@@ -270,7 +276,8 @@ def dispatch(func, args, kwargs):
     mesh = common_mesh(entry.name, inputs)
     plain = any(not isinstance(x, DistTensor) for x in inputs)  # a plain tensor or constant
     consts = ()                    # the types of constant inputs (type promotion differs)
-    if plain and entry.name in ("mul", "div") and _unsafe_scale(entry.name, inputs):
+    if entry.name in ("mul", "div") and (plain and _unsafe_scale(entry.name, inputs)
+                                         or _unsafe_factor(entry.name, inputs)):
         inputs = _partials_reduced(inputs)
     if plain:
         specs = []
@@ -295,7 +302,13 @@ def dispatch(func, args, kwargs):
             prep = _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key)
         if prep is None:
             return _fallback(func, args, kwargs)
-    return run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
+    out = run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
+    # the global strides, where the outputs' shards cannot tell them (or an input's were
+    # kept: its shards may tell others): torch's, from meta tensors (strides.track)
+    if prep.lost or any(getattr(x, "_gstride", None) is not None for x in inputs
+                        if type(x) is DistTensor):
+        track_strides(func, args, kwargs, out)
+    return out
 
 
 def _unsafe_scale(name, inputs) -> bool:
@@ -309,6 +322,30 @@ def _unsafe_scale(name, inputs) -> bool:
             return True
         if name == "div" and k == 1 and isinstance(x, (int, float)) and x == 0:
             return True
+    return False
+
+
+def _unsafe_factor(name, inputs) -> bool:
+    """A tensor factor holding inf (a divisor holding 0) beside a partial sum: as for
+    numbers (:func:`_unsafe_scale`), the partial sum is reduced first, which is exact (the
+    local product refused it: ops_table/pointwise._scaled_local; seeds 1043842, 1044382,
+    1044502).  The partial inputs are read too (``d * d`` reduces one of them: its value
+    is the factor).  Values are read only where a partial sum or average is met."""
+    def summed(x):
+        return isinstance(x, DistTensor) and any(p.is_partial() and p.reduce_op in
+                                                 ("sum", "avg") for p in x.placements)
+    if not any(summed(x) for x in inputs):
+        return False
+    for k, x in enumerate(inputs):
+        if name == "div" and k == 0:
+            continue
+        ts = storage.tensors(x._local) if isinstance(x, DistTensor) else \
+            [x] if isinstance(x, torch.Tensor) else []
+        for t in ts:
+            if not t.is_floating_point() or not t.numel():
+                continue
+            if bool((t == 0).any()) if name == "div" else bool(torch.isinf(t).any()):
+                return True
     return False
 
 
@@ -371,6 +408,7 @@ class _Prepared:
                            # compares them by identity, and no spec is built per call
     keep: bool = True      # keep_first_replica has work: an output replicated on some
                            # mesh dim, or uneven shards (cells to settle)
+    lost: bool = False     # an output's shards cannot tell its strides (strides.lost_dims)
 
 
 def _is_even(cand, specs, out_shapes, mesh) -> bool:
@@ -391,7 +429,8 @@ def _prepare(opdef, dec, inputs, specs, attrs, mesh, cand=None) -> _Prepared:
     expand = tuple(() if req is None else tuple(i for i in diverge if req[i].is_replicate())
                    for req in st.inputs)
     keep = not even or any(p.is_replicate() for ps in st.outputs for p in ps)
-    return _Prepared(dec, out_shapes, even, expand, cand, out_dtypes, keep=keep)
+    lost = any(lost_layout(tuple(s), mesh.shape, tuple(ps)) for s, ps in zip(out_shapes, st.outputs))
+    return _Prepared(dec, out_shapes, even, expand, cand, out_dtypes, keep=keep, lost=lost)
 
 
 def _cost_of(opdef, prep, inputs, specs, attrs, mesh):

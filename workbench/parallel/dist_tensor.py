@@ -31,7 +31,7 @@ import torch
 from ..sim_mesh import backends as _B
 from ..sim_mesh.collectives import Cells
 from ..sim_mesh.mesh import Mesh
-from . import layout, replicas, storage
+from . import layout, replicas, storage, strides
 from .placement import Partial, Replicate, check_partial_dtype, normalize_placements
 from .spec import TensorSpec, notation
 
@@ -47,7 +47,9 @@ class DistTensor:
     through the SPMD rules (:mod:`workbench.parallel.dispatch`).
     """
     __slots__ = ("mesh", "placements", "shape", "dtype", "_local", "names", "_spec",
-                 "_view", "_is_param", "__weakref__")   # _is_param: set by nn.Parameter(d)
+                 "_view", "_is_param", "_gstride", "__weakref__")
+    # _is_param: set by nn.Parameter(d); _gstride: the global strides where the shards
+    # cannot tell them (strides.py), else None
 
     def __init__(self, local, mesh: Mesh, placements, shape, dtype=None, names=None):
         self.mesh = mesh
@@ -58,6 +60,7 @@ class DistTensor:
         self.names = names
         self._spec = None
         self._view = None       # (base, index or None, aliased): see parallel/inplace.py
+        self._gstride = None    # strides.py
 
     # ---- facts -----------------------------------------------------------------------
     @property
@@ -250,7 +253,11 @@ class DistTensor:
         # copy is its rank's share, Partial("sum") on those axes (GradReplicas._replica_grad)
         unsummed = {a for t in ts if t.grad is not None
                     for a in getattr(t.grad, "_wb_unsummed", ())}
-        return DistTensor(g, self.mesh, self._grad_placements(unsummed), self.shape)
+        out = DistTensor(g, self.mesh, self._grad_placements(unsummed), self.shape)
+        if strides.lost_dims(out) and strides.known(self):
+            # torch's AccumulateGrad lays a leaf's gradient out as the leaf's strides
+            strides.keep(out, strides.global_stride(self))
+        return out
 
     @grad.setter
     def grad(self, value) -> None:
@@ -303,7 +310,9 @@ class DistTensor:
                 out._wb_stale = d["_wb_stale"]
             return out
         loc = storage.map_tensors(self._local, det)
-        return DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
+        out = DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
+        out._gstride = getattr(self, "_gstride", None)      # torch's detach keeps strides
+        return out
 
     def backward(self, gradient=None, retain_graph=None, create_graph=False,
                  inputs=None) -> None:
@@ -482,7 +491,10 @@ def shard_tensor(x: torch.Tensor, mesh: Mesh, placements, names: str | None = No
         # a new tensor: a view kept the whole global tensor alive (a dp 4 rank held the
         # 8-sequence batch, counted 4,096 B of tokens for its 1,024; task tdclock)
         loc = loc.clone(memory_format=torch.contiguous_format)
-    return DistTensor(loc, mesh, ps, x.shape, x.dtype, names)
+    out = DistTensor(loc, mesh, ps, x.shape, x.dtype, names)
+    if strides.lost_dims(out):          # the shards cannot tell x's order: x tells it
+        strides.keep(out, x.stride())
+    return out
 
 
 def distribute_tensor(tensor: torch.Tensor, device_mesh: Mesh, placements=None, *,
@@ -576,7 +588,10 @@ def from_local(locals_: Sequence[torch.Tensor], mesh: Mesh, placements, shape=No
     from .dtensor_api import share_replicas
     cl = Cells(lead, [share_replicas(copies[c])
                       for c in itertools.product(*[range(n) for n in lead])])
-    return DistTensor(storage.settle(cl, shape, mesh, ps), mesh, ps, shape, locals_[0].dtype)
+    out = DistTensor(storage.settle(cl, shape, mesh, ps), mesh, ps, shape, locals_[0].dtype)
+    if strides.lost_dims(out):      # the shards' order, as DTensor.from_local derives the
+        strides.keep(out, strides.shard_stride(out))    # global strides from the local's
+    return out
 
 
 def _allow_in_checkpoints() -> None:

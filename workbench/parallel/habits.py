@@ -119,6 +119,7 @@ def _set_data(self, value) -> None:
         loc = storage.map_tensors(loc, lambda t: t.requires_grad_())
     self._local, self.mesh, self.placements = loc, value.mesh, value.placements
     self.shape, self.dtype, self.names, self._spec = value.shape, value.dtype, value.names, None
+    self._gstride = getattr(value, "_gstride", None)
 
 
 def _set_requires_grad(self, flag) -> None:

@@ -296,6 +296,7 @@ def _view_inplace(x, op, args, kwargs):
     _judge(lambda: getattr(_meta_self(x), op)(*args, **kwargs))
     y = dispatch(getattr(T, op[:-1]), (x,) + tuple(args), kwargs)
     x._local, x.placements, x.shape, x._spec, x.names = y._local, y.placements, y.shape, None, None
+    x._gstride = y._gstride
     if x._view is not None:            # a view of a view: base[index] no longer matches x
         x._view = (x._view[0], None, x._view[2])
     return x

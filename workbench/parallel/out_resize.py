@@ -45,4 +45,4 @@ def resize_out(out: DistTensor, shape, name: str) -> None:
     fresh = shard_tensor(torch.zeros(shape, dtype=out.dtype, device=out.device), out.mesh,
                          ps, src_data_rank=None)
     out.shape, out.placements, out._local = fresh.shape, fresh.placements, fresh._local
-    out._spec, out.names = None, None
+    out._spec, out.names, out._gstride = None, None, fresh._gstride

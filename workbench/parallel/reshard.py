@@ -32,7 +32,7 @@ from ..sim_mesh import cost as _cost
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import DEFAULT_PROFILE, get_profile
 from ..sim_mesh.trace import current_trace
-from . import dist_uneven, layout, storage
+from . import dist_uneven, layout, storage, strides
 from .dist_tensor import DistTensor, shard_tensor
 from .spec import TensorSpec
 from .placement import (Replicate, check_partial_dtype, fmt_placements,
@@ -282,6 +282,9 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
         out._local = storage.map_tensors(out._local, torch.clone)
     if out is not t and out.mesh is t.mesh:
         _rb.mark(out, plan.src, t)   # its gradient's way back: reshard_backward.py
+    if out is not t and (getattr(t, "_gstride", None) is not None or strides.lost_dims(out)) \
+            and strides.known(t):
+        strides.keep(out, strides.global_stride(t))    # DTensor.redistribute keeps them
     return out
 
 

@@ -13,64 +13,221 @@ op here makes new shards.)  A dim a shard holds one element of is ambiguous in t
 contiguous and transposed layouts right where some shard holds more; a layout whose
 shards all hold at most one element of a dim (of more than one) has lost that dim's place: torch's ops give a
 size-1 dim any stride (``exp`` of a transposed (2, 1) shard reads (1, 1), a contiguous
-one's), so that case raises rather than guess (:func:`_refuse_ambiguous`).
+one's), so that case raises rather than guess (:func:`_refuse_ambiguous`), unless the
+DistTensor kept its strides beside the shards (``d._gstride``, as DTensor's spec carries
+them): set where the shards lose a dim's place (or an input knew its strides already),
+from what torch gives the global tensor.  :func:`shard_tensor` takes the source tensor's
+order, ``from_local`` the shards' (DTensor's ``compute_global_tensor_info`` derives the
+global strides from the local ones), ``reshard`` / ``detach`` keep the input's, and the
+dispatcher runs the torch function on meta tensors of the inputs' global strides
+(:func:`track`): ``x.transpose(0, 1)`` of a (2, 7) tensor split into shards of one
+column keeps the transposed order through ``exp``, ``clone``, ``positive``, so that
+``.view(-1)`` raises as torch's does (seed 1040236 returned a result).
 """
 from __future__ import annotations
 
+import warnings
+from functools import lru_cache
+
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from . import storage
 
-__all__ = ["global_stride", "is_contiguous", "canonical_contiguous"]
+__all__ = ["global_stride", "is_contiguous", "canonical_contiguous", "lost_dims",
+           "dense_stride", "known", "track", "keep", "lost_layout"]
 
 
 def _shard(d) -> torch.Tensor | None:
     """A non-empty local shard of ``d`` (this process's on torch.distributed)."""
     if storage.holds_own(d.mesh):
         return d.local()
-    return next((t for t in d.locals() if t.numel()), None)
+    loc = d._local
+    if not storage.is_cells(loc):           # stacked: the first rank's, one view
+        return loc[(0,) * d.mesh.ndim] if loc.numel() else None
+    return next((t for t in storage.tensors(loc) if t.numel()), None)
 
 
 def global_stride(d) -> tuple[int, ...]:
     """The global tensor's strides (module docstring)."""
-    shape = list(d.shape)
+    known_ = getattr(d, "_gstride", None)       # (a DistTensor pickled before it: absent)
+    if known_ is not None and len(known_) == len(d.shape):
+        return known_
+    st = shard_stride(d)
+    if st is not None and lost_dims(d):
+        _refuse_ambiguous(d)
+    return st
+
+
+def shard_stride(d) -> tuple[int, ...]:
+    """The strides the shards tell (a size-1 dim put inside the dims of equal stride),
+    whether or not a dim's place is lost."""
+    shape = tuple(d.shape)
     t = _shard(d)
-    order = list(range(len(shape)))
-    if t is not None:                   # outermost first; a tie: a size-1 dim inside
-        order.sort(key=lambda i: (-t.stride(i), t.size(i) == 1, i))     # size 1: inner
-        _refuse_ambiguous(d, t, shape)
+    if t is None:
+        return dense_stride(shape, range(len(shape)))
+    # outermost first; a tie: a size-1 dim inside
+    return dense_stride(shape, sorted(range(len(shape)),
+                                      key=lambda i: (-t.stride(i), t.size(i) == 1, i)))
+
+
+def dense_stride(shape, order) -> tuple[int, ...]:
+    """The strides of a dense tensor of ``shape`` whose dims lie in ``order`` (outermost
+    first)."""
     out, acc = [0] * len(shape), 1
-    for i in reversed(order):
+    for i in reversed(list(order)):
         out[i] = acc
         acc *= max(shape[i], 1)
     return tuple(out)
 
 
-def _refuse_ambiguous(d, t, shape) -> None:
+def _dense_like(shape, stride) -> tuple[int, ...]:
+    """The dense strides in the order of ``stride`` (torch's strides of a view that skips
+    elements, or a size-1 dim's arbitrary one, put as global_stride puts them)."""
+    return dense_stride(shape, sorted(range(len(shape)),
+                                      key=lambda i: (-stride[i], shape[i] == 1, i)))
+
+
+def lost_dims(d) -> tuple[int, ...]:
+    """The dims of more than one element whose every shard holds at most one, where
+    another dim of more than one element exists: their place in the layout is lost."""
+    return lost_layout(tuple(d.shape), tuple(d.mesh.shape), tuple(d.placements))
+
+
+@lru_cache(maxsize=4096)
+def lost_layout(shape, mesh_shape, placements) -> tuple[int, ...]:
+    big = [i for i, n in enumerate(shape) if n > 1]
+    if len(big) < 2 or 0 in shape or not any(p.is_shard() for p in placements):
+        return ()
+    most = list(shape)                      # the largest shard (torch.chunk: the first)
+    for m, p in zip(mesh_shape, placements):
+        if p.is_shard():
+            most[p.dim] = -(-most[p.dim] // m)
+    return tuple(i for i in big if most[i] <= 1)
+
+
+def known(d) -> bool:
+    """True when ``d``'s strides are told (by its shards, or kept beside them)."""
+    return getattr(d, "_gstride", None) is not None or not lost_dims(d)
+
+
+def keep(out, stride, dense: bool = False) -> None:
+    """``out`` holds the global strides ``stride`` (made dense in their order unless
+    ``dense``), where its shards cannot tell them or tell others; nothing kept where the
+    shards tell the same."""
+    if len(stride) != len(out.shape):
+        return
+    if not dense:
+        stride = _dense_like(tuple(out.shape), stride)
+    if not lost_dims(out) and shard_stride(out) == stride:
+        stride = None
+    out._gstride = stride
+
+
+def _dist():
+    global _DistTensor
+    if _DistTensor is None:         # (dist_tensor imports this module)
+        from .dist_tensor import DistTensor as _DistTensor
+    return _DistTensor
+
+
+_DistTensor = None
+
+
+def _meta(x):
+    """``x`` with every tensor a meta tensor of its global shape and strides."""
+    if isinstance(x, _DistTensor or _dist()):
+        return torch.empty_strided(tuple(x.shape), global_stride(x), dtype=x.dtype,
+                                   device="meta")
+    if isinstance(x, torch.Tensor):
+        return torch.empty_strided(tuple(x.shape), x.stride(), dtype=x.dtype, device="meta")
+    if type(x) in (list, tuple):
+        return type(x)(_meta(y) for y in x)
+    if isinstance(x, dict):
+        return {k: _meta(v) for k, v in x.items()}
+    return x
+
+
+_ATOMS = (int, float, bool, complex, str, type(None), type(Ellipsis), slice, torch.dtype,
+          torch.device, torch.layout, torch.memory_format)
+
+
+def _key(x):
+    """A hashable key of what :func:`_meta` keeps of ``x`` (a tensor's shape, strides and
+    dtype; anything else by type and value); TypeError where x holds something else."""
+    if type(x) in _ATOMS:
+        return (type(x), x.start, x.stop, x.step) if type(x) is slice else (type(x), x)
+    if isinstance(x, _DistTensor or _dist()):
+        return (0, tuple(x.shape), global_stride(x), x.dtype)
+    if isinstance(x, torch.Tensor):
+        return (1, tuple(x.shape), x.stride(), x.dtype)
+    if type(x) in (list, tuple):
+        return (type(x),) + tuple(_key(y) for y in x)
+    if isinstance(x, dict):
+        return (dict,) + tuple((k, _key(v)) for k, v in sorted(x.items()))
+    raise TypeError(type(x).__name__)
+
+
+_TRACKED: dict = {}     # (func, inputs' key) -> the outputs' strides, or None (unknown)
+
+
+def _flat(x, cls) -> list:
+    if isinstance(x, cls):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [y for z in x for y in _flat(z, cls)]
+    return []
+
+
+def track(func, args, kwargs, result) -> None:
+    """After the dispatcher ran ``func``: give each DistTensor output the strides torch
+    gives the global one (``func`` on meta tensors of the inputs' global strides), where
+    its shards cannot tell them (or an input's strides were kept, so that its shards may
+    tell others).  Nothing where an input's strides are unknown or the meta run fails:
+    ``stride()`` then refuses as before.  Memoized on the inputs' shapes, strides, dtypes
+    and constants (a training step asks the same each time)."""
+    outs = _flat(result, _DistTensor or _dist())
+    try:
+        key = (func, _key(tuple(args)), _key(kwargs) if kwargs else ())
+        hit = _TRACKED.get(key, False)
+    except (TypeError, NotImplementedError):     # unhashable, or an input's strides unknown
+        key, hit = None, False
+    if hit is False:
+        hit = None
+        try:
+            with _disable_current_modes(), torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")         # the program's call warned already
+                metas = _flat(func(*_meta(tuple(args)), **_meta(dict(kwargs or {}))),
+                              torch.Tensor)
+            if all(m.device.type == "meta" for m in metas):
+                hit = tuple((tuple(m.shape), _dense_like(tuple(m.shape), m.stride()))
+                            for m in metas)
+        except Exception:           # noqa: BLE001 (an unknown input, or an op meta lacks)
+            pass
+        if key is not None:
+            if len(_TRACKED) > 4096:
+                _TRACKED.clear()
+            _TRACKED[key] = hit
+    if hit is None or len(hit) != len(outs):
+        return
+    for o, (shape, stride) in zip(outs, hit):
+        if shape == tuple(o.shape):
+            keep(o, stride, dense=True)
+
+
+def _refuse_ambiguous(d) -> None:
     """Raise where the shards cannot tell the order: every shard holds at most one element
     of a dim of more than one (its stride in a shard is arbitrary: torch's own ops give a
     size-1 dim any stride) while another dim of more than one element exists, so that the
     dim could sit anywhere among them (a transpose then reads as contiguous)."""
-    big = [i for i, n in enumerate(shape) if n > 1]
-    if len(big) < 2:
-        return
-    most = [max(s.size(i) for s in _shards(d)) for i in range(len(shape))]
-    lost = [i for i in big if most[i] <= 1]
-    if lost:
-        i = lost[0]
-        raise NotImplementedError(
-            f"stride()/is_contiguous() of a DistTensor of shape {tuple(shape)} with "
-            f"placements {tuple(d.placements)}: every shard holds at most one element of dim "
-            f"{i} (size {shape[i]}), so the shards cannot tell that dim's place in the "
-            f"layout; ask the global tensor instead (d.full_tensor().stride()), or "
-            f"redistribute so that dim {i} is split into pieces of more than one element")
-
-
-def _shards(d) -> list:
-    """Every shard this process can see (its own on torch.distributed)."""
-    if storage.holds_own(d.mesh):
-        return [d.local()]
-    return [s for s in d.locals() if s.numel()]
+    shape = tuple(d.shape)
+    i = lost_dims(d)[0]
+    raise NotImplementedError(
+        f"stride()/is_contiguous() of a DistTensor of shape {shape} with "
+        f"placements {tuple(d.placements)}: every shard holds at most one element of dim "
+        f"{i} (size {shape[i]}), so the shards cannot tell that dim's place in the "
+        f"layout; ask the global tensor instead (d.full_tensor().stride()), or "
+        f"redistribute so that dim {i} is split into pieces of more than one element")
 
 
 def is_contiguous(d, memory_format=torch.contiguous_format) -> bool:

@@ -64,6 +64,9 @@ def install(cls):
         if type(index) in basic or type(index) is tuple and all(type(i) in basic
                                                                  for i in index):
             return dispatch(T.__getitem__, (self, index), None)
+        from .ops_table.indexing import sequence_as_tuple
+        if sequence_as_tuple(index):            # x[[[0, 1], [1, 2]]]: torch's tuple
+            return self[tuple(index)]
         from .ops_table.datadep import bool_mask_index
         picked = bool_mask_index(self, index)     # x[mask]: the output's size from the mask
         if picked is not None:

@@ -75,7 +75,10 @@ def _dim_is_none(args, kwargs) -> bool:
 def _var_value(input, dims, correction, keepdim, n):
     centered = input - input.mean(dims, keepdim=True)
     s = (centered * centered).sum(dims, keepdim=keepdim)
-    return s / max(n - correction, 0)
+    out = s / max(n - correction, 0)
+    # no element at all: torch's kernel gives a positive nan (0 / 0 here is x86's default
+    # nan, sign bit set: signbit() read True where torch's reads False; seed 1045897)
+    return out.abs() if n == 0 and n - correction <= 0 else out
 
 
 class _NoDof(torch.autograd.Function):

@@ -230,9 +230,7 @@ def advanced_index(x, idx):
     dim = k if not ell or ell[0] > k else x.ndim - (len(items) - k)
     i = items[k]
     if isinstance(i, list):
-        i = torch.as_tensor(i)
-        if i.dtype.is_floating_point:
-            raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+        i = list_index(i)
     if i.dtype == torch.uint8:        # a mask, as torch reads it (deprecated there too)
         import warnings
         warnings.warn("indexing with dtype torch.uint8 is now deprecated, please use a "
@@ -282,34 +280,83 @@ def index_with(x, dim, i):
 
 def _is_advanced(i) -> bool:
     from ..dist_tensor import DistTensor
-    if isinstance(i, list):
+    if isinstance(i, (list, bool)):
         return True
     if isinstance(i, (torch.Tensor, DistTensor)):
-        # a 0-d integer tensor is an int (a select), as torch's indexing reads it
-        return not (i.dim() == 0 and not i.dtype.is_floating_point and i.dtype != torch.bool)
+        # a 0-d integer tensor is an int (a select), as torch's indexing reads it; a 0-d
+        # bool or uint8 one is a bool (bool_scalar)
+        return not (i.dim() == 0 and not i.dtype.is_floating_point and not i.dtype.is_complex
+                    and i.dtype not in (torch.bool, torch.uint8))
     return False
 
 
+def bool_scalar(i) -> bool:
+    """A Python bool, or a 0-d bool / uint8 tensor: torch's indexing adds a dim there and
+    indexes it with ``[0]`` (True) or ``[]`` (False) (``boolToIndexingTensor`` in
+    torch/csrc/autograd/python_variable_indexing.cpp): ``x[True, 0]`` is (1, ...)."""
+    from ..dist_tensor import DistTensor
+    return isinstance(i, bool) or isinstance(i, (torch.Tensor, DistTensor)) and \
+        i.dim() == 0 and i.dtype in (torch.bool, torch.uint8)
+
+
+def list_index(i: list) -> torch.Tensor:
+    """A list index as torch reads it (``indexing_tensor_from_data``): bools (or uint8)
+    as a mask, anything else as int64 (``x[[0.5, 1.7]]`` is ``x[[0, 1]]``, ``x[[]]`` empty)."""
+    t = torch.as_tensor(i)
+    return t if t.dtype in (torch.bool, torch.uint8) else t.long()
+
+
+def sequence_as_tuple(index) -> bool:
+    """torch's ``treatSequenceAsTuple`` (NumPy's rule, deprecated in torch): a list of fewer
+    than 32 items holding a tensor, a sequence, a slice, ``...`` or None indexes as the
+    tuple of its items (``x[[[0, 1], [1, 2]]]`` is ``x[[0, 1], [1, 2]]``), with torch's
+    warning."""
+    from ..dist_tensor import DistTensor
+    if type(index) is not list or len(index) >= 32:
+        return False
+    if any(isinstance(i, (torch.Tensor, DistTensor, list, tuple, str, slice)) or i is None
+           or i is Ellipsis for i in index):
+        import warnings
+        warnings.warn("Using a non-tuple sequence for multidimensional indexing is deprecated "
+                      "and will be changed in pytorch 2.9; use x[tuple(seq)] instead of "
+                      "x[seq]. In pytorch 2.9 this will be interpreted as tensor index, "
+                      "x[torch.tensor(seq)], which will result either in an error or a "
+                      "different result", UserWarning, stacklevel=3)
+        return True
+    return False
+
+
+class _NewDim:
+    """A bool index (:func:`bool_scalar`): a new dim, indexed by ``t`` ([0] or [])."""
+    __slots__ = ("t",)
+
+    def __init__(self, value: bool):
+        self.t = torch.zeros(1 if value else 0, dtype=torch.long)
+
+
 def mixed_index(x, idx):
-    """``x[idx]`` where advanced indices (int / bool tensors, lists) stand beside anything
-    but ``:`` and ``...``, or there are several: torch's own algorithm (``applySlicing``
-    then ``index``, torch/csrc/autograd/python_variable_indexing.cpp): the basic part first
-    (ints select, slices narrow, None adds a dim, each index tensor's dim kept whole),
-    then the index tensors, broadcast together to ``B``, pick elements: if their dims
-    are adjacent ``B`` takes their place, else it goes first (NumPy's rule).  Here the
-    picked dims are moved together, flattened, and one ``index_select`` of the linear
-    index (``i0 n1 n2 + i1 n2 + i2``) is unflattened to ``B``: exact ops of the table, so
-    placements follow their rules (a shard of a picked dim is gathered, the others
-    pass).  A 1-d or k-d bool mask is its ``nonzero()`` (k index tensors); a DistTensor
-    index is gathered first.  None when :func:`advanced_index` takes ``idx`` (one index
-    with only ``:`` / ``...`` beside it) or there is no advanced index."""
+    """``x[idx]`` where advanced indices (int / bool tensors, lists, bools) stand beside
+    anything but ``:`` and ``...``, or there are several: torch's own algorithm
+    (``applySlicing`` then ``index``, torch/csrc/autograd/python_variable_indexing.cpp):
+    the basic part first (ints select, slices narrow, None adds a dim, a bool adds a dim
+    indexed by [0] or [], each index tensor's dims kept whole), then the index tensors,
+    broadcast together to ``B``, pick elements: if their dims are adjacent ``B`` takes
+    their place, else it goes first (NumPy's rule).  Here the picked dims are moved
+    together, flattened, and one ``index_select`` of the linear index (``i0 n1 n2 + i1 n2
+    + i2``) is unflattened to ``B``: exact ops of the table, so placements follow their
+    rules (a shard of a picked dim is gathered, the others pass).  A k-d bool mask is its
+    ``nonzero()`` (k index tensors); a DistTensor index is gathered first.  torch's checks
+    (broadcast, mask shapes, bounds, dtypes), errors and result shape come from the same
+    index on a stand-in of x's shape (one byte expanded: no memory of x's size).  None
+    when :func:`advanced_index` takes ``idx`` (one index tensor or list with only ``:`` /
+    ``...`` beside it) or there is no advanced index."""
     from ..dist_tensor import DistTensor
     items = idx if isinstance(idx, tuple) else (idx,)
     adv = [k for k, i in enumerate(items) if _is_advanced(i)]
-    if not adv or (len(adv) == 1 and all(i == slice(None) or i is Ellipsis
-                                          for k, i in enumerate(items) if k != adv[0])):
+    if not adv or (len(adv) == 1 and not bool_scalar(items[adv[0]]) and all(
+            i == slice(None) or i is Ellipsis for k, i in enumerate(items) if k != adv[0])):
         return None
-    expanded = []               # bool masks as their nonzero() index tensors
+    plain = []                  # DistTensor indices gathered, lists as torch reads them
     for i in items:
         if isinstance(i, DistTensor):
             if i.dtype == torch.bool:
@@ -318,37 +365,38 @@ def mixed_index(x, idx):
                     "result's length depends on the mask's values; index with the gathered "
                     "mask (mask.full()) or keep the shape with torch.where")
             i = i.full()
-        if isinstance(i, list):
-            i = torch.as_tensor(i)
-        if isinstance(i, torch.Tensor) and i.dtype == torch.uint8 and i.dim():
-            i = i.bool()
-        if isinstance(i, torch.Tensor) and i.dtype == torch.bool and i.dim():
-            expanded.extend(i.nonzero().unbind(1))
-        elif isinstance(i, torch.Tensor) and i.dim() and i.dtype.is_floating_point:
-            raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+        plain.append(list_index(i) if isinstance(i, list) else i)
+    # torch's checks, errors and result shape (its bounds too: none where x is empty)
+    if any(isinstance(i, torch.Tensor) and i.device.type == "meta" for i in plain):
+        # wb.compile's capture (the index's values unknown): the checks of shapes, on meta
+        # stand-ins it does not trace
+        probe = tuple(torch.empty(tuple(i.shape), dtype=i.dtype, device="meta")
+                      if isinstance(i, torch.Tensor) else i for i in plain)
+        want = torch.zeros((), dtype=torch.bool, device="meta").expand(tuple(x.shape))[probe].shape
+    else:
+        want = torch.zeros((), dtype=torch.bool).expand(tuple(x.shape))[tuple(plain)].shape
+    expanded = []               # bools as new dims, bool masks as their nonzero() indices
+    for i in plain:
+        if bool_scalar(i):
+            expanded.append(_NewDim(bool(i)))
+        elif isinstance(i, torch.Tensor) and i.dim() and i.dtype in (torch.bool, torch.uint8):
+            expanded.extend(i.bool().nonzero().unbind(1))
         else:
             expanded.append(i)
-    items = expanded
-    shapes = [tuple(i.shape) for i in items if isinstance(i, torch.Tensor) and i.dim()]
-    try:
-        torch.broadcast_shapes(*shapes)
-    except RuntimeError:
-        raise IndexError("shape mismatch: indexing tensors could not be broadcast together "
-                         f"with shapes {', '.join(str(list(s)) for s in shapes)}") from None
-    # torch's own checks and result shape, on a meta tensor (bounds are checked below)
-    meta_items = tuple(torch.zeros(i.shape, dtype=torch.long) if isinstance(i, torch.Tensor)
-                       and i.dim() else i for i in items)
-    want = torch.empty(tuple(x.shape), device="meta")[meta_items].shape
     # the basic part: each index tensor's dim kept whole (':'), ints as ints
-    consumed = sum(1 for i in items if i is not None and i is not Ellipsis)
+    consumed = sum(1 for i in expanded if i is not None and i is not Ellipsis
+                   and not isinstance(i, _NewDim))
     basic, where, out_dim = [], [], 0
-    for i in items:
+    for i in expanded:
         if i is Ellipsis:
-            n = x.ndim - consumed
             basic.append(Ellipsis)
-            out_dim += n
+            out_dim += x.ndim - consumed
         elif i is None or isinstance(i, slice):
             basic.append(i)
+            out_dim += 1
+        elif isinstance(i, _NewDim):
+            basic.append(None)
+            where.append((out_dim, i.t))
             out_dim += 1
         elif isinstance(i, torch.Tensor) and i.dim():
             basic.append(slice(None))
@@ -363,9 +411,6 @@ def mixed_index(x, idx):
     for (d, i), n in zip(where, sizes):
         if y.numel() == 0 and n:        # torch's index kernel reads no element: no bound
             i = torch.zeros_like(i)     # checked (as advanced_index)
-        if i.numel() and i.device.type != "meta" and (int(i.min()) < -n or int(i.max()) >= n):
-            bad = int(i.max()) if int(i.max()) >= n else int(i.min())
-            raise IndexError(f"index {bad} is out of bounds for dimension {d} with size {n}")
         ts.append(torch.where(i < 0, i + n, i).long())
     B = tuple(torch.broadcast_shapes(*(t.shape for t in ts)))
     ts = [t.expand(B) for t in ts]            # broadcast_tensors, as table ops
@@ -380,7 +425,8 @@ def mixed_index(x, idx):
         y = y.flatten(at, at + len(dims) - 1)
     out = torch.index_select(y, at, lin.reshape(-1))
     out = out.unflatten(at, B) if B else out.squeeze(at)
-    if tuple(out.shape) != tuple(want):
-        raise AssertionError(f"x[{idx!r:.60}]: shape {tuple(out.shape)}, torch's "
-                             f"{tuple(want)}")
+    if tuple(out.shape) != tuple(want):     # (not met: a guard, torch's kind of error)
+        raise RuntimeError(f"x[{idx!r:.60}] on a DistTensor: the result's shape "
+                           f"{tuple(out.shape)} is not torch's {tuple(want)}; index the "
+                           "gathered tensor (x.full()[...]) instead")
     return out

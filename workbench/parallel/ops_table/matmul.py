@@ -124,11 +124,21 @@ def _torch_outcome(fn, ts):
     raised RuntimeError there, NotImplementedError on real data); where they pass, the
     real shapes on meta tensors of one dtype (meta bmm checks dtypes where CPU's returns)."""
     try:
-        fn(*[torch.zeros(tuple(min(n, 2) for n in t.shape), dtype=t.dtype) for t in ts])
+        fn(*_stand_ins(ts))
         fn(*[torch.empty(tuple(t.shape), device="meta") for t in ts])    # shapes only
     except Exception as e:              # noqa: BLE001 - torch's exception, handed back
         return e
     return None
+
+
+def _stand_ins(ts) -> list:
+    """:func:`_torch_outcome`'s CPU stand-ins, requiring grad as the operands do: torch's
+    matmul of a (4, 0) and a (2, 0, 2) operand of two dtypes returns zeros, and raises
+    RuntimeError when one requires grad (at::native::matmul folds by requires_grad, with
+    or without grad mode: another path, through the dtype check)."""
+    return [torch.zeros(tuple(min(n, 2) for n in t.shape), dtype=t.dtype).requires_grad_(
+        bool(getattr(t, "requires_grad", False)
+             and (t.dtype.is_floating_point or t.dtype.is_complex))) for t in ts]
 
 
 def same_dtype(name, *ts, fn=None):
@@ -137,7 +147,8 @@ def same_dtype(name, *ts, fn=None):
     got: float != double", ATen's mm / addmm checks).  Their meta kernels do not check it, so
     the op table's meta check let it through: the local product promoted or raised by the
     local layout (a zero-size shard: a float64 result, silently).  ``fn``: torch's op, run on
-    stand-ins to see whether torch returns anyway (an empty contraction: refused here)."""
+    stand-ins to see whether torch returns anyway (an empty contraction or result: zeros of
+    the dtype torch gives, the operands cast to it, as sweep9).  Returns the operands."""
     ds = [t.dtype for t in ts if getattr(t, "dtype", None) is not None]   # (Dist)Tensors
     if len(set(ds)) > 1:
         names = " != ".join(str(d).replace("torch.", "") for d in ds)
@@ -149,15 +160,16 @@ def same_dtype(name, *ts, fn=None):
         if err is None:
             # bmm (and matmul / einsum through it) returns before its dtype check when the
             # contraction or the result is empty: zeros of the SECOND operand's dtype
-            # (torch 2.13: bmm(float64 (2, 4, 0), float32 (2, 0, 2)) is float32)
-            raise NotImplementedError(
-                f"{name} of {names} operands with an empty contraction or result: torch "
-                "returns zeros there without its same-dtype check (in the second operand's "
-                "dtype) and raises RuntimeError for any other size; not reproduced on "
-                "DistTensors. Fix: cast one operand, e.g. b.to(a.dtype)")
+            # (torch 2.13: bmm(float64 (2, 4, 0), float32 (2, 0, 2)) is float32): the
+            # product of the operands cast to that dtype is those zeros (the casts'
+            # backward gives each operand its gradient in its dtype, as autograd casts
+            # torch's; seeds 1042115, 1043049, 1043502 were refused)
+            dt = fn(*_stand_ins(ts)).dtype
+            return tuple(t.to(dt) for t in ts)
         raise RuntimeError(f"{name}: expected m1 and m2 to have the same dtype, but got: "
                            f"{names} (torch does not promote in a product, nor does autocast "
                            f"cast float64). Fix: cast one operand, e.g. b.to(a.dtype)")
+    return ts
 
 
 def _matmul_parse(a, b):
@@ -165,7 +177,7 @@ def _matmul_parse(a, b):
         raise RuntimeError(f"both arguments to matmul need to be at least 1D, but they are "
                            f"{a.dim()}D and {b.dim()}D. Fix: use * (torch.mul) to scale by a "
                            "0-d tensor")
-    same_dtype("matmul", a, b, fn=torch.matmul)
+    a, b = same_dtype("matmul", a, b, fn=torch.matmul)
     return (a, b), {}
 
 
@@ -174,7 +186,7 @@ def _mm_parse(name, ndim):
         if a.dim() != ndim or b.dim() != ndim:
             raise RuntimeError(f"{name}: expected {ndim}-D tensors, got {a.dim()}-D and "
                                f"{b.dim()}-D; torch.matmul broadcasts any shapes")
-        same_dtype(name, a, b, fn=getattr(torch, name))
+        a, b = same_dtype(name, a, b, fn=getattr(torch, name))
         return (a, b), {}
     return parse
 
@@ -398,7 +410,7 @@ def _einsum_parse(eq, *ops):
     if len(ops) == 2 and len({o.dtype for o in ops}) > 1 and _no_contraction(eq, ops):
         pass                          # torch multiplies (einsum's sumproduct_pair): promotes
     else:
-        same_dtype("einsum", *ops, fn=lambda *o: torch.einsum(eq, *o))
+        ops = same_dtype("einsum", *ops, fn=lambda *o: torch.einsum(eq, *o))
     if "..." in eq or "->" not in eq:
         torch.einsum(eq, *[torch.empty(tuple(o.shape), dtype=o.dtype, device="meta")
                            for o in ops])            # torch's own errors first

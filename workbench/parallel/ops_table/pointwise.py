@@ -240,8 +240,10 @@ def _register(name, funcs, rule, flops, op_class="elementwise", swapped=(), loca
 
 def _scaled_local(fn, divides: bool):
     """mul / div: a partial sum scaled part by part is exact only by finite factors (and
-    nonzero divisors); a factor tensor with inf or nan (or a 0 divisor) there raises, as the
-    sum of the parts' +-inf would be nan (numbers are reduced first by the dispatcher)."""
+    nonzero divisors); a factor tensor with inf (or a 0 divisor) there raises, as the sum
+    of the parts' +-inf would be nan (a nan factor gives nan either way).  The dispatcher
+    reduces the partial sum first where it sees them (dispatch._unsafe_scale /
+    _unsafe_factor): this is the guard behind it."""
     base = _local(fn)
 
     def local(nd, ctx, *xs, **kw):
@@ -253,9 +255,9 @@ def _scaled_local(fn, divides: bool):
             if s is None or not isinstance(x, torch.Tensor) or not x.is_floating_point() or \
                     any(p.is_partial() for p in s.placements) or divides and k == 0:
                 continue
-            if (bool((x == 0).any()) if divides else not bool(torch.isfinite(x).all())):
+            if (bool((x == 0).any()) if divides else bool(torch.isinf(x).any())):
                 what = "divided by a tensor holding 0" if divides else \
-                    "times a tensor holding inf or nan"
+                    "times a tensor holding inf"
                 raise NotImplementedError(
                     f"{'div' if divides else 'mul'}: a partial sum {what}: part by part the result would be nan where the sum's is +-inf; reduce "
                     "the partial input first (.redistribute to Replicate) or mask with "

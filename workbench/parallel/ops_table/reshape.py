@@ -26,6 +26,7 @@ real view() may refuse.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -124,17 +125,54 @@ def _reshape_parse(x, *shape):
 def _view_parse(x, *shape):
     """``x.view(shape)``: torch's view needs strides it can keep ("view size is not
     compatible with input tensor's size and stride ... Use .reshape(...) instead"): judged
-    on a meta tensor of x's strides (seed 970294: x.permute(2, 1, 0).view(-1) returned a
-    result where torch raises RuntimeError)."""
+    on a meta tensor of x's global strides (seed 970294: x.permute(2, 1, 0).view(-1)
+    returned a result where torch raises RuntimeError), kept beside the shards where they
+    cannot tell them (strides.py; seed 1040236).  Strides still unknown: every place the
+    lost dims could take is tried, and a view that only some allow is refused."""
     out = _reshape_parse(x, *shape)
+    if not x.dim():
+        return out
+    to = out[1]["shape"]
     try:
-        stride = tuple(x.stride()) if x.dim() else None
-    except NotImplementedError:     # shards of one element cannot tell a dim's place:
-        stride = None               # not judged (ASSUMPTION: torch would keep the view)
-    if stride is not None:
-        m = torch.empty_strided(tuple(x.shape), stride, device="meta")
-        m.view(out[1]["shape"])           # torch's RuntimeError, message and fix included
+        stride = tuple(x.stride())
+    except NotImplementedError:     # shards of one element cannot tell a dim's place
+        _view_unknown(x, to)
+        return out
+    m = torch.empty_strided(tuple(x.shape), stride, device="meta")
+    m.view(to)                      # torch's RuntimeError, message and fix included
     return out
+
+
+def _view_unknown(x, to) -> None:
+    """view(to) of x whose strides are unknown: allowed where every order of x's dims
+    that its shards allow lets torch view it, torch's error where none does, refused
+    (naming .reshape) where it depends on the order."""
+    from ..strides import dense_stride, lost_dims, shard_stride
+    shape, lost = tuple(x.shape), lost_dims(x)
+    st = shard_stride(x)
+    rest = sorted((i for i in range(len(shape)) if i not in lost), key=lambda i: -st[i])
+    ok, error = 0, None
+    for perm in itertools.permutations(lost):
+        for slots in itertools.combinations_with_replacement(range(len(rest) + 1), len(perm)):
+            order = list(rest)
+            for d, at in sorted(zip(perm, slots), key=lambda p: -p[1]):
+                order.insert(at, d)
+            m = torch.empty_strided(shape, dense_stride(shape, order), device="meta")
+            try:
+                m.view(to)
+                ok += 1
+            except RuntimeError as e:
+                error = e
+    if error is None:
+        return
+    if not ok:
+        raise error
+    raise NotImplementedError(
+        f"view({list(to)}) of a DistTensor of shape {list(shape)} with placements "
+        f"{tuple(x.placements)}: every shard holds at most one element of dim(s) "
+        f"{list(lost)}, so the shards cannot tell whether torch's strides allow this view; "
+        f"use .reshape({list(to)}) (it copies where a view cannot), or redistribute so "
+        "that those dims are split into pieces of more than one element")
 
 
 def _flatten_parse(x, start_dim=0, end_dim=-1):

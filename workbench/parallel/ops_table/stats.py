@@ -18,6 +18,8 @@ torch's own checks run first on meta tensors of the global shapes.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .blas import torch_check
@@ -35,7 +37,9 @@ def _with_mean(fn, root):
         # (sqrt's was nan: a constant row of std_mean(x, 1) got nan)
         v = (std if root else var)(input, *args, **kwargs)
         m = input.mean(dims, keepdim=keepdim)
-        return v, m
+        if input.ndim and not math.prod(input.shape[d] for d in dims):
+            m = m.abs()     # no element: torch's var_mean kernel's nan is positive (mean's
+        return v, m         # 0 / 0 is x86's default nan, sign bit set), as var's
     composed.__name__ = fn.__name__
     composed.__doc__ = f"``torch.{fn.__name__}``: ({'std' if root else 'var'}, mean)."
     return composed
