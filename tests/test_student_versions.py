@@ -66,7 +66,7 @@ def test_make_student_versions_refuses_to_overwrite_the_source(tmp_path):
 
 # ---- the course's notebooks -------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def student_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("student")
     written = make_student_versions(ROOT / "notebooks", out)
@@ -175,16 +175,18 @@ def _smaller(nb, name, cells):
 # one kernel per test process runs them one after another instead, its user namespace
 # reset (IPython's ``%reset -f``: every name a notebook defined or imported is gone) and
 # its working directory set back before each, so that a name a notebook uses without
-# defining it still fails.  What stays is what a fresh process has too once it imported
-# them: the modules, the global RNG (reseeded by the notebooks that draw from it).  nbval
-# runs every notebook in a fresh kernel of its own (tests/run_all.py).
+# defining it still fails.  What stays is the process: the modules imported and their
+# state (torch's global RNG among them); this test checks that the cells run, not their
+# numbers, which nbval checks with a fresh kernel per notebook (tests/run_all.py).
 RESET = "import os as _os\n_os.chdir({dir!r})\n%reset -f"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def kernel(student_dir):
-    """One Jupyter kernel for this module's notebooks in this test process (its manager),
-    started in ``student_dir`` with this checkout's workbench first on PYTHONPATH."""
+    """One Jupyter kernel for the notebooks this test process runs (its manager), started
+    in ``student_dir`` with this checkout's workbench first on PYTHONPATH; session-scoped,
+    as ``student_dir``: pytest-xdist may hand this module's tests to a worker between
+    other modules' (a module-scoped kernel would start again each time)."""
     nbclient = pytest.importorskip("nbclient")
     from nbclient.util import run_sync
     from nbformat.v4 import new_notebook
