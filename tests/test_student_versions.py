@@ -66,7 +66,7 @@ def test_make_student_versions_refuses_to_overwrite_the_source(tmp_path):
 
 # ---- the course's notebooks -------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def student_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("student")
     written = make_student_versions(ROOT / "notebooks", out)
@@ -148,6 +148,16 @@ SMALLER = {
     "15_train_to_serve.ipynb": [
         ('records = train("tiny", steps=150, seed=0,',           # 150 training steps
          'records = train("tiny", steps=3, seed=0,')],
+    # torchrun jobs on one process instead of two (the same module or file, launched the
+    # same way; a process's start-up, ~3 s of CPU, is most of such a job): the 2-process
+    # numbers are nbval's (the instructor notebook's outputs) and, for activation_check,
+    # tests/test_distributed_engine.py's (TWO_PROC's launch)
+    "06_tensor_and_sequence_parallel.ipynb": [
+        ('"--nproc-per-node=2", "-m", "workbench.tools.activation_check"]',
+         '"--nproc-per-node=1", "-m", "workbench.tools.activation_check"]')],
+    "13_your_own_model.ipynb": [
+        ('"--standalone", "--nproc-per-node=2",\n       str(script)]',
+         '"--standalone", "--nproc-per-node=1",\n       str(script)]')],
 }
 
 
@@ -160,13 +170,26 @@ def _smaller(nb, name, cells):
         nb.cells[hits[0]].source = nb.cells[hits[0]].source.replace(old, new)
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_student_version_runs_up_to_its_first_exercise(student_dir, path, monkeypatch):
-    """Every cell before the first exercise runs; the first exercise cell stops with
-    the stub's NotImplementedError."""
+# Each notebook's own kernel spent most of this test's time starting up (the kernel, then
+# ``import torch`` and the workbench in the first cell: 2 to 5 s a notebook, 18 notebooks);
+# one kernel per test process runs them one after another instead, its user namespace
+# reset (IPython's ``%reset -f``: every name a notebook defined or imported is gone) and
+# its working directory set back before each, so that a name a notebook uses without
+# defining it still fails.  What stays is the process: the modules imported and their
+# state (torch's global RNG among them); this test checks that the cells run, not their
+# numbers, which nbval checks with a fresh kernel per notebook (tests/run_all.py).
+RESET = "import os as _os\n_os.chdir({dir!r})\n%reset -f"
+
+
+@pytest.fixture(scope="session")
+def kernel(student_dir):
+    """One Jupyter kernel for the notebooks this test process runs (its manager), started
+    in ``student_dir`` with this checkout's workbench first on PYTHONPATH; session-scoped,
+    as ``student_dir``: pytest-xdist may hand this module's tests to a worker between
+    other modules' (a module-scoped kernel would start again each time)."""
     nbclient = pytest.importorskip("nbclient")
-    from nbclient.exceptions import CellExecutionError
-    from nbformat.v4 import new_code_cell
+    from nbclient.util import run_sync
+    from nbformat.v4 import new_notebook
 
     import workbench
     # the kernel starts in student_dir: a relative PYTHONPATH entry (PYTHONPATH=. from a
@@ -175,7 +198,43 @@ def test_student_version_runs_up_to_its_first_exercise(student_dir, path, monkey
     mine = str(Path(workbench.__file__).resolve().parent.parent)
     entries = [str(Path(e).resolve()) for e in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                if e]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([mine] + entries))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join([mine] + entries))
+        client = nbclient.NotebookClient(new_notebook(), kernel_name="python3",
+                                         resources={"metadata": {"path": str(student_dir)}})
+        km = client.create_kernel_manager()
+        client.km = km
+        client.start_new_kernel()
+    try:
+        with client.setup_kernel(cleanup_kc=False):       # the kernel stays up
+            try:
+                fresh = _names(client)              # what a fresh kernel's namespace holds
+            finally:
+                client.kc.stop_channels()
+        yield km, fresh
+    finally:
+        run_sync(km.shutdown_kernel)(now=True)     # an async manager: its methods are coroutines
+
+
+def _names(client) -> str:
+    """The user namespace's public names in ``client``'s kernel, as printed there."""
+    from nbformat.v4 import new_code_cell
+    cell = new_code_cell("print(sorted(k for k in globals() if not k.startswith('_')))")
+    client.nb.cells.append(cell)                      # nbclient writes into its notebook
+    client.execute_cell(cell, len(client.nb.cells) - 1)
+    return "".join(o.get("text", "") for o in cell.outputs).strip()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_student_version_runs_up_to_its_first_exercise(student_dir, path, kernel):
+    """Every cell before the first exercise runs; the first exercise cell stops with
+    the stub's NotImplementedError."""
+    nbclient = pytest.importorskip("nbclient")
+    from nbclient.exceptions import CellExecutionError
+    from nbclient.util import run_sync
+    from nbformat.v4 import new_code_cell
+
+    import workbench
     nb = nbformat.read(student_dir / path.name, as_version=4)
     code = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
     assert not [ln for i in code for ln in nb.cells[i].source.splitlines()
@@ -184,19 +243,31 @@ def test_student_version_runs_up_to_its_first_exercise(student_dir, path, monkey
     assert stubs, f"{path.name} has no exercise (no {BEGIN!r} region in a code cell)"
     first = stubs[0]
     _smaller(nb, path.name, [i for i in code if i < first])
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=120,
+    kernel, fresh = kernel
+    client = nbclient.NotebookClient(nb, km=kernel, timeout=120,
                                      resources={"metadata": {"path": str(student_dir)}})
     failed = None
     with client.setup_kernel():
-        for i in code:
-            try:
-                client.execute_cell(nb.cells[i], i)
-            except CellExecutionError as err:
-                failed = (i, err.ename, str(err).splitlines()[-1] if str(err) else "")
-                break
-        which = new_code_cell("import workbench; print(workbench.__file__)")
-        nb.cells.append(which)
-        client.execute_cell(which, len(nb.cells) - 1)
+        try:
+            reset = new_code_cell(RESET.format(dir=str(student_dir)))
+            nb.cells.append(reset)
+            client.execute_cell(reset, len(nb.cells) - 1)
+            assert _names(client) == fresh           # the last notebook's names are gone
+            for i in code:
+                try:
+                    client.execute_cell(nb.cells[i], i)
+                except CellExecutionError as err:
+                    failed = (i, err.ename, str(err).splitlines()[-1] if str(err) else "")
+                    break
+            which = new_code_cell("import workbench; print(workbench.__file__)")
+            nb.cells.append(which)
+            client.execute_cell(which, len(nb.cells) - 1)
+        except BaseException:
+            # a cell left running: the next notebook gets a fresh kernel
+            run_sync(kernel.restart_kernel)(now=True)
+            raise
+        finally:
+            client.kc.stop_channels()
     ran = "".join(o.get("text", "") for o in which.outputs).strip()
     assert Path(ran).resolve() == Path(workbench.__file__).resolve(), (
         f"the kernel ran {ran}, not the workbench under test {workbench.__file__}")
