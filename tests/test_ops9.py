@@ -163,16 +163,7 @@ def test_broadcast_attention_on_meta_and_its_flops(name):
     assert c.flops == full.flops and c.backward_flops == full.backward_flops
 
 
-def _saved_bytes(fn):
-    """Bytes autograd keeps for backward, each storage once (test_ops_flash_attention's)."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(storages.values())
+from tests.test_ops_pointwise import saved_bytes as _saved_bytes  # noqa: E402
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 1.0])

@@ -85,13 +85,7 @@ class DistStateDict(OrderedDict):
         from .load_back import write_back
         from .module_state import load_dist_
         import torch
-        for k, v in state_dict.items():
-            cur = self.get(k)
-            if isinstance(cur, DistTensor) and (not isinstance(v, torch.Tensor) or
-                                                 tuple(v.shape) != tuple(cur.shape)):
-                raise RuntimeError(f"load into {k!r}: DCP gave {type(v).__name__} "
-                                   f"{tuple(getattr(v, 'shape', ()))}, the DistTensor holds "
-                                   f"{tuple(cur.shape)}")
+        _check_shapes((k, self.get(k), v) for k, v in state_dict.items())
         for k, v in state_dict.items():
             cur = self.get(k)
             if isinstance(cur, DistTensor):
@@ -103,6 +97,20 @@ class DistStateDict(OrderedDict):
                 self[k] = v                    # DCP's own habit: the value replaced
             elif isinstance(cur, torch.Tensor):
                 write_back(cur)                # loaded in place: a marked view's storage
+
+
+def _check_shapes(entries) -> None:
+    """Each ``(name, current value, DCP's value)``: a DistTensor must get a tensor of its
+    global shape (checked for every entry before anything is loaded)."""
+    import torch
+
+    from .dist_tensor import DistTensor
+    for name, cur, v in entries:
+        if isinstance(cur, DistTensor) and (not isinstance(v, torch.Tensor) or
+                                             tuple(v.shape) != tuple(cur.shape)):
+            raise RuntimeError(f"load into {name!r}: DCP gave {type(v).__name__} "
+                               f"{tuple(getattr(v, 'shape', ()))}, the DistTensor holds "
+                               f"{tuple(cur.shape)}")
 
 
 def as_stateful(sd):
@@ -166,19 +174,11 @@ class DistOptimStateDict(dict):
     def load_state_dict(self, state_dict) -> None:
         """DCP's loaded values into this dict's DistTensors in place (every check first: a
         failure changes nothing); other values replaced, as DCP replaces them."""
-        import torch
-
         from .dist_tensor import DistTensor
         from .module_state import load_dist_
         mine = dict(_leaves(dict(self)))
         given = list(_leaves(state_dict))
-        for path, v in given:
-            cur = mine.get(path)
-            if isinstance(cur, DistTensor) and (not isinstance(v, torch.Tensor) or
-                                                 tuple(v.shape) != tuple(cur.shape)):
-                raise RuntimeError(f"load into {'.'.join(map(str, path))!r}: DCP gave "
-                                   f"{type(v).__name__} {tuple(getattr(v, 'shape', ()))}, the "
-                                   f"DistTensor holds {tuple(cur.shape)}")
+        _check_shapes((".".join(map(str, path)), mine.get(path), v) for path, v in given)
         for path, v in given:
             cur = mine.get(path)
             if isinstance(cur, DistTensor):
