@@ -277,7 +277,7 @@ def dispatch(func, args, kwargs):
     plain = any(not isinstance(x, DistTensor) for x in inputs)  # a plain tensor or constant
     consts = ()                    # the types of constant inputs (type promotion differs)
     if entry.name in ("mul", "div") and (plain and _unsafe_scale(entry.name, inputs)
-                                         or _unsafe_factor(entry.name, inputs, mesh)):
+                                         or _unsafe_factor(entry.name, inputs)):
         inputs = _partials_reduced(inputs)
     if plain:
         specs = []
@@ -325,21 +325,17 @@ def _unsafe_scale(name, inputs) -> bool:
     return False
 
 
-def _unsafe_factor(name, inputs, mesh) -> bool:
+def _unsafe_factor(name, inputs) -> bool:
     """A tensor factor holding inf (a divisor holding 0) beside a partial sum: as for
     numbers (:func:`_unsafe_scale`), the partial sum is reduced first, which is exact (the
     local product refused it: ops_table/pointwise._scaled_local; seeds 1043842, 1044382,
     1044502).  The partial inputs are read too (``d * d`` reduces one of them: its value
-    is the factor).  Values are read only where a partial sum or average is met.  Under
-    torch.distributed each process reads its own shards, so the processes agree by an
-    all-reduce (max) of the answer over the mesh: one reducing alone would pair its
-    all-reduce with a peer's next collective."""
+    is the factor).  Values are read only where a partial sum or average is met."""
     def summed(x):
         return isinstance(x, DistTensor) and any(p.is_partial() and p.reduce_op in
                                                  ("sum", "avg") for p in x.placements)
     if not any(summed(x) for x in inputs):
         return False
-    found = False
     for k, x in enumerate(inputs):
         if name == "div" and k == 0:
             continue
@@ -349,15 +345,8 @@ def _unsafe_factor(name, inputs, mesh) -> bool:
             if not t.is_floating_point() or not t.numel():
                 continue
             if bool((t == 0).any()) if name == "div" else bool(torch.isinf(t).any()):
-                found = True
-    if mesh is not None and _B.is_distributed(mesh):
-        import torch.distributed as dist
-        flag = torch.tensor([int(found)])
-        for axis in range(mesh.ndim):
-            if mesh.shape[axis] > 1:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_B.group(mesh, axis)[0])
-        found = bool(flag.item())
-    return found
+                return True
+    return False
 
 
 def _partials_reduced(inputs):
