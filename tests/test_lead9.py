@@ -53,3 +53,31 @@ def test_ddp_and_fsdp_after_tp_on_a_slice_name_the_whole_mesh_form(wrapper, whol
     m = _mlp()
     wb.parallelize_module(m, world, {"0": wb.ColwiseParallel(), "2": wb.RowwiseParallel()})
     getattr(wb, wrapper)(m, world)
+
+
+@pytest.mark.parametrize("wrapper", ["DistributedDataParallel", "FullyShardedDataParallel",
+                                     "fully_shard"])
+@pytest.mark.parametrize("model", ["linear", "mlp"])
+def test_functional_call_on_a_wrapper_raises_and_leaves_it_working(wrapper, model):
+    """torch.func.functional_call(wrapped, params, x): FSDP over a Linear computed with its
+    own shards and ignored ``params`` (1.17 off one device's call with zeros), silently;
+    every wrapper now raises (naming functional_call, or in torch's own AttributeError for
+    names the wrapper does not hold, with ours chained), and trains as before afterwards."""
+    from torch.func import functional_call
+    mesh = wb.init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    make = (lambda: nn.Linear(4, 2)) if model == "linear" else _mlp
+    torch.manual_seed(3)
+    ref = make()
+    m = make()
+    m.load_state_dict(ref.state_dict())
+    d = wb.fully_shard(m, mesh=mesh) if wrapper == "fully_shard" else \
+        getattr(wb, wrapper)(m, mesh)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+    zeros = {n: torch.zeros(p.shape) for n, p in d.named_parameters()}
+    with pytest.raises((RuntimeError, AttributeError)) as e:
+        functional_call(d, zeros, (x,))
+    chain = [e.value, e.value.__cause__, e.value.__context__]
+    assert any("functional_call" in str(c) for c in chain if c is not None), chain
+    out = d(x)
+    out = out.full_tensor() if hasattr(out, "full_tensor") else out
+    torch.testing.assert_close(out, ref(x), rtol=0, atol=1e-6)

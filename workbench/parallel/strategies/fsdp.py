@@ -95,7 +95,7 @@ from .rank_grads import as_chunk_rows, as_shard_grad
 from .laid_out_whole import storage_numel
 from .rank_recompute import refuse_checkpoint, seq_mark
 from .laid_out_hooks import check_hooks
-from .replaced_params import check_places
+from .replaced_params import check_places, check_read_through
 from .ranks import (ModuleWrapper, RankGroup, buffer_snapshot, check_batch_stats, check_module,
                     check_not_meta,
                     rank_buffers)
@@ -208,6 +208,7 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
             raise RuntimeError(f"{self._who}: forward inside summon_full_params(); run it "
                                "after the context exits")
         check_places(self.units, self._who)     # a tie after wrapping: raise (.replaced_params)
+        check_read_through(self, self._who)     # torch.func.functional_call on the wrapper
         flush()                     # a write into a state_dict() copy: into the shards
         g, cd = self.group, self.compute_dtype
         if cd is not None and self._casts_inputs:

@@ -378,11 +378,12 @@ class ModuleWrapper(torch.nn.Module):
             raise AttributeError(
                 f"'{cls}' object has no attribute {name!r}: the wrapped module's is "
                 f"{cls}.module.{name}; named_parameters() gives the module's own names, so "
-                "torch.distributed.checkpoint.state_dict's helpers (which look those names "
-                "up on the wrapper) do not know this wrapper: use wb.checkpoint."
-                "get_model_state_dict / get_optimizer_state_dict / get_state_dict / "
-                "set_model_state_dict / set_optimizer_state_dict / set_state_dict (torch's "
-                "signatures)") from None
+                "torch.distributed.checkpoint.state_dict's helpers and torch.func."
+                "functional_call (which look those names up on the wrapper) do not know this "
+                "wrapper: use wb.checkpoint.get_model_state_dict / get_optimizer_state_dict / "
+                "get_state_dict / set_model_state_dict / set_optimizer_state_dict / "
+                "set_state_dict (torch's signatures), and functional_call on the plain module"
+                ) from None
 
     def get_submodule(self, target: str = ""):
         """By the names ``named_modules`` gives (``get_parameter`` / ``get_buffer`` too)."""

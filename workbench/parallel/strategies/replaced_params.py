@@ -26,7 +26,7 @@ from __future__ import annotations
 from .laid_out_hooks import carry_hooks
 
 __all__ = ["check_places", "check_named", "snapshot", "mark_successor", "follow_successors",
-           "check_dist_places"]
+           "check_dist_places", "check_read_through"]
 
 _FIX = ("the wrapper laid out the module's parameters when it was built, so it would not "
         "follow the change (its forward would use its own parameter there, or none).  Tie or "
@@ -68,7 +68,8 @@ def _raise(who: str, name: str, now, new: bool = False, place=None) -> None:
     else:
         what = (f"the module's parameter {name!r} was assigned after wrapping (it now holds "
                 f"{'another tensor' if now is not None else 'nothing'}: weight tying such as "
-                "head.weight = wte.weight, or a new nn.Parameter)")
+                "head.weight = wte.weight, a new nn.Parameter, or torch.func.functional_call "
+                "on the wrapper, which a wrapper cannot follow: call it on the plain module)")
     raise RuntimeError(f"{who}: {what}; " + _FIX)
 
 
@@ -81,6 +82,29 @@ def check_places(units, who: str) -> None:
                 now = m._parameters.get(attr)
                 if now is not shard:
                     _raise(who, name, now, place=(m, attr))
+
+
+def check_read_through(wrapper, who: str) -> None:
+    """Each of ``wrapper``'s parameters, read by its name through the wrapper, is still
+    the wrapper's (else raise).  ``torch.func.functional_call(fsdp, params, x)`` sets the
+    given tensors as attributes of the wrapper (it holds no ``_parameters`` of its own, its
+    names reach the module's), which its forward never reads: it computed with its own
+    shards and returned their output for any ``params`` (1.17 off one device's
+    functional_call with zeros, measured), silently."""
+    for name, p in wrapper.named_parameters(remove_duplicate=False):
+        obj = wrapper
+        try:
+            for part in name.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        if obj is not p:
+            raise RuntimeError(
+                f"{who}: its parameter {name!r} reads as another tensor through the wrapper "
+                "(torch.func.functional_call or torch.nn.utils.stateless on the wrapper, or "
+                f"an assignment wrapper.{name} = ...); the wrapper computes with its own "
+                "shards, so it would ignore it.  Call functional_call on the plain module "
+                "before wrapping, or load values into the wrapper with load_state_dict")
 
 
 def check_dist_places(module, who: str, entries=None) -> None:
