@@ -97,22 +97,32 @@ def test_cp_ring_keeps_what_the_planner_counts(cp):
 
 def test_moe_without_ep_runs_the_dense_dispatch_buffers():
     """ep = 1: the runtime's MoE (models/moe.py) runs every expert on its (B, E, C, h)
-    buffer, C = S when dropless (GShard's einsum), E / k = 4 times the routed rows that
-    the planner (Megatron's grouped GEMM) prices; measured 1.35x its step and 2.35x its
-    activations here.  Dry-run a MoE with ep > 1 to compare like with like."""
+    buffer, C = S when dropless (GShard's einsum), E / k = 4 times the routed rows; the
+    estimate of framework "workbench" prices that (``moe_cost.dense_dispatch``).  Was
+    priced as routed rows: the dry run 1.35x its step and 2.35x its activations here."""
+    from workbench.plan import moe_cost as M
     dr, est = _pair(MOE, Layout(dp=2, global_batch=2))
-    assert dr.step_time > 1.2 * est.step_time
-    assert dr.memory["activations"] > 2 * est.memory["activations"]
+    assert dr.step_time == pytest.approx(est.step_time, rel=0.02)
+    assert dr.memory["activations"] == pytest.approx(est.memory["activations"], rel=0.01)
+    flops = {d: next(o[2] for o in M.forward_ops(MOE, 1, 1, 1, 2, True, d)
+                     if o[0] == "expert_w1") for d in (False, True)}
+    assert flops[True] == 4 * flops[False]
 
 
-def test_moe_under_cp_runs_with_ep_1_in_sequence_order():
-    """cp with a MoE model: ``ContextParallel`` routes the experts in sequence order
-    (``recipes.moe.keep_sequence_order``) with ep = 1, so the dense dispatch's buffers
-    (the test above) come on top of the ring: slower and bigger than the estimate, not
-    beyond what those two explain (measured 1.51x the step, 1.13x the total)."""
-    dr, est = _pair(MOE, Layout(cp=2, global_batch=1))
-    assert 1.2 * est.step_time < dr.step_time < 1.35 * 1.08 * 1.1 * est.step_time
-    assert est.memory["total"] < dr.memory["total"] < 1.25 * est.memory["total"]
+@pytest.mark.parametrize("mb", [1, 2])
+def test_moe_under_cp_runs_with_ep_1_in_sequence_order(mb):
+    """cp with a MoE model: ``ContextParallel`` routes whole sequences with ep = 1
+    (``recipes.moe.keep_sequence_order``): an all-to-all over cp into the layer and out
+    where cp divides the micro-batch, else the layer replicated over cp (an all-gather
+    in); the dense dispatch's buffers on top of the ring.  Priced so
+    (``ep_cp._whole_sequences``); was 1.51x the step.  The replicated layer (mb 1) keeps
+    more than the planner counts (measured 1.36x the activations, 1.04x the total:
+    not modelled, noted in ``plan.dryrun_ep_cp``)."""
+    dr, est = _pair(MOE, Layout(cp=2, global_batch=mb, micro_batch=mb))
+    assert dr.step_time == pytest.approx(est.step_time, rel=0.02)
+    if mb == 2:
+        assert dr.memory["activations"] == pytest.approx(est.memory["activations"], rel=0.01)
+    assert est.memory["total"] <= dr.memory["total"] < 1.05 * est.memory["total"]
 
 
 def test_uneven_routing_is_measured_and_slower():

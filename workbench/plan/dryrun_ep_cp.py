@@ -19,9 +19,11 @@ a MoE model with tp > 1 and sp (the planner prices Megatron-Core's experts split
 tp with sequence parallelism; the runtime refuses ep with sp and keeps the MLP whole on
 every tp rank: no like-for-like comparison), cp with pp > 1 or ep > 1
 (``ContextParallel`` does not build them; a MoE model under cp runs
-its experts with ep = 1, routed in sequence order: ``recipes.moe.keep_sequence_order``,
-measured on tests/test_dryrun_ep_cp.py's model at cp 2: 1.51x the step, the dense
-dispatch's cost below, 1.13x the memory total). cp with tp > 1 runs, with or without
+its experts with ep = 1 on whole sequences: ``recipes.moe.keep_sequence_order``, priced
+by the estimate of framework "workbench" (``plan.ep_cp._whole_sequences``: was 1.51x the
+step on tests/test_dryrun_ep_cp.py's model at cp 2, now within 0.1%; where cp does not
+divide the micro-batch the layer runs replicated over cp and keeps more than the
+planner counts, not modelled: 1.36x the activations, 1.04x the memory total there). cp with tp > 1 runs, with or without
 sp (measured on tests/test_dryrun_ep_cp.py's model, cp 2 tp 2: step 1.08x the estimate,
 memory total 1.005x; with sp: step 1.053x, activations 1.003x; sp was once dropped here,
 the recipe built without it: activations 1.103x).  cp with ZeRO-3 runs
@@ -31,9 +33,10 @@ recomputed attention ran off the ring, raising on meta tensors, until
 ring active; tests/test_cprecomp.py).
 
 A MoE model with ep = 1 runs the model's own dispatch: every expert on its (B, E, C, h)
-buffer, C = S when dropless (GShard's einsum), E / k times the routed rows the planner
-prices (measured on tests/test_dryrun_ep_cp.py's model: 1.35x the step, 2.35x the
-activations): the runtime's cost, reported as it is.
+buffer, C = S when dropless (GShard's einsum), E / k times the routed rows; the estimate
+of framework "workbench" prices it so (``plan.moe_cost.dense_dispatch``; was priced as
+the routed rows: the dry run 1.35x its step and 2.35x its activations on
+tests/test_dryrun_ep_cp.py's model, now within 0.1%).
 
 The EP un-permute saves what the planner counts (was one R x h buffer more per MoE
 block, its scatter's source, until ``ExpertParallel._unpermute`` used ``index_put``:

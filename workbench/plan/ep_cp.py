@@ -305,7 +305,27 @@ def _cost_itemsize(model) -> int:
 
 def _groups(lay):
     tp, cp = lay.tp, lay.cp
-    return {"tp": tuple(range(tp)), "ep": tuple(tp * cp * d for d in range(lay.ep))}
+    return {"tp": tuple(range(tp)), "ep": tuple(tp * cp * d for d in range(lay.ep)),
+            "cp": tuple(tp * c for c in range(cp))}
+
+
+def _whole_sequences(tcfg, lay, e, fwd, bwd):
+    """The model's own dispatch under context parallelism takes whole sequences
+    (``moe_cost.dense_groups``; ``recipes.moe.keep_sequence_order``): where cp divides
+    the micro-batch, an all-to-all over cp into the layer (the batch sharded instead of
+    the sequence) and one out, each mirrored in backward; else an all-gather into it (the
+    layer replicated over cp), a local split out, and in backward an all-gather of the
+    output's gradient (the split's transpose), as the runtime's reshards record them."""
+    b, h = lay.micro_batch, tcfg.d_model
+    shard = e * b * tcfg.seq_len * h                  # the rank's (b, s / cp, h) input
+    if b % lay.cp == 0:
+        return ([("cp_to_sequences", "all_to_all", shard, "cp"), *fwd,
+                 ("cp_from_sequences", "all_to_all", shard, "cp")],
+                [("cp_from_sequences_grad", "all_to_all", shard, "cp"), *bwd,
+                 ("cp_to_sequences_grad", "all_to_all", shard, "cp")])
+    whole = shard * lay.cp
+    return ([("cp_gather_sequences", "all_gather", whole, "cp"), *fwd],
+            [("cp_split_sequences_grad", "all_gather", whole, "cp"), *bwd])
 
 
 def _regathers(model, lay) -> bool:
@@ -324,9 +344,10 @@ def _mini(lay):
                   framework="workbench" if lay.engine == "workbench" else None)
 
 
-def _price_moe(ops, phase, lay, prof, dt):
+def _price_moe(ops, phase, lay, prof, dt, dense=False):
     """Price ``moe_cost``'s tuples: a list of (name, phase, kind or class, seconds, bytes
-    sent, is_collective)."""
+    sent, is_collective).  ``dense``: the model's own dispatch, whose batched matmuls
+    are one kernel each (``moe_cost.dense_dispatch``)."""
     groups, out = _groups(lay), []
     for op in ops:
         if op[1] in _cost.KINDS:
@@ -339,7 +360,8 @@ def _price_moe(ops, phase, lay, prof, dt):
         else:
             name, cls, flops, nbytes, launches = op[:5]
             gemm = op[5] if len(op) > 5 else None
-            if lay.framework == "workbench" and cls == "matmul" and gemm and gemm[0] > 1:
+            if lay.framework == "workbench" and cls == "matmul" and gemm and gemm[0] > 1 \
+                    and not dense:
                 # this library's experts (models.moe): one GEMM per local expert, each at
                 # its own shape's rate, as the runtime's clock prices them
                 # (strategies.expert_parallel_clock), where a grouped GEMM runs them as one
@@ -385,12 +407,18 @@ def _layer(model, lay, prof, attention, fp8, regather=True):
                      wire_bytes(o.op_class, int(o.bytes), lay.tp) if coll else 0, coll))
     if moe is not None:
         e = tcfg.torch_dtype.itemsize
-        fwd = M.forward_ops(tcfg, lay.micro_batch, lay.tp, lay.ep, e, lay.sp)
-        rows += _price_moe(fwd, "forward", lay, prof, tcfg.dtype)
+        groups = M.dense_groups(tcfg, lay)
+        dense = groups is not None
+        mcfg, mb = (tcfg, lay.micro_batch) if not dense else \
+            (tcfg.replace(seq_len=groups[1]), groups[0])
+        fwd = M.forward_ops(mcfg, mb, lay.tp, lay.ep, e, lay.sp, dense)
+        bwd = M.backward_ops(mcfg, mb, lay.tp, lay.ep, e, lay.sp, dense)
+        if dense and lay.cp > 1:
+            fwd, bwd = _whole_sequences(tcfg, lay, e, fwd, bwd)
+        rows += _price_moe(fwd, "forward", lay, prof, tcfg.dtype, dense)
         if lay.recompute == "full":
-            rows += _price_moe(fwd, "recompute", lay, prof, tcfg.dtype)
-        rows += _price_moe(M.backward_ops(tcfg, lay.micro_batch, lay.tp, lay.ep, e, lay.sp),
-                           "backward", lay, prof, tcfg.dtype)
+            rows += _price_moe(fwd, "recompute", lay, prof, tcfg.dtype, dense)
+        rows += _price_moe(bwd, "backward", lay, prof, tcfg.dtype, dense)
     ring = None
     if lay.cp > 1 and lay.cp_comm == "a2a":
         rows = _a2a_rows(model, lay, prof, attention, fp8, regather, extra, ops, rows)

@@ -206,7 +206,8 @@ def stage_params(cfg, tp: int, pp: int, stage: int, layers: "int | None" = None)
 
 
 def layer_activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
-                           attention: str = "materialized", regather: bool = True) -> float:
+                           attention: str = "materialized", regather: bool = True,
+                           dense_moe: "tuple[int, int] | None" = None) -> float:
     """Activation bytes one layer keeps for backward on one rank (module docstring).
     ``attention="flash"``: a fused kernel keeps no (s x s) matrices, only its fp32
     log-sum-exp per row (Dao et al. 2022), 4 a s b bytes, instead of 5as^2b.
@@ -225,7 +226,7 @@ def layer_activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
     _check(fn, "regather", regather, isinstance(regather, bool), "give True or False")
     if getattr(cfg, "moe_experts", 0):
         from .moe_cost import activation_bytes as moe_activation_bytes
-        return moe_activation_bytes(cfg, b, tp, sp, recompute, regather)
+        return moe_activation_bytes(cfg, b, tp, sp, recompute, regather, dense_moe)
     if cfg.arch == "llama":
         from .llama_layer import activation_bytes
         return activation_bytes(cfg, b, tp, sp, recompute, regather)
@@ -412,7 +413,7 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     held = in_flight(lay.schedule, lay.pp, lay.m, lay.v, stage)
     tcfg = _ep_cp.token_cfg(cfg, lay)                  # s / cp tokens on a rank
     per_layer = layer_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute,
-                                       attention, _regather(cfg, lay))
+                                       attention, _regather(cfg, lay), _dense_moe(tcfg, lay))
     # full recompute in chunks of k layers keeps one input per chunk (recompute_chunks)
     saved = nl if lay.recompute_num_layers == 1 else \
         _chunks.saved_inputs(nl, lay.v, lay.recompute_num_layers)
@@ -628,8 +629,16 @@ def _remat_bytes(cfg, lay, stage: int, attention: str) -> float:
     k = lay.recompute_num_layers
     live = 1 if k == 1 else _chunks.largest_chunk(
         lay.stage_layers(cfg.n_layer)[stage], lay.v, k)
-    return (live * layer_activation_bytes(cfg, b, tp, sp, "none", attention, rg)
-            - layer_activation_bytes(cfg, b, tp, sp, rc, attention, rg))
+    dm = _dense_moe(cfg, lay)
+    return (live * layer_activation_bytes(cfg, b, tp, sp, "none", attention, rg, dm)
+            - layer_activation_bytes(cfg, b, tp, sp, rc, attention, rg, dm))
+
+
+def _dense_moe(tcfg, lay) -> "tuple[int, int] | None":
+    """A MoE run by the model's own dispatch: its (sequences, tokens each) on a rank
+    (``moe_cost.dense_groups``; ``tcfg`` the model at s / cp), else None."""
+    from .moe_cost import dense_groups
+    return dense_groups(tcfg, lay)
 
 
 def _zero3_unreduced_grad_numel(cfg, lay, mods) -> tuple[float, float]:

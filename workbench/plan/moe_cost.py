@@ -74,6 +74,19 @@ SwiGLU, the un-permutation, their gradients) are written once, in
 ``parallel.strategies.expert_parallel_kernels``, which the expert-parallel layer's clock
 records too (the dry run prices the same tuples for the rows each rank holds).
 
+**This library's runtime with ep = 1** (``dense=True``: ``dense_dispatch``) runs the
+model's own dispatch, not Megatron-Core's (``models.moe``: GShard's formulation, Lepikhin
+et al. 2020 sec. 2.2): per sequence, every expert over a (E, C, h) buffer of C =
+``ops.moe.capacity(S, E, k, c)`` slots (S when dropless), empty slots included, as one
+batched matmul per expert weight (b E GEMMs of C rows); the scatter into the buffer
+(``moe_dispatch``) and the gather-and-weight out of it (``moe_combine``) priced as the op
+table prices them (``parallel.ops_table.moe``); M = b E C rows through the experts, E / k
+times the routed rows when dropless.  Autograd saves the gathered buffer's input (the
+experts' output with one zero row per sequence: torch's ``gather`` keeps ``self``)
+beside the rows above.  Was priced as routed rows only, so the estimate of
+``framework="workbench"`` with ep = 1 was 0.64x the dry run's step and 0.39x its
+activations on a 4-layer Llama with 8 experts, top-2, dropless (dp 4).
+
 Model FLOPs count the active experts only: 2 (3 h f (k + S) + h E) per token forward
 for the MLP part (6 N_active per token, as Mixtral's "13B active parameters").
 """
@@ -84,7 +97,7 @@ from dataclasses import dataclass
 # the kernels around the expert GEMMs, one formula for this estimate and the runtime's clock
 from ..parallel.strategies import expert_parallel_kernels as K
 
-__all__ = ["MoE", "moe_of", "check_moe", "expert_params", "dense_layer_params",
+__all__ = ["MoE", "moe_of", "check_moe", "dense_dispatch", "dense_capacity", "expert_params", "dense_layer_params",
            "rank_expert_params", "layer_flops", "activation_bytes", "forward_ops",
            "backward_ops", "MLP_OPS", "mlp_tp", "COUNT_BYTES"]
 
@@ -157,6 +170,33 @@ def check_moe(cfg) -> None:
                          f"arch='llama'")
 
 
+def dense_dispatch(lay) -> bool:
+    """True where the layout runs the model's own dispatch (module docstring): this
+    library's runtime (``lay.engine`` "workbench") without expert parallelism."""
+    return lay.engine == "workbench" and lay.ep == 1
+
+
+def dense_capacity(cfg) -> int:
+    """Slots per expert and sequence of the model's own dispatch: ``ops.moe.capacity`` of
+    a sequence's S tokens (one routing group per sequence, ``models.moe.MoE.forward``)."""
+    from ..ops.moe import capacity
+    m = moe_of(cfg)
+    return capacity(cfg.seq_len, m.experts, m.topk, m.capacity_factor)
+
+
+def dense_groups(cfg, lay) -> "tuple[int, int] | None":
+    """(sequences, tokens each) that the model's own dispatch routes on one rank per
+    micro-batch, or None where the layout does not run it (:func:`dense_dispatch`).
+    ``cfg``: the model at the rank's sequence (s / cp, ``ep_cp.token_cfg``).  Under
+    context parallelism the layer takes whole sequences (``recipes.moe.
+    keep_sequence_order``): b / cp of them where cp divides the micro-batch b, else all
+    b, replicated over cp."""
+    if not (getattr(cfg, "moe_experts", 0) and dense_dispatch(lay)):
+        return None
+    b, cp = lay.micro_batch, lay.cp
+    return (b // cp if cp > 1 and b % cp == 0 else b, cfg.seq_len * cp)
+
+
 def mlp_tp(tp: int, sp: bool = True) -> int:
     """The ranks one expert (and the shared experts) is split over: Megatron-Core's expert
     tensor-parallel size, its default the TP size, with sequence parallelism; 1 without
@@ -195,7 +235,7 @@ def layer_flops(cfg, b: int) -> tuple[float, float]:
 
 
 def activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
-                     regather: bool = True) -> float:
+                     regather: bool = True, dense: "tuple[int, int] | None" = None) -> float:
     """Bytes one MoE block keeps for backward on one rank (16-bit unless said): the dense
     block's (``llama_layer.activation_bytes``) less its SwiGLU's four T f / t tensors, plus
     the router's fp32 probabilities (4 T_n E), the experts' input rows (2 M h, whole on
@@ -205,9 +245,12 @@ def activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
     ``regather=False`` (DTensor's sequence parallelism, as for the dense block): without
     checkpointing the attention's column-parallel input kept gathered, 2 T h, not its
     2 T h / t shard; the MoE's own tensors as above (ASSUMPTION: its router reads the
-    sequence shard, Megatron-Core's layout, whatever the framework)."""
-    from .llama_layer import activation_bytes as dense
-    base = dense(cfg, b, tp, sp, recompute)
+    sequence shard, Megatron-Core's layout, whatever the framework).  ``dense``: the
+    model's own dispatch (module docstring) on (sequences, tokens each)
+    (:func:`dense_groups`): M = b' E C rows, and the combine's gather keeps its input,
+    the experts' output with a zero row per sequence, e (M + b') h."""
+    from .llama_layer import activation_bytes as dense_block
+    base = dense_block(cfg, b, tp, sp, recompute)
     if recompute == "full":
         return base
     m, h = moe_of(cfg), cfg.d_model
@@ -217,8 +260,14 @@ def activation_bytes(cfg, b: int, tp: int, sp: bool, recompute: str,
     Tn = T / (tp if sp else 1)
     M, R = m.c * m.topk * T, m.c * m.topk * Tn
     mt = mlp_tp(tp, sp)
+    gathered, Tm = 0.0, T
+    if dense:
+        bm, sm = dense
+        Tm = Tn = bm * sm
+        M, R = bm * m.experts * dense_capacity(cfg.replace(seq_len=sm)), m.c * m.topk * Tm
+        gathered = 2 * (M + bm) * h
     moe = 4 * Tn * m.experts + 2 * M * h + 8 * M * m.d_ff / mt + 2 * R * h \
-        + 8 * T * m.shared * m.d_ff / mt
+        + 8 * Tm * m.shared * m.d_ff / mt + gathered
     return base - 8 * T * cfg.d_ff / tp + moe
 
 
@@ -242,18 +291,81 @@ def _no_tp(ops, tp, sp) -> list:
     return [o for o in ops if not (len(o) == 4 and o[3] == "tp")]
 
 
-def forward_ops(cfg, b, tp, ep, e, sp=True) -> list:
+def _router(Tn, h, E, k, e) -> list:
+    return [("router_gemm", "matmul", 2 * Tn * h * E, e * (Tn * h + h * E + Tn * E), 1,
+             (1, Tn, E)),
+            # softmax and top-k in fp32 (Megatron-Core's --moe-router-dtype fp32)
+            ("router_softmax_topk", "elementwise", 6 * Tn * E, e * Tn * E + 8 * Tn * E
+             + 12 * Tn * k, 1)]
+
+
+def _dense_sizes(cfg, b, e):
+    """(M, C, index bytes, combine's reads) of the model's own dispatch (module
+    docstring): M = b E C buffer rows; the experts and slots (int64, T k each) that the
+    scatter and the gather read; the combine reads k rows per token, the fp32 gates and
+    those indices (``ops_table.moe._combine_cost``)."""
+    m, h, T = moe_of(cfg), cfg.d_model, cfg.seq_len * b
+    C = dense_capacity(cfg)
+    M = b * m.experts * C
+    idx = 2 * 8 * T * m.topk
+    return M, C, idx, e * m.topk * T * h + 4 * T * m.topk + idx
+
+
+def _dense_forward(cfg, b, e) -> list:
+    """The routed experts of the model's own dispatch, forward (module docstring): the
+    scatter (``moe_dispatch``: tokens read, the buffer written, zeros included), one
+    batched matmul per weight over b E GEMMs of C rows, the SwiGLU, the gather and
+    weighted sum (``moe_combine``), as the op table prices them."""
+    m, h, T = moe_of(cfg), cfg.d_model, cfg.seq_len * b
+    E, k, f = m.experts, m.topk, m.d_ff
+    M, C, idx, read = _dense_sizes(cfg, b, e)
+    return [("moe_dispatch", "data_movement", 0, e * T * h + idx + e * M * h, 1),
+            ("expert_w1", "matmul", 2 * M * h * f, e * (M * h + E * h * f + M * f), 1,
+             (b * E, C, f)),
+            ("expert_w3", "matmul", 2 * M * h * f, e * (M * h + E * h * f + M * f), 1,
+             (b * E, C, f)),
+            *K.swiglu(M, f, e),
+            ("expert_w2", "matmul", 2 * M * f * h, e * (M * f + E * f * h + M * h), 1,
+             (b * E, C, h)),
+            ("moe_combine", "data_movement", 2 * k * T * h, read + e * T * h, 1)]
+
+
+def _dense_backward(cfg, b, e) -> list:
+    """Its backward in autograd's order, as the op table prices each op's (a batched
+    matmul's input gradient over the b E GEMMs, its weight gradient, 16-bit, over the E
+    weights: ``ops_table.pricing``'s split); autograd's sums of the buffer's two
+    gradients and of the block input's two are not kernels the runtime's clock records
+    (nor the dense Llama's w1 / w3 input gradient sum), so not priced here either."""
+    m, h, T = moe_of(cfg), cfg.d_model, cfg.seq_len * b
+    E, k, f = m.experts, m.topk, m.d_ff
+    M, C, idx, read = _dense_sizes(cfg, b, e)
+
+    def grads(n, K_, N):                      # y[M, N] = x[M, K] @ w[E, K, N]
+        return [(n + "_dgrad", "matmul", 2 * M * K_ * N, e * (M * N + E * K_ * N + M * K_),
+                 1, (b * E, C, K_)),
+                (n + "_wgrad", "matmul", 2 * M * K_ * N, e * (M * K_ + E * K_ * N), 1,
+                 (E, K_, N))]
+
+    mul_grad, silu_grad = K.swiglu_grad(M, f, e)
+    return [("moe_combine_grad", "data_movement", 4 * k * T * h,
+             e * T * h + read + e * M * h + 4 * T * k, 1),
+            *grads("expert_w2", f, h), mul_grad, *grads("expert_w3", h, f), silu_grad,
+            *grads("expert_w1", h, f),
+            ("moe_dispatch_grad", "data_movement", 0, e * T * h + idx + e * M * h, 1)]
+
+
+def forward_ops(cfg, b, tp, ep, e, sp=True, dense=False) -> list:
     """The MoE MLP's forward kernels and collectives on one rank (module docstring), as
     tuples: compute (name, class, FLOPs, bytes, launches[, gemm output]) and collective
     (name, kind, bytes, group) with group "tp" or "ep".  ``sp=False`` with tp > 1: the
-    runtime's layout, the MLP whole on every TP rank (``mlp_tp``)."""
+    runtime's layout, the MLP whole on every TP rank (``mlp_tp``).  ``dense``: the model's
+    own dispatch (this library's runtime with ep = 1: :func:`dense_dispatch`)."""
     m, h, T, Tn, El, M, R, ft, Me = _dims(cfg, b, tp, ep, e, sp)
     E, k = m.experts, m.topk
-    ops = [("router_gemm", "matmul", 2 * Tn * h * E, e * (Tn * h + h * E + Tn * E), 1,
-            (1, Tn, E)),
-           # softmax and top-k in fp32 (Megatron-Core's --moe-router-dtype fp32)
-           ("router_softmax_topk", "elementwise", 6 * Tn * E, e * Tn * E + 8 * Tn * E
-            + 12 * Tn * k, 1),
+    if dense:
+        ops = _router(T, h, E, k, e) + _dense_forward(cfg, b, e)
+        return _no_tp(ops + _shared_forward(cfg, b, tp, e, sp), tp, sp)
+    ops = [*_router(Tn, h, E, k, e),
            # the per-expert row counts (int64), forward only (module docstring)
            ("ep_counts", "all_to_all", COUNT_BYTES * E, "ep"),
            K.permute(Tn, R, h, e),
@@ -269,6 +381,12 @@ def forward_ops(cfg, b, tp, ep, e, sp=True) -> list:
            ("etp_reduce_scatter", "reduce_scatter", e * M * h, "tp"),
            ("ep_combine", "all_to_all", e * R * h, "ep"),
            K.unpermute(Tn, R, h, e)]
+    return _no_tp(ops + _shared_forward(cfg, b, tp, e, sp), tp, sp)
+
+
+def _shared_forward(cfg, b, tp, e, sp) -> list:
+    m, h, T, Tn = moe_of(cfg), cfg.d_model, cfg.seq_len * b, cfg.seq_len * b // mlp_tp(tp, sp)
+    ops = []
     if m.shared:
         fs = m.shared * m.d_ff // mlp_tp(tp, sp)
         ops += [("shared_sp_all_gather", "all_gather", e * T * h, "tp"),
@@ -281,15 +399,15 @@ def forward_ops(cfg, b, tp, ep, e, sp=True) -> list:
                  (1, T, h)),
                 ("shared_tp_out", "reduce_scatter", e * T * h, "tp"),
                 ("shared_add", "elementwise", Tn * h, 3 * e * Tn * h, 1)]
-    return _no_tp(ops, tp, sp)
+    return ops
 
 
-def backward_ops(cfg, b, tp, ep, e, sp=True) -> list:
+def backward_ops(cfg, b, tp, ep, e, sp=True, dense=False) -> list:
     """The MoE MLP's backward kernels and collectives, in execution order: each forward
     GEMM's input and weight gradients (the weight gradient into an fp32 buffer, as
     ``layer_cost``), each collective's transpose (all-to-all for all-to-all, all-gather
     for reduce-scatter and back); no count exchange (the forward's split sizes are
-    reused)."""
+    reused).  ``dense``: the model's own dispatch (:func:`forward_ops`)."""
     m, h, T, Tn, El, M, R, ft, Me = _dims(cfg, b, tp, ep, e, sp)
     E = m.experts
 
@@ -310,6 +428,11 @@ def backward_ops(cfg, b, tp, ep, e, sp=True) -> list:
         ops += [silu_grad]
         ops += grads("shared_w1", T, h, fs, 1, T)
         ops += [("shared_tp_grad", "reduce_scatter", e * T * h, "tp")]
+    if dense:
+        ops += _dense_backward(cfg, b, e)
+        ops += [("router_softmax_grad", "elementwise", 4 * T * E, 12 * T * E, 1)]
+        ops += grads("router", T, h, E, 1, T)
+        return _no_tp(ops, tp, sp)
     ops += [K.unpermute_grad(Tn, R, h, e),
             ("ep_combine_grad", "all_to_all", e * R * h, "ep"),
             ("etp_reduce_scatter_grad", "all_gather", e * M * h, "tp")]
