@@ -1,0 +1,265 @@
+"""The clock against published component measurements it was not held to before
+(clock10): collectives, GEMMs, attention and memory bandwidth, each priced by the clock
+and compared with what real hardware measured.
+
+Sources (all new to the project; ``grep`` the tests and benchmarks for them):
+
+- AZ_A100: Azure/AI-benchmarking-guide, ``Azure_Results/ND_A100_v4_results.md`` (commit
+  3bb66cacc25632d8ece36bc1d5128c5ea886a60b): one ND A100 v4 node, 8 x A100-SXM4-80GB on
+  NVSwitch (the DGX A100's fabric), NCCL 2.18.5, CUDA 12.5.  Tables "GEMM CuBLASLt"
+  (FP16), "HBM Bandwidth" (BabelStream), "Flash Attention 2.0" and "NCCL Bandwidth".
+- AZ_H100: the same repository, ``Azure Results/ND_H100_v5_results.md`` (commit
+  f350e7e65b82cfcb9220b32b582bc34342d9c1a6): one ND H100 v5 node, 8 x H100 80GB HBM3,
+  NCCL 2.18.5.  Tables "GEMM CuBLASLt" (FP8), "HBM Bandwidth", "NCCL Bandwidth" (NVLS).
+  How each was run: the repository's ``Benchmarks/NVIDIA/*.py`` (GEMMCublasLt.py:
+  superbenchmark's cublaslt_gemm, ``-b 1 -i 1000 -w 10000``, fp16 on the A100, fp8e4m3
+  on the H100; HBMBandwidth.py: BabelStream's cuda-stream; FlashAttention.py:
+  flash-attention's benchmarks/benchmark_flash_attention.py; NCCLBandwidth.py:
+  ``all_reduce_perf -b 8 -e 8G -f 2 -g 8 -n 40``, in-place busbw).
+- LIPLUS: li-plus/playground ``cuda/nccl.md`` (commit b85070fb449ea55858fed14cf69cefe10592261b):
+  ``sendrecv_perf -b 128M -e 1G -f 2 -g 8`` on 8 A100 on NVSwitch, 195 GB/s at 1 GiB.
+- NCCL1455: NVIDIA/nccl issue #1455 (2024-09-19, 8 x H100 SXM): "when using ALGO=RING,
+  busbw is about 365-370 GBps when gpus from 2 to 8" (``all_reduce_perf -b 2G -e 4G``).
+
+Where the clock is off by more than 15% the test says why, and is marked xfail(strict):
+it fails the day the clock meets the measurement, so that the note is updated."""
+import pytest
+
+from workbench.sim_mesh import cost
+from workbench.sim_mesh.kernel_cost import AttentionShape
+from workbench.sim_mesh.profiles import get_profile
+
+A100, H100 = get_profile("a100"), get_profile("h100")
+K, M, G = 1 << 10, 1 << 20, 1 << 30
+
+# AZ_A100 "NCCL Bandwidth": in-place all_reduce busbw (GB/s) by size (the table's "1K" ..
+# "8G" are nccl-tests' powers of two: its "65K" is 65,536 B, "1G" 1,073,741,824 B)
+AZ_A100_ALL_REDUCE = {
+    1 * K: 0.04, 2 * K: 0.08, 4 * K: 0.17, 8 * K: 0.33, 16 * K: 0.67, 32 * K: 1.37,
+    64 * K: 2.70, 128 * K: 5.15, 256 * K: 10.11, 512 * K: 19.24, 1 * M: 36.22,
+    2 * M: 53.54, 4 * M: 71.43, 8 * M: 89.99, 16 * M: 109.22, 32 * M: 132.77,
+    64 * M: 166.63, 128 * M: 174.18, 256 * M: 213.87, 512 * M: 221.58, 1 * G: 228.10,
+    2 * G: 230.22, 4 * G: 230.48, 8 * G: 231.58}
+# AZ_H100 "NCCL Bandwidth": NVLS (NVLink SHARP) all_reduce busbw, the large sizes
+AZ_H100_NVLS = {1 * G: 466.35, 2 * G: 472.36, 4 * G: 475.54, 8 * G: 478.87}
+# "GEMM CuBLASLt": (m, n, k) -> TFLOP/s; FP16 on the A100, FP8 (e4m3) on the H100
+AZ_A100_GEMM_FP16 = {
+    (1024, 1024, 1024): 119.4, (2048, 2048, 2048): 221.8, (4096, 4096, 4096): 228.0,
+    (8192, 8192, 8192): 253.7, (16384, 16384, 16384): 256.5, (1024, 2145, 1024): 132.8,
+    (6144, 12288, 12288): 250.8, (802816, 192, 768): 157.8}
+AZ_H100_GEMM_FP8 = {
+    (1024, 1024, 1024): 274.1, (2048, 2048, 2048): 1011.3, (4096, 4096, 4096): 1216.9,
+    (8192, 8192, 8192): 1290.1, (16384, 16384, 16384): 1377.3,
+    (32768, 32768, 32768): 1382.2, (1024, 2145, 1024): 410.7,
+    (6144, 12288, 12288): 1351.4, (802816, 192, 768): 663.8}
+# "HBM Bandwidth" (BabelStream, TB/s): Copy (read a, write c) and Triad (read b, c, write a)
+AZ_STREAM = {("a100", "copy"): 1.61, ("a100", "triad"): 1.70,
+             ("h100", "copy"): 2.90, ("h100", "triad"): 2.97}
+# LIPLUS: sendrecv_perf busbw (= algbw) GB/s, out-of-place
+LIPLUS_SENDRECV = {128 * M: 110.81, 256 * M: 188.60, 512 * M: 192.75, 1 * G: 195.10}
+
+
+def _busbw(kind, n, p, profile):
+    return cost.bus_bandwidth(kind, n, p, cost.price(kind, n, range(p), profile)) / 1e9
+
+
+def _ratio_all_reduce(n):
+    """clock busbw / AZ_A100's, 8 ranks in one node."""
+    return _busbw("all_reduce", n, 8, A100) / AZ_A100_ALL_REDUCE[n]
+
+
+# --- collectives -------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [256 * M, 512 * M, 1 * G, 2 * G, 4 * G, 8 * G])
+def test_a100_all_reduce_bandwidth_regime(n):
+    """256 MiB .. 8 GiB on 8 A100-SXM4-80GB (AZ_A100): the clock's ring (NCCL's Simple
+    protocol at the profile's NVLink rate, nccl-tests #175's 232.5 GB/s) within 8%.
+    Why 8%: at 256 MiB the ring's latency (8.4 + 14 x 3.4 us, tuning.cc) is 2.7% of the
+    time, and the harness's launch floor seen at small sizes below (about 33 us, 8 GPUs
+    launched from one thread with ``-g 8``) 1.6%; the profile's tables are NCCL 2.12.7's,
+    the run's 2.18.5 (the Simple ring's bandwidth term is the same in both); the rest is
+    run-to-run spread of a 40-iteration mean."""
+    r = _ratio_all_reduce(n)
+    assert r == pytest.approx(1.0, abs=0.08), (n, r)
+
+
+def test_a100_all_reduce_clock_never_slower_than_the_measurement():
+    """Every size 1 KiB .. 8 GiB: the clock's time is at most the measured one (it prices
+    NCCL's kernel; nccl-tests' time adds its own launch of 8 GPUs from one thread, a
+    flat 42-45 us at 1 KiB .. 256 KiB in AZ_A100 where the clock gives 10-18 us)."""
+    for n, busbw in AZ_A100_ALL_REDUCE.items():
+        measured = 2 * 7 / 8 * n / (busbw * 1e9)
+        clock = cost.price("all_reduce", n, range(8), A100)
+        assert clock <= measured, (n, clock, measured)
+    small = [2 * 7 / 8 * n / (AZ_A100_ALL_REDUCE[n] * 1e9) for n in (1 * K, 16 * K, 256 * K)]
+    assert max(small) / min(small) < 1.1        # the flat floor the clock does not model
+
+
+MID = [1 * M, 2 * M, 4 * M, 8 * M, 16 * M, 32 * M, 64 * M, 128 * M]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "KNOWN GAP: 1 MiB .. 128 MiB all-reduce on 8 A100 (AZ_A100): the clock is 22-56% "
+    "faster than measured (busbw 44-222 vs 36-174 GB/s).  The clock is NCCL's own tuning "
+    "model (tuning.cc: base + steps x step latency + bytes / busBw), which predicts these "
+    "sizes the same way.  The run launched the 8 GPUs from one thread (-g 8): a flat "
+    "42-45 us at 1-256 KiB, 2-20% of the measured time at 8-128 MiB, not separable from "
+    "the kernel's (at 1 MiB the measured 50.7 us is barely above it).  No component "
+    "mechanism (channel count, chunking) found that accounts for the rest, and no second "
+    "8-GPU A100 curve run one process per GPU was found, so nothing is changed; TP "
+    "all-reduces of 8-64 MiB (a layer's activations) fall here: the clock's TP "
+    "communication on A100 may be optimistic"))
+@pytest.mark.parametrize("n", MID)
+def test_a100_all_reduce_mid_sizes_within_15_percent(n):
+    assert _ratio_all_reduce(n) == pytest.approx(1.0, abs=0.15)
+
+
+def test_a100_all_reduce_mid_size_gap_does_not_grow():
+    """The known gap above, bounded: the clock at most 1.6x the measured busbw, and
+    never below it, at 1-128 MiB (a change that widened it would fail here)."""
+    for n in MID:
+        assert 1.0 <= _ratio_all_reduce(n) <= 1.6, (n, _ratio_all_reduce(n))
+
+
+@pytest.mark.parametrize("p", range(2, 9))
+@pytest.mark.parametrize("n", [2 * G, 4 * G])
+def test_h100_ring_bus_bandwidth_does_not_depend_on_the_rank_count(p, n):
+    """NCCL1455: NCCL_ALGO=RING, 2-4 GiB, 2 to 8 H100 of one node: busbw "about 365-370
+    GBps".  The profile's NVLink efficiency comes from nccl-tests #212's 370 GB/s at 8
+    GPUs (so p = 8 agrees by construction); p = 2..7 test that a ring's busbw inside an
+    NVSwitch node does not depend on p (the ring model's n (p-1)/p bytes per rank).
+    Tolerance: the issue's own range, 365-370, widened by 5 GB/s each side ("about")."""
+    busbw = cost.bus_bandwidth("all_reduce", n, p,
+                               cost.price("all_reduce", n, range(p), H100, "ring")) / 1e9
+    assert 360.0 <= busbw <= 375.0, (p, n, busbw)
+
+
+@pytest.mark.parametrize("n", sorted(AZ_H100_NVLS))
+def test_h100_nvls_measured_above_the_clocks_ring_by_the_maintainers_factor(n):
+    """AZ_H100's all-reduce ran NVLS (NVLink SHARP, the switch reduces), which the clock
+    does not model (profiles/h100.json: "NVLS ... is not modeled"): the clock prices the
+    ring.  The measured NVLS busbw exceeds the clock's ring by 480 / 370 = 1.30, the
+    ratio NCCL's maintainer gives for 8 H100 (nccl-tests #212: ~370 GB/s ring, ~480 GB/s
+    NVLS peak); within 4% (AZ_H100's 466-479 GB/s against that ~480 peak)."""
+    ring = _busbw("all_reduce", n, 8, H100)
+    assert AZ_H100_NVLS[n] / ring == pytest.approx(480 / 370, rel=0.04), (n, ring)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "KNOWN GAP: NCCL send/recv inside an A100 node (LIPLUS: 189-195 GB/s at 256 MiB - "
+    "1 GiB) runs at 0.65 of the 300 GB/s NVLink, the clock at the collectives' 0.783 "
+    "(nccl-tests #175): 20-24% fast.  nccl-tests #331 (4 A100-SXM-64GB, NVLink 3 pairs) "
+    "also finds NCCL p2p at 72% of the link, below the ring's 78%.  One measurement on "
+    "NVSwitch, NCCL version not given: not changed (send/recv inside a node prices "
+    "pipeline stages and context-parallel rings on one node; no published row depends "
+    "on it)"))
+@pytest.mark.parametrize("n", [256 * M, 512 * M, 1 * G])
+def test_a100_send_recv_within_15_percent(n):
+    clock = n / cost.price("send_recv", n, [0, 1], A100) / 1e9
+    assert clock == pytest.approx(LIPLUS_SENDRECV[n], rel=0.15)
+
+
+def test_a100_send_recv_gap_bounded():
+    """The gap above, bounded (1.15 .. 1.3x); 128 MiB is left out: it is the run's first
+    size and takes 1,211 us against 1,423 us for twice the bytes (a warm-up artifact)."""
+    for n in (256 * M, 512 * M, 1 * G):
+        clock = n / cost.price("send_recv", n, [0, 1], A100) / 1e9
+        assert 1.15 <= clock / LIPLUS_SENDRECV[n] <= 1.3, (n, clock)
+
+
+# --- kernels -----------------------------------------------------------------------
+
+def _gemm_tflops(mnk, profile, dtype):
+    m, n, k = mnk
+    flops = 2 * m * n * k
+    size = {"float16": 2, "float8": 1}[dtype]
+    t = cost.compute_time(flops, size * (m * k + k * n + m * n), profile, dtype, "matmul", 1,
+                          gemm=(1, m, n))
+    return flops / t / 1e12
+
+
+LARGE_A100 = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 16384),
+              (6144, 12288, 12288)]
+
+
+@pytest.mark.parametrize("mnk", LARGE_A100)
+def test_a100_fp16_gemm_large(mnk):
+    """AZ_A100 cuBLASLt FP16, GEMMs of 4+ waves: the clock (the profile's matmul
+    efficiency 0.827 x 312 TFLOP/s, with the guide's 256x128 tile and wave quantization)
+    within 8%: cuBLASLt's random-input rate varies a few % with clocks and power
+    (10,000 warm-up iterations), and 4096^3 is 512 tiles in 4.74 waves, priced as 5."""
+    r = _gemm_tflops(mnk, A100, "float16") / AZ_A100_GEMM_FP16[mnk]
+    assert r == pytest.approx(1.0, abs=0.08), (mnk, r)
+
+
+SMALL_A100 = [(1024, 1024, 1024), (2048, 2048, 2048), (1024, 2145, 1024), (802816, 192, 768)]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "KNOWN GAP: small or short-K FP16 GEMMs on A100 (AZ_A100): 1024^3 and 1024x2145x1024 "
+    "(32 and 68 tiles of 256x128: under one wave, which the clock prices at the full rate, "
+    "kernel_cost.gemm_efficiency) measure 0.46-0.52 of the large-GEMM rate, the clock "
+    "1.8-1.9x faster; 2048^3 (128 tiles: two waves, the second 20/108 full) measures "
+    "0.86 of it where the clock's fixed 256x128 tile gives 0.59 (cuBLAS picks another "
+    "tile); 802816x192x768 (K = 768) is 1.21x fast.  The fix needs the rate of cuBLAS's "
+    "smaller tiles and split-K, which no source found gives; GEMMs of the published rows "
+    "are large (tests/test_clock_gemm.py), so nothing is changed"))
+@pytest.mark.parametrize("mnk", SMALL_A100)
+def test_a100_fp16_gemm_small_within_15_percent(mnk):
+    assert _gemm_tflops(mnk, A100, "float16") == pytest.approx(AZ_A100_GEMM_FP16[mnk],
+                                                               rel=0.15)
+
+
+def test_a100_fp16_gemm_small_gap_bounded():
+    """The gaps above, each bounded on its side (a change that widened one fails)."""
+    r = {mnk: _gemm_tflops(mnk, A100, "float16") / AZ_A100_GEMM_FP16[mnk]
+         for mnk in SMALL_A100}
+    assert 1.7 <= r[(1024, 1024, 1024)] <= 2.0
+    assert 1.7 <= r[(1024, 2145, 1024)] <= 2.0
+    assert 0.6 <= r[(2048, 2048, 2048)] <= 0.75
+    assert 1.1 <= r[(802816, 192, 768)] <= 1.3
+
+
+@pytest.mark.parametrize("mnk", sorted(AZ_H100_GEMM_FP8))
+def test_h100_fp8_gemm(mnk):
+    """AZ_H100 cuBLASLt FP8 (e4m3), nine shapes 1024^3 .. 32768^3: the clock prices FP8
+    as the bf16 rate measured for the shape on an H100 SXM (measurements/h100-sxm-80gb.json)
+    x the median FP8 / bf16 ratio of that file (sim_mesh/measured.py): one ratio for every
+    shape, so a shape whose FP8 kernel gains more or less than the median is off by that
+    spread: within 15% (measured here 0.88 .. 1.10)."""
+    r = _gemm_tflops(mnk, H100, "float8") / AZ_H100_GEMM_FP8[mnk]
+    assert r == pytest.approx(1.0, abs=0.15), (mnk, r)
+
+
+def test_a100_flash_attention_2_fwd_bwd():
+    """AZ_A100 "Flash Attention 2.0": 179.5 TFLOP/s forward + backward, head dim 64,
+    batch 2, sequence 8192 (flash-attention benchmark_flash_attention.py: dim 2048, so 32
+    heads; FLOPs 3.5 x 4 b s^2 h d; fp16; causal False: the Azure script of that date,
+    Benchmarks/FlashAttention.py at 625c7d21, prints the first block after the grep,
+    causal=False headdim=64).  The clock's rate is Dao 2023 Fig. 4(a)'s 8k bar (176, on
+    an A100 40GB) split into halves (sim_mesh/fa2_a100.py): a later FA2 release on the
+    80GB part; within 8%."""
+    b, s, d = 2, 8192, 64
+    h = 2048 // d
+    f = 4 * b * s * s * h * d
+    tf = cost.compute_time(f, 0, A100, "float16", "attention", 1,
+                           gemm=AttentionShape(b * h, s, d, False, False))
+    tb = cost.compute_time(2.5 * f, 0, A100, "float16", "attention", 1,
+                           gemm=AttentionShape(b * h, s, d, False, True))
+    assert 3.5 * f / (tf + tb) / 1e12 == pytest.approx(179.5, rel=0.08)
+
+
+@pytest.mark.parametrize("name, kernel", sorted(AZ_STREAM))
+def test_babelstream_hbm_bandwidth(name, kernel):
+    """BabelStream Copy (2 arrays of doubles moved) and Triad (3), AZ_A100 / AZ_H100; the
+    clock's memory-bound elementwise kernel (memory_bandwidth x memory_efficiency + one
+    launch).  ASSUMPTION: BabelStream's default 2^25 doubles per array (the results do not
+    state it; at 268 MB a launch is under 0.3% of the time).  Within 12%: the profiles'
+    memory efficiency is a PyTorch copy kernel's (profiles' citations), BabelStream's
+    Copy reads less efficiently than its Triad on the A100 (1.61 vs 1.70 TB/s)."""
+    n = 1 << 25
+    arrays = {"copy": 2, "triad": 3}[kernel]
+    prof = get_profile(name)
+    t = cost.compute_time((arrays - 1) * n, arrays * 8 * n, prof, "float64", "elementwise", 1)
+    got = arrays * 8 * n / t / 1e12
+    assert got == pytest.approx(AZ_STREAM[(name, kernel)], rel=0.12), got
