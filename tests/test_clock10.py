@@ -33,6 +33,10 @@ Sources (all new to the project; ``grep`` the tests and benchmarks for them):
   ``xla/tools/matmul_perf_table_gen.cc``: (b, m, n, k) -> FLOP/s of XLA's dot,
   "BF16xBF16->BF16".  ASSUMPTION: timed like the collective table (the executable's
   time, a few us of launch included: a lower bound on the kernel's rate).
+- FLAGPERF: FlagOpen/FlagPerf ``base/toolkits/interconnect-MPI_intraserver/nvidia/A100/
+  README.md`` (commit 2c54c3ede6b6a04e043c526f697607d3019873a9): one DGX A100, 8 x
+  A100-SXM4-40GB, "464.65GB/s", which its ``bandwidth.cu`` (869ce466) computes as 2 x
+  busbw of a 4 GiB fp32 ncclAllReduce averaged over 10,000 iterations.
 - NCCL1455: NVIDIA/nccl issue #1455 (2024-09-19, 8 x H100 SXM): "when using ALGO=RING,
   busbw is about 365-370 GBps when gpus from 2 to 8" (``all_reduce_perf -b 2G -e 4G``).
 
@@ -108,6 +112,17 @@ def test_a100_all_reduce_clock_never_slower_than_the_measurement():
         assert clock <= measured, (n, clock, measured)
     small = [2 * 7 / 8 * n / (AZ_A100_ALL_REDUCE[n] * 1e9) for n in (1 * K, 16 * K, 256 * K)]
     assert max(small) / min(small) < 1.1        # the flat floor the clock does not model
+
+
+def test_a100_all_reduce_flagperf_dgx_a100_40gb():
+    """FLAGPERF: 464.65 / 2 = 232.3 GB/s busbw at 4 GiB on a DGX A100 40GB.  The a100
+    profile's NVLink efficiency was taken from nccl-tests #175's 232.5 GB/s on the 80GB
+    part (profiles/a100.json), so this checks that figure on another DGX A100 (the 40GB
+    part, same NVSwitch fabric) rather than the model: within 3% (the two measurements
+    differ by 0.1%).  ASSUMPTION: the README's "GB/s" is 1e9 B/s (as GiB/s, 249 GB/s busbw would
+    exceed every A100 figure published: nccl-tests #175, #149, AZ_A100)."""
+    busbw = _busbw("all_reduce", 4 * G, 8, A100)
+    assert busbw == pytest.approx(464.65 / 2, rel=0.03), busbw
 
 
 MID = [1 * M, 2 * M, 4 * M, 8 * M, 16 * M, 32 * M, 64 * M, 128 * M]
