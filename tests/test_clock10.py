@@ -38,6 +38,9 @@ Sources (all new to the project; ``grep`` the tests and benchmarks for them):
   README.md`` (commit 2c54c3ede6b6a04e043c526f697607d3019873a9): one DGX A100, 8 x
   A100-SXM4-40GB, "464.65GB/s", which its ``bandwidth.cu`` (869ce466) computes as 2 x
   busbw of a 4 GiB fp32 ncclAllReduce averaged over 10,000 iterations.
+- NCCL583: NVIDIA/nccl issue #583 (2021-10-18, the description's table): ``all_reduce_perf``
+  with ``nThread 1 nGpus 2`` on 2 x A100-SXM4-40GB of one node: out-of-place 10.14 us at
+  32 B and at 64 B (in-place 10.21, 10.31).
 - NCCL1455: NVIDIA/nccl issue #1455 (2024-09-19, 8 x H100 SXM): "when using ALGO=RING,
   busbw is about 365-370 GBps when gpus from 2 to 8" (``all_reduce_perf -b 2G -e 4G``).
 
@@ -147,6 +150,24 @@ def test_a100_all_reduce_mid_size_gap_does_not_grow():
     never below it, at 1-128 MiB (a change that widened it would fail here)."""
     for n in MID:
         assert 1.0 <= _ratio_all_reduce(n) <= 1.6, (n, _ratio_all_reduce(n))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "KNOWN GAP: the smallest all-reduce, 2 A100 (NCCL583): 10.14 us measured, the clock "
+    "4.54 us (NCCL's tuning model: ring LL baseLat 3.6 + 2 x 0.47 us, tuning.cc).  The "
+    "model prices the algorithm, not the launch and host enqueue of NCCL's kernel that "
+    "nccl-tests' per-iteration time holds.  No source gives that per-call cost, so nothing is "
+    "changed: it matters for many tiny collectives (a loss or grad-norm scalar), not for "
+    "the MB-sized ones the published rows are made of"))
+@pytest.mark.parametrize("n", [32, 64])
+def test_a100_tiny_all_reduce_latency_within_15_percent(n):
+    assert cost.price("all_reduce", n, [0, 1], A100) == pytest.approx(10.14e-6, rel=0.15)
+
+
+def test_a100_tiny_all_reduce_gap_bounded():
+    """The gap above, bounded: the clock 0.4-0.5 of the measured 10.14 us."""
+    for n in (32, 64):
+        assert 0.4 <= cost.price("all_reduce", n, [0, 1], A100) / 10.14e-6 <= 0.5
 
 
 @pytest.mark.parametrize("p", range(2, 9))
