@@ -321,11 +321,12 @@ def test_h100_bf16_gemm_against_xla_table(bmnk):
 def test_a100_flash_attention_2_fwd_bwd():
     """AZ_A100 "Flash Attention 2.0": 179.5 TFLOP/s forward + backward, head dim 64,
     batch 2, sequence 8192 (flash-attention benchmark_flash_attention.py: dim 2048, so 32
-    heads; FLOPs 3.5 x 4 b s^2 h d; fp16; causal False: the Azure script of that date,
-    Benchmarks/FlashAttention.py at 625c7d21, prints the first block after the grep,
-    causal=False headdim=64).  The clock's rate is Dao 2023 Fig. 4(a)'s 8k bar (176, on
-    an A100 40GB) split into halves (sim_mesh/fa2_a100.py): a later FA2 release on the
-    80GB part; within 8%."""
+    heads; FLOPs 3.5 x 4 b s^2 h d; fp16).  ASSUMPTION: not causal: the results name only
+    the head dimension; an early version of the Azure script (Benchmarks/FlashAttention.py
+    at 625c7d21) printed the first block its grep found, which the benchmark's loop order
+    makes causal=False, headdim=64 (a causal run would read ~165-170: Fig. 4(c)).  The
+    clock's rate is Dao 2023 Fig. 4(a)'s 8k bar (176, on an A100 40GB) split into halves
+    (sim_mesh/fa2_a100.py): a later FA2 release on the 80GB part; within 8%."""
     b, s, d = 2, 8192, 64
     h = 2048 // d
     f = 4 * b * s * s * h * d
