@@ -324,7 +324,7 @@ def test_a100_flash_attention_2_fwd_bwd():
     heads; FLOPs 3.5 x 4 b s^2 h d; fp16).  ASSUMPTION: not causal: the results name only
     the head dimension; an early version of the Azure script (Benchmarks/FlashAttention.py
     at 625c7d21) printed the first block its grep found, which the benchmark's loop order
-    makes causal=False, headdim=64 (a causal run would read ~165-170: Fig. 4(c)).  The
+    makes causal=False, headdim=64 (a causal run would read ~165: Fig. 4(c)'s 8k bar).  The
     clock's rate is Dao 2023 Fig. 4(a)'s 8k bar (176, on an A100 40GB) split into halves
     (sim_mesh/fa2_a100.py): a later FA2 release on the 80GB part; within 8%."""
     b, s, d = 2, 8192, 64
