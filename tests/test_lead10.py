@@ -90,3 +90,50 @@ def test_ep_1_against_ep_4_as_the_dry_run_has_it():
     est = [estimate(BASE, lay, cl).step_time for lay in lays]
     dry = [dry_run(BASE, lay, cl).step_time for lay in lays]
     assert est[0] / est[1] == pytest.approx(dry[0] / dry[1], rel=0.03)
+
+
+# ---- search(framework=) and `plan --framework` -------------------------------------------
+
+from workbench.plan import search  # noqa: E402
+from workbench.models.config import get_config  # noqa: E402
+
+LLAMA8 = get_config("llama3-8b")
+
+
+@pytest.mark.parametrize("fw", ["fsdp", "megatron", "deepspeed"])
+def test_search_held_to_a_framework(fw):
+    """``search(framework=)`` ranks only the layouts that framework runs, each priced as
+    it runs them, and its top is the fastest of every fitting one (each estimated here);
+    before, search had no framework and FSDP2's layouts could not be searched."""
+    cl = Cluster("h100", 8)
+    r = search(LLAMA8, cl, global_batch=8, top=3, framework=fw)
+    assert len(r) == 3 and r.framework == fw and f"run by {fw}" in str(r)
+    every = search(LLAMA8, cl, global_batch=8, top=10_000, framework=fw)
+    assert len(every) == r.fitting
+    assert {lay.engine for lay, _ in every} == {fw}
+    if fw == "fsdp":
+        assert {lay.zero for lay, _ in every} == {3}
+    if fw == "megatron":
+        assert max(lay.zero for lay, _ in every) <= 1
+    own = sorted(estimate(LLAMA8, lay, cl).step_time for lay, _ in every)
+    assert [e.step_time for _, e in r] == pytest.approx(own[:3], rel=1e-12)
+
+
+def test_search_framework_refusals():
+    cl = Cluster("h100", 16)
+    with pytest.raises(ValueError, match=r"framework='torchtitan'.*one of"):
+        search(LLAMA8, cl, global_batch=16, framework="torchtitan")
+    with pytest.raises(ValueError, match=r"tp_comm_overlap=True is Megatron-LM's"):
+        search(get_config("gpt3-175b"), Cluster("a100", 64), global_batch=64,
+               tp_comm_overlap=True, framework="fsdp")
+
+
+def test_plan_cli_takes_a_framework(capsys):
+    from workbench.cli import main
+    assert main(["plan", "--model", "llama3-8b", "--devices", "16", "--profile", "h100",
+                 "--global-batch", "16", "--top", "2", "--framework", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert "layouts run by fsdp fit" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--framework", "nope"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err

@@ -94,7 +94,8 @@ def _plan(args) -> int:
                              f"preset (gpt3-175b, llama2-7b, llama3-8b, mixtral-8x7b...)")
         ranking = search(cfg, Cluster(profile=args.profile, devices=args.devices),
                          global_batch=args.global_batch, top=args.top,
-                         max_micro_batch=args.max_micro_batch, overlap=not args.no_overlap)
+                         max_micro_batch=args.max_micro_batch, overlap=not args.no_overlap,
+                         framework=args.framework)
     except ValueError as e:
         from .plan.cli_flags import PLAN_FLAGS, as_flags     # global_batch= as --global-batch
         print(f"error: {as_flags(str(e), PLAN_FLAGS)}", file=sys.stderr)
@@ -135,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--max-micro-batch", type=int, default=16, help="largest micro-batch tried")
     pl.add_argument("--no-overlap", action="store_true",
                     help="ZeRO-2/3 collectives do not overlap compute")
+    from .plan.frameworks import FRAMEWORKS
+    pl.add_argument("--framework", default=None, choices=FRAMEWORKS,
+                    help="only the layouts this framework runs, priced as it runs them "
+                         "(fsdp: FSDP2's ZeRO-3 as torchtitan; default: Megatron-LM for "
+                         "ZeRO 0-1, DeepSpeed for ZeRO 2-3)")
     pl.set_defaults(fn=_plan)
     from .serve.cli import add_serve_arguments
     sv = sub.add_parser("serve", help="generate text from a checkpoint on any layout")

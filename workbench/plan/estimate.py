@@ -427,6 +427,22 @@ def layer_for(cfg, lay: Layout, prof, attention: str, fp8: bool = False,
                         regather=_regather(cfg, lay), transformer_engine=transformer_engine)
 
 
+def check_runs(model, layout, cluster, attention: str, fp8: bool = False,
+               overlap_grad_reduce: bool = False, tp_comm_overlap: bool = False) -> None:
+    """Raise ValueError naming the fix where the layout's framework does not run it with
+    these options (beyond ``check_layout``): expert / context parallelism's
+    (``ep_cp.check_estimate``), Megatron-LM's TP overlap's (``tp_overlap``), DeepSpeed's
+    pipeline engine's (``deepspeed_step.check``)."""
+    EC.check_estimate(model, layout, attention, fp8, overlap_grad_reduce)
+    TPO.check_estimate(model, layout, cluster.profile, fp8, tp_comm_overlap,
+                       EC.applies(model, layout))
+    if layout.engine == "deepspeed" and layout.pp > 1:
+        DS.check(model, layout, overlap_grad_reduce)    # its pipeline engine: deepspeed_step
+    if EC.applies(model, layout) and layout.tp > 1 and not M21.resolve(layout, None, None)[0]:
+        # what layer_for refuses: DeepSpeed's layers run no async TP all-reduce
+        layer_for(model, layout, cluster.profile, attention, async_allreduce=False)
+
+
 def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
              overlap: bool = True, overlap_grad_reduce: bool = False,
              fp8: bool = False, tp_comm_overlap: bool = False,
@@ -479,11 +495,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     if not isinstance(overlap, bool):      # "no" would read as True
         raise ValueError(f"overlap={overlap!r} must be True or False")
     attention = attention_for(model, attention)
-    EC.check_estimate(model, layout, attention, fp8, overlap_grad_reduce)
-    TPO.check_estimate(model, layout, cluster.profile, fp8, tp_comm_overlap,
-                       EC.applies(model, layout))
-    if layout.engine == "deepspeed" and layout.pp > 1:
-        DS.check(model, layout, overlap_grad_reduce)    # its pipeline engine: deepspeed_step
+    check_runs(model, layout, cluster, attention, fp8, overlap_grad_reduce, tp_comm_overlap)
     cfg, lay, prof = model, layout, cluster.profile
     if lay.engine == "fsdp":      # the attention kernel SDPA runs (plan.fsdp2_cost)
         prof = FS.sdpa_profile(prof)

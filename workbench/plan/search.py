@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import time
 
-from .estimate import estimate
-from .layout import Cluster, Layout, attention_for, check_model
+from .estimate import check_runs, estimate
+from .frameworks import FRAMEWORKS
+from .layout import Cluster, Layout, attention_for, check_layout, check_model
 from .memory import stage_memory
 from .step_floor import best_first, step_floor
 from .text_width import wrap
@@ -53,6 +54,21 @@ def _share(frac: float) -> str:
         if shown != round(100 * TIE, d) and (shown < 100 * TIE) == (frac < TIE):
             return text
     return text
+
+
+def _as_framework(model, lay, cluster, framework, attention, overlap_grad_reduce,
+                  tp_comm_overlap):
+    """``lay`` run by ``framework``, or None where that framework does not run it (its
+    ZeRO stage, or a layout ``check_layout`` / ``estimate.check_runs`` refuse for it: e.g.
+    FSDP2's ZeRO-3 only, Megatron-LM's ZeRO 0-1, DeepSpeed's 1F1B pipeline engine)."""
+    try:
+        out = lay if lay.framework == framework else lay.replace(framework=framework)
+        check_layout(model, out, cluster)
+        check_runs(model, out, cluster, attention, False, overlap_grad_reduce,
+                   tp_comm_overlap)
+    except ValueError:
+        return None
+    return out
 
 
 def _divisors(n: int) -> list[int]:
@@ -113,10 +129,13 @@ class Ranking(list):
     """``[(Layout, Estimate), ...]``, fastest first, with how the search went
     (``tried``, ``fitting``, ``seconds``) and :meth:`explain`."""
 
-    def __init__(self, items, tried=0, fitting=0, seconds=0.0, cluster=None, least=None):
+    def __init__(self, items, tried=0, fitting=0, seconds=0.0, cluster=None, least=None,
+                 framework=None):
         super().__init__(items)
         self.tried, self.fitting, self.seconds, self.cluster = tried, fitting, seconds, cluster
         self.least = least          # (bytes, Layout): the smallest busiest rank tried
+        self.framework = framework  # the framework the search was held to (None: each
+        #                             ZeRO stage's default)
 
     def table(self) -> str:
         """One row per layout, at most ``WIDTH`` (100) characters wide, and a legend:
@@ -192,7 +211,8 @@ class Ranking(list):
 
     def __str__(self):
         cl = f" on {self.cluster}" if self.cluster else ""
-        lines = [f"{self.fitting} of {self.tried} layouts fit{cl}; searched in "
+        fw = f" run by {self.framework}" if self.framework else ""
+        lines = [f"{self.fitting} of {self.tried} layouts{fw} fit{cl}; searched in "
                  f"{self.seconds:.1f} s"]
         if not self and self.least:
             need, lay = self.least
@@ -233,17 +253,26 @@ def _need(model, lay: Layout, attention: str, profile, limit: float, least) -> f
 def search(model, cluster: Cluster, global_batch: int, top: int = 5,
            max_micro_batch: int = 16, attention: "str | None" = None,
            overlap: bool = True, overlap_grad_reduce: bool = False,
-           tp_comm_overlap: bool = False) -> Ranking:
+           tp_comm_overlap: bool = False, framework: "str | None" = None) -> Ranking:
     """The ``top`` fastest layouts of ``model`` on ``cluster`` that fit in device memory,
     as a :class:`Ranking` of ``(Layout, Estimate)`` (module docstring; ``attention``,
     ``overlap``, ``overlap_grad_reduce`` and ``tp_comm_overlap`` as in
     :func:`~workbench.plan.estimate.estimate`; with ``tp_comm_overlap`` only the layouts
     it is priced for: Megatron-LM's, sequence parallel where tp > 1, tp inside a node,
-    without ep or cp)."""
+    without ep or cp).  ``framework`` (``Layout``'s: "megatron", "deepspeed", "fsdp",
+    "workbench", "deepspeed-0.3"): only the layouts that framework runs, each priced as it
+    runs them (e.g. "fsdp": FSDP2's ZeRO-3, torchtitan's recipe); None: each layout's
+    ZeRO stage's default (Megatron-LM for ZeRO 0-1, DeepSpeed for 2-3)."""
     for name, v in (("overlap", overlap), ("overlap_grad_reduce", overlap_grad_reduce),
                     ("tp_comm_overlap", tp_comm_overlap)):
         if not isinstance(v, bool):         # "no" would read as True
             raise ValueError(f"search: {name}={v!r} must be True or False")
+    if framework is not None and framework not in FRAMEWORKS:
+        raise ValueError(f"search: framework={framework!r}; use one of {list(FRAMEWORKS)} "
+                         f"or None (each ZeRO stage's default)")
+    if tp_comm_overlap and framework not in (None, "megatron"):
+        raise ValueError(f"search: tp_comm_overlap=True is Megatron-LM's (framework="
+                         f"{framework!r}); use framework='megatron' or None")
     if tp_comm_overlap and model.arch != "gpt":
         raise ValueError(f"search: tp_comm_overlap=True is modeled for Megatron's GPT "
                          f"layer only (model.arch={model.arch!r}); use tp_comm_overlap=False")
@@ -262,6 +291,11 @@ def search(model, cluster: Cluster, global_batch: int, top: int = 5,
     tried, least = 0, None
     for lay in _ep_cp.candidates(model, cluster, global_batch, max_micro_batch, attention,
                                  candidate_layouts):    # with ep and cp (plan.ep_cp)
+        if framework is not None:
+            lay = _as_framework(model, lay, cluster, framework, attention,
+                                overlap_grad_reduce, tp_comm_overlap)
+            if lay is None:
+                continue    # a layout the framework does not run
         if tp_comm_overlap and (lay.engine != "megatron" or lay.tp > node or lay.tp > 1 and (
                 not lay.sp or _ep_cp.applies(model, lay))):
             continue        # refused by estimate (plan.tp_overlap.check_estimate)
@@ -272,6 +306,11 @@ def search(model, cluster: Cluster, global_batch: int, top: int = 5,
             least = (need, lay)
         if need <= limit:
             fit.append(lay)
+    if tried == 0 and framework is not None:
+        raise ValueError(f"search: framework={framework!r} runs no layout of "
+                         f"{cluster.devices} devices that divides the model (n_head="
+                         f"{model.n_head}, n_layer={model.n_layer}) and global_batch="
+                         f"{global_batch}; try framework=None or another global_batch")
     if tried == 0:
         raise ValueError(f"search: no layout of {cluster.devices} devices divides the model "
                          f"(n_head={model.n_head}, n_layer={model.n_layer}) and "
@@ -284,4 +323,5 @@ def search(model, cluster: Cluster, global_batch: int, top: int = 5,
         tp_comm_overlap=tp_comm_overlap), lambda lay: step_floor(
         model, lay, cluster, attention, tp_comm_overlap))
     return Ranking(best, tried=tried, fitting=len(fit),
-                   seconds=time.perf_counter() - t0, cluster=cluster, least=least)
+                   seconds=time.perf_counter() - t0, cluster=cluster, least=least,
+                   framework=framework)
