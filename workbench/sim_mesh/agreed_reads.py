@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from . import backends as _B
 
-__all__ = ["agree"]
+__all__ = ["agree", "agree_any"]
 
 _COUNT: dict = {}           # ranks of a group -> reads made over them (this process)
 
@@ -48,15 +48,30 @@ def agree(ranks, what: str, how: str = "gathered from the shards of") -> None:
     every one of them makes the same read (``what``: which tensor, named for the error;
     ``how``: what the collective does with the processes' parts, for the error), or raise
     RuntimeError naming the fix (module docstring)."""
+    _exchange(ranks, what, how, "")
+
+
+def agree_any(ranks, what: str, flag: bool, how: str = "decided together by") -> bool:
+    """As :func:`agree`, and each process also gives a fact only it can see (``flag``: a
+    value read from its own shards): True if any of ``ranks`` gave True.  The processes
+    decide one thing from it together, through the store (no collective: a step made
+    inside a read one process makes alone ends in the error naming the fix, as agree's,
+    instead of pairing with a peer's next collective; dispatch._unsafe_factor)."""
+    return any(v == "1" for v in _exchange(ranks, what, how, "1" if flag else "0")) or flag
+
+
+def _exchange(ranks, what: str, how: str, mine: str) -> list:
+    """agree's protocol; each process's entry is ``what`` and ``mine`` (one line each):
+    the peers' ``mine``s, once their ``what`` is this one's."""
     ranks = tuple(sorted(ranks))
     me = dist.get_rank()
     if len(ranks) < 2:
-        return
+        return []
     n = _COUNT[ranks] = _COUNT.get(ranks, 0) + 1
     store = dist.distributed_c10d._get_default_store()
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     base = f"workbench/reads/{restart}/{'-'.join(map(str, ranks))}/"
-    store.set(f"{base}{n}/{me}", what)
+    store.set(f"{base}{n}/{me}", f"{what}\n{mine}")
     others = [r for r in ranks if r != me]
     timeout = _B._TIMEOUT[0]
     try:
@@ -74,8 +89,10 @@ def agree(ranks, what: str, how: str = "gathered from the shards of") -> None:
             "rank == 0: print(p.norm())`) would hang: make the same reads on every "
             "process, in the same order, and print on one (`v = p.norm()` everywhere, "
             "then `if rank == 0: print(v)`)") from None
+    values = []
     for r in others:
-        theirs = store.get(f"{base}{n}/{r}").decode()
+        theirs, _, value = store.get(f"{base}{n}/{r}").decode().rpartition("\n")
+        values.append(value)
         if theirs != what:
             raise RuntimeError(
                 f"a read of {what}: its value is {how} processes "
@@ -86,3 +103,4 @@ def agree(ranks, what: str, how: str = "gathered from the shards of") -> None:
         # every peer wrote read n, so each finished read n - 1 (reading this process's
         # entry): it is not needed again (the store would grow a key per read)
         store.delete_key(f"{base}{n - 1}/{me}")
+    return values

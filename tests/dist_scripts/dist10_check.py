@@ -1,0 +1,108 @@
+"""Run under torchrun (gloo, 4 processes, a (2, 2) dp x tp mesh, init timeout_s=8):
+the same seeded programs as tests/test_dist10.py runs on simulated ranks (:data:`PROGRAMS`),
+each process printing its rank's result, and reads one process makes alone.  JSON rows:
+
+* one per program of :data:`PROGRAMS` (``case`` its name): the output's placements, this
+  process's local shard and the full value (read by every process);
+* ``lone_mul``: rank 0 alone multiplies a partial sum by a factor holding inf in some
+  processes' shards (``if rank == 0: print((x * f).sum())``): the processes decide
+  together whether to reduce it first (dispatch._unsafe_factor), so the lone reader gets
+  agree's error naming the fix after timeout_s, no collective begun; the others wait on
+  the store meanwhile;
+* ``after_lone``: then every process runs the same product: one device's value, the
+  simulator's placements (the job went on)."""
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+import workbench as wb  # noqa: E402
+
+TIMEOUT_S = 8
+
+
+def parts():
+    """Every dp coordinate's part of x (a partial sum over dp; its sum is :func:`whole`)."""
+    return [torch.tensor([1., -2., 3., 4.]), torch.tensor([0.5, 2., -1., 0.25])]
+
+
+def whole():
+    a, b = parts()
+    return a + b
+
+
+def _x(mesh, build, partial_inf=False):
+    """x [Partial, Replicate]: rank r holds its dp coordinate's part (the dp 1 part holds
+    inf at index 1 where ``partial_inf``)."""
+    ps = parts()
+    if partial_inf:
+        ps[1][1] = math.inf
+    return build(lambda r: ps[mesh.coordinate(r)[0]].clone(), [wb.Partial(), wb.Replicate()])
+
+
+def _f(mesh, values):
+    """A factor [Replicate, Shard(0)]: tp column 1's shard holds indices 2 and 3."""
+    return wb.distribute_tensor(torch.tensor(values), mesh, [wb.Replicate(), wb.Shard(0)])
+
+
+# name -> (program(mesh, build) -> DistTensor, its value on one device)
+PROGRAMS = {
+    # inf only in tp column 1's shard: every process reduces x first (the simulator's)
+    "mul_inf_col1": (lambda m, b: _x(m, b) * _f(m, [1., 2., math.inf, -1.]),
+                     lambda: whole() * torch.tensor([1., 2., math.inf, -1.])),
+    "div_zero_col1": (lambda m, b: _x(m, b) / _f(m, [1., 2., 0., -1.]),
+                      lambda: whole() / torch.tensor([1., 2., 0., -1.])),
+    # no inf anywhere: the product stays partial on every process
+    "mul_finite": (lambda m, b: _x(m, b) * _f(m, [1., 2., 3., -1.]),
+                   lambda: whole() * torch.tensor([1., 2., 3., -1.])),
+    # the partial sum's own part holds inf on the dp 1 processes only: x * x (vector_norm's)
+    "square_partial_inf": (lambda m, b: _x(m, b, True) * _x(m, b, True),
+                           lambda: (parts()[0] + torch.tensor([0.5, math.inf, -1., 0.25])) ** 2),
+}
+
+
+def result(y) -> dict:
+    """What a program's output is, on this process (the simulator: on rank ``rank``)."""
+    return {"placements": str(y.placements), "full": y.full().tolist()}
+
+
+def main():
+    wb.distributed.init(timeout_s=TIMEOUT_S)
+    import torch.distributed as dist
+    k = dist.get_rank()
+    mesh = wb.distributed.mesh((2, 2), ["dp", "tp"])
+
+    def build(local_of, placements):
+        return wb.DistTensor.from_local(local_of(k), mesh, placements)
+
+    rows = []
+    for name, (prog, _) in PROGRAMS.items():
+        y = prog(mesh, build)
+        rows.append({"case": name, "local": y.to_local().tolist(), **result(y)})
+    store = dist.distributed_c10d._get_default_store()
+    x, f = _x(mesh, build), _f(mesh, [1., 2., math.inf, -1.])
+    if k == 0:
+        t0 = time.monotonic()
+        try:
+            out = float((x * f).sum())
+        except Exception as e:  # noqa: BLE001  (what raised, for the test to read)
+            out = f"{type(e).__name__}: {e}"
+        rows.append({"case": "lone_mul", "out": out, "s": round(time.monotonic() - t0, 1)})
+        store.set("dist10/lone_mul", "1")
+    else:
+        from datetime import timedelta
+        store.wait(["dist10/lone_mul"], timedelta(seconds=120))
+    y = x * f
+    rows.append({"case": "after_lone", "local": y.to_local().tolist(), **result(y)})
+    for r in rows:
+        print(json.dumps({"rank": k, **r}), flush=True)
+    dist.barrier()
+    wb.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
