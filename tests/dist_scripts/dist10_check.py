@@ -10,7 +10,14 @@ each process printing its rank's result, and reads one process makes alone.  JSO
   agree's error naming the fix after timeout_s, no collective begun; the others wait on
   the store meanwhile;
 * ``after_lone``: then every process runs the same product: one device's value, the
-  simulator's placements (the job went on)."""
+  simulator's placements (the job went on);
+* ``lone_replicated``: rank 0 alone reads a replicated loss (``float``, ``.item()``, a
+  format, ``repr``): no collective, so it works; ``loss``: every process's value;
+* ``lone_item`` (last, then every process ends with ``os._exit(0)``): rank 0 alone reads
+  ``x.sum().item()`` of a partial sum: its all-reduce waits for peers that never come
+  (torch's ``full_tensor()`` hangs there too) and ends in init()'s timeout, which gloo
+  does not survive: an error naming the fix (dist_tensor.full ->
+  agreed_reads.timeout_message)."""
 import json
 import math
 import os
@@ -98,10 +105,33 @@ def main():
         store.wait(["dist10/lone_mul"], timedelta(seconds=120))
     y = x * f
     rows.append({"case": "after_lone", "local": y.to_local().tolist(), **result(y)})
+    # reads that need no collective work on one process alone: a replicated loss
+    loss = (x * _f(mesh, [1., 2., 3., -1.])).sum().redistribute(mesh, [wb.Replicate()] * 2)
+    if k == 0:
+        rows.append({"case": "lone_replicated", "out": [float(loss), loss.item(),
+                                                        f"{loss:.4f}", repr(loss)]})
+    rows.append({"case": "loss", "out": float(loss)})
+    dist.barrier()
+    # last (torch.distributed's process group does not outlive a timed-out collective):
+    # rank 0 alone reads a partial sum's value (the collective waits for peers that never
+    # come, as torch's DTensor.full_tensor() does): an error naming the fix after timeout_s
+    s = x.sum()
     for r in rows:
         print(json.dumps({"rank": k, **r}), flush=True)
-    dist.barrier()
-    wb.distributed.shutdown()
+    if k == 0:
+        t0 = time.monotonic()
+        try:
+            out = s.item()
+        except Exception as e:  # noqa: BLE001
+            out = f"{type(e).__name__}: {e}"
+        print(json.dumps({"rank": k, "case": "lone_item", "out": out,
+                          "s": round(time.monotonic() - t0, 1)}), flush=True)
+        store.set("dist10/lone_item", "1")
+    else:
+        from datetime import timedelta
+        store.wait(["dist10/lone_item"], timedelta(seconds=120))
+    sys.stdout.flush()
+    os._exit(0)          # no barrier, no destroy_process_group: the group is lost
 
 
 if __name__ == "__main__":
