@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import workbench as wb
-from tests.dist_scripts.dist10_check import PROGRAMS, TIMEOUT_S, result, whole
+from tests.dist_scripts.dist10_check import HYBRID, PROGRAMS, TIMEOUT_S, hybrid, result, whole
 
 
 def _simulated(name):
@@ -103,3 +103,20 @@ def test_reads_one_process_makes_alone_work_without_a_collective_or_raise_naming
     assert f"init()'s timeout_s={TIMEOUT_S} s" in lone["out"], lone
     assert "make the same reads on every process" in lone["out"], lone
     assert TIMEOUT_S - 0.5 <= lone["s"] < 60, lone
+
+
+@pytest.mark.slow
+def test_hybrid_tp_training_with_dropout_and_clip_is_the_simulated_runs(rows):
+    """tp x fully_shard(dp) and tp x DDP(dp) (dist10_check.hybrid): every process's clip
+    norms and parameters after three AdamW steps are the simulated run's (the reduction
+    order differs: 1e-6), and its generator stands where the simulated run's does
+    (dropout drew the same numbers)."""
+    mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+    for kind in HYBRID:
+        want = hybrid(kind, mesh)
+        assert min(want["norms"]) > 0.5        # every step clipped
+        for rank in range(4):
+            got = rows[(rank, kind)]
+            assert got["norms"] == pytest.approx(want["norms"], rel=1e-6), (kind, rank)
+            assert got["sums"] == pytest.approx(want["sums"], rel=1e-6, abs=1e-7), (kind, rank)
+            assert got["rng"] == want["rng"], (kind, rank)

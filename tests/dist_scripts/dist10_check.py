@@ -11,6 +11,7 @@ each process printing its rank's result, and reads one process makes alone.  JSO
   the store meanwhile;
 * ``after_lone``: then every process runs the same product: one device's value, the
   simulator's placements (the job went on);
+* ``tp_fs`` / ``tp_ddp``: :func:`hybrid`'s training (every process's);
 * ``lone_replicated``: rank 0 alone reads a replicated loss (``float``, ``.item()``, a
   format, ``repr``): no collective, so it works; ``loss``: every process's value;
 * ``lone_item`` (last, then every process ends with ``os._exit(0)``): rank 0 alone reads
@@ -72,6 +73,45 @@ PROGRAMS = {
 }
 
 
+def hybrid(kind: str, mesh) -> dict:
+    """A user's hybrid training program on the (2, 2) dp x tp mesh, the same on simulated
+    ranks and on processes: an MLP with dropout under ColwiseParallel / RowwiseParallel
+    on the whole mesh, then ``fully_shard(mesh=mesh["dp"])`` (``kind`` "tp_fs") or
+    ``parallelize`` + ``DistributedDataParallel(dim="dp")`` ("tp_ddp"); the global batch
+    sharded over dp; three AdamW steps with torch's clip_grad_norm_.  The clip's total
+    norms, every parameter's sum after, and the generator's next draw (dropout's draws
+    advance it alike)."""
+    from torch import nn
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.25), nn.Linear(16, 8))
+    wb.parallelize_module(m, mesh, {"0": wb.ColwiseParallel(), "3": wb.RowwiseParallel()})
+    if kind == "tp_fs":
+        w = wb.fully_shard(m, mesh=mesh["dp"])
+    else:
+        wb.parallelize(m, mesh)
+        w = wb.DistributedDataParallel(m, mesh, dim="dp")
+    opt = torch.optim.AdamW(w.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    torch.manual_seed(5)
+    norms = []
+    for _ in range(3):
+        x, y = (wb.shard_tensor(torch.randn(8, 8, generator=g), mesh,
+                                [wb.Shard(0), wb.Replicate()]) for _ in range(2))
+        opt.zero_grad()
+        ((w(x) - y) ** 2).mean().backward()
+        if kind == "tp_ddp":
+            w.finish_gradient_synchronization()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(w.parameters(), 0.5)))
+        opt.step()
+    with torch.no_grad():
+        sums = [float((p.full() if isinstance(p, wb.DistTensor) else p).double().sum())
+                for p in m.parameters()]     # (fully_shard's: parameters that read whole)
+    return {"norms": norms, "sums": sums, "rng": torch.rand(1).item()}
+
+
+HYBRID = ("tp_fs", "tp_ddp")
+
+
 def result(y) -> dict:
     """What a program's output is, on this process (the simulator: on rank ``rank``)."""
     return {"placements": str(y.placements), "full": y.full().tolist()}
@@ -105,6 +145,8 @@ def main():
         store.wait(["dist10/lone_mul"], timedelta(seconds=120))
     y = x * f
     rows.append({"case": "after_lone", "local": y.to_local().tolist(), **result(y)})
+    for kind in HYBRID:
+        rows.append({"case": kind, **hybrid(kind, mesh)})
     # reads that need no collective work on one process alone: a replicated loss
     loss = (x * _f(mesh, [1., 2., 3., -1.])).sum().redistribute(mesh, [wb.Replicate()] * 2)
     if k == 0:
