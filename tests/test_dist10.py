@@ -89,20 +89,26 @@ def test_a_lone_product_ends_in_an_error_naming_the_fix_and_the_job_goes_on(rows
 @pytest.mark.slow
 def test_reads_one_process_makes_alone_work_without_a_collective_or_raise_naming_the_fix(rows):
     """A replicated loss read on rank 0 alone (``float``, ``.item()``, a format, ``repr``)
-    needs no collective: one device's value.  A partial sum's ``.item()`` on rank 0 alone
-    (last in the job) waits in an all-reduce its peers never join, as torch's
-    ``full_tensor()`` does; it ends after init()'s timeout_s in an error naming the fix
-    (before: gloo's "Timed out waiting 8000ms for recv operation to complete" alone)."""
+    needs no collective: one device's value.  A fully_shard gradient's norm read on rank 0
+    alone (last in the job) waits in an all-reduce its peers never join, as torch's
+    ``_NormPartial`` does; it ends after init()'s timeout_s in an error naming the fix
+    (before: gloo's "Timed out waiting 8000ms for recv operation to complete" alone), and
+    so does a partial sum's ``.item()`` after it (gloo's "Application timeout caused pair
+    closure" alone)."""
     loss = float(whole() @ torch.tensor([1., 2., 3., -1.]))      # one device's
     assert loss == 3.25
     assert rows[(0, "lone_replicated")]["out"][:3] == [loss, loss, "3.2500"]
     assert rows[(0, "lone_replicated")]["out"][3].startswith("DistTensor f32[] shape=()")
     assert [rows[(r, "loss")]["out"] for r in range(4)] == [loss] * 4
-    lone = rows[(0, "lone_item")]
-    assert "a read of a DistTensor f32[]{U_dp}" in lone["out"], lone
+    lone = rows[(0, "lone_grad_norm")]
+    assert "a read of a norm of a wrapper's gradient shards" in lone["out"], lone
     assert f"init()'s timeout_s={TIMEOUT_S} s" in lone["out"], lone
     assert "make the same reads on every process" in lone["out"], lone
     assert TIMEOUT_S - 0.5 <= lone["s"] < 60, lone
+    lone = rows[(0, "lone_item")]       # gloo closed the pairs: at once, told the same
+    assert "a read of a DistTensor f32[]{U_dp}" in lone["out"], lone
+    assert "make the same reads on every process" in lone["out"], lone
+    assert "restart the job" in lone["out"] and lone["s"] < 60, lone
 
 
 @pytest.mark.slow

@@ -14,11 +14,12 @@ each process printing its rank's result, and reads one process makes alone.  JSO
 * ``tp_fs`` / ``tp_ddp``: :func:`hybrid`'s training (every process's);
 * ``lone_replicated``: rank 0 alone reads a replicated loss (``float``, ``.item()``, a
   format, ``repr``): no collective, so it works; ``loss``: every process's value;
-* ``lone_item`` (last, then every process ends with ``os._exit(0)``): rank 0 alone reads
-  ``x.sum().item()`` of a partial sum: its all-reduce waits for peers that never come
-  (torch's ``full_tensor()`` hangs there too) and ends in init()'s timeout, which gloo
-  does not survive: an error naming the fix (dist_tensor.full ->
-  agreed_reads.timeout_message)."""
+* ``lone_grad_norm`` then ``lone_item`` (last, then every process ends with
+  ``os._exit(0)``): rank 0 alone reads ``float(p.grad.norm())`` of a ``fully_shard``
+  parameter, then ``x.sum().item()`` of a partial sum: the first's all-reduce waits for
+  peers that never come (torch's ``_NormPartial`` and ``full_tensor()`` wait there too)
+  and ends in init()'s timeout, which gloo does not survive (the second fails at once):
+  errors naming the fix (rank_grads._full, dist_tensor.full -> agreed_reads.reading)."""
 import json
 import math
 import os
@@ -154,20 +155,30 @@ def main():
                                                         f"{loss:.4f}", repr(loss)]})
     rows.append({"case": "loss", "out": float(loss)})
     dist.barrier()
+    # a fully_shard model's gradients (FSDP2's: a norm of the shards is partial, its value
+    # an all-reduce)
+    from torch import nn
+    torch.manual_seed(0)
+    fs = wb.fully_shard(nn.Sequential(nn.Linear(3, 6), nn.GELU(), nn.Linear(6, 3)))
+    fs(torch.randn(2, 3)).pow(2).mean().backward()
+    grad = next(iter(fs.parameters())).grad
     # last (torch.distributed's process group does not outlive a timed-out collective):
-    # rank 0 alone reads a partial sum's value (the collective waits for peers that never
-    # come, as torch's DTensor.full_tensor() does): an error naming the fix after timeout_s
+    # rank 0 alone reads a gradient's norm, then a partial sum's value (the collective
+    # waits for peers that never come, as torch's does): errors naming the fix, the first
+    # after timeout_s, the second at once (gloo closed the pairs)
     s = x.sum()
     for r in rows:
         print(json.dumps({"rank": k, **r}), flush=True)
     if k == 0:
-        t0 = time.monotonic()
-        try:
-            out = s.item()
-        except Exception as e:  # noqa: BLE001
-            out = f"{type(e).__name__}: {e}"
-        print(json.dumps({"rank": k, "case": "lone_item", "out": out,
-                          "s": round(time.monotonic() - t0, 1)}), flush=True)
+        for case, read in (("lone_grad_norm", lambda: float(grad.norm())),
+                           ("lone_item", lambda: s.item())):
+            t0 = time.monotonic()
+            try:
+                out = read()
+            except Exception as e:  # noqa: BLE001
+                out = f"{type(e).__name__}: {e}"
+            print(json.dumps({"rank": k, "case": case, "out": out,
+                              "s": round(time.monotonic() - t0, 1)}), flush=True)
         store.set("dist10/lone_item", "1")
     else:
         from datetime import timedelta

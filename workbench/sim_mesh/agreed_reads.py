@@ -32,13 +32,14 @@ again, and a caught error leaves the job able to go on).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch.distributed as dist
 
 from . import backends as _B
 
-__all__ = ["agree", "agree_any", "timed_out", "timeout_message"]
+__all__ = ["agree", "agree_any", "timed_out", "timeout_message", "reading"]
 
 _COUNT: dict = {}           # ranks of a group -> reads made over them (this process)
 
@@ -132,3 +133,16 @@ def timeout_message(what: str, err: RuntimeError) -> str:
             "(`v = t.full()` everywhere, then `if rank == 0: print(v)`).  torch.distributed's "
             "process group does not recover from a timed-out collective: restart the job")
 
+
+
+@contextlib.contextmanager
+def reading(what: str):
+    """Around a read's collectives (under torch.distributed): one that ended in init()'s
+    timeout raises :func:`timeout_message`'s error naming the fix (``what``: the read);
+    any other error passes unchanged."""
+    try:
+        yield
+    except RuntimeError as e:
+        if timed_out(e):
+            raise RuntimeError(timeout_message(what, e)) from e
+        raise
