@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import workbench as wb  # noqa: E402
 
-TIMEOUT_S = 8
+TIMEOUT_S = 8        # init()'s: each lone read waits this long
 
 
 def parts():
