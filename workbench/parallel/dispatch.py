@@ -330,14 +330,29 @@ def _unsafe_factor(name, inputs) -> bool:
     numbers (:func:`_unsafe_scale`), the partial sum is reduced first, which is exact (the
     local product refused it: ops_table/pointwise._scaled_local; seeds 1043842, 1044382,
     1044502).  The partial inputs are read too (``d * d`` reduces one of them: its value
-    is the factor).  Values are read only where a partial sum or average is met."""
+    is the factor).  Values are read only where a partial sum or average is met.
+
+    Under torch.distributed each process reads its own shards: where a factor read is
+    not replicated on every mesh dim (x [Partial, Replicate] times a [Replicate, Shard(0)]
+    factor holding inf in one column), the processes decide together through the job's
+    store (``agreed_reads.agree_any``), so all hold one placement, the simulator's (before,
+    the processes holding the inf held a Replicate product, the others a Partial one).  Not
+    by a collective: ``d * d`` runs inside reads one process may make alone (``if rank ==
+    0: print(p.grad.norm())``), where an all-reduce paired with the peers' next collective
+    (2e408050, reverted); through the store that read ends in agree's error naming the
+    fix."""
     def summed(x):
         return isinstance(x, DistTensor) and any(p.is_partial() and p.reduce_op in
                                                  ("sum", "avg") for p in x.placements)
     if not any(summed(x) for x in inputs):
         return False
+    found, local = False, False          # local: a value read differs between processes
     for k, x in enumerate(inputs):
         if name == "div" and k == 0:
+            continue
+        if isinstance(x, DistTensor) and not all(p.is_replicate() for p in x.placements):
+            local = True
+        if found:
             continue
         ts = storage.tensors(x._local) if isinstance(x, DistTensor) else \
             [x] if isinstance(x, torch.Tensor) else []
@@ -345,8 +360,31 @@ def _unsafe_factor(name, inputs) -> bool:
             if not t.is_floating_point() or not t.numel():
                 continue
             if bool((t == 0).any()) if name == "div" else bool(torch.isinf(t).any()):
-                return True
-    return False
+                found = True
+                break
+    mesh = next(x.mesh for x in inputs if isinstance(x, DistTensor))
+    if local and _B.is_distributed(mesh) and _B.rank() in mesh.ranks:
+        found = _agreed_factor(name, inputs, mesh, found)
+    return found
+
+
+def _agreed_factor(name, inputs, mesh, found: bool) -> bool:
+    """_unsafe_factor's answer agreed by every process of ``mesh`` (through the store)."""
+    from ..sim_mesh.agreed_reads import agree_any
+    from .reshard import unsummed_read
+    what = how = None
+    for x in inputs:                       # p.grad before opt.step(): readsync's words
+        if isinstance(x, DistTensor) and (read := unsummed_read(x)) is not None:
+            what, how = read[1], "summed over"
+            break
+    if what is None:
+        what = (f"{name} of " + " and ".join(
+            f"{tuple(x.shape)} {list(x.placements)}" if isinstance(x, DistTensor)
+            else type(x).__name__ for x in inputs)
+            + (" (whether a divisor holds 0" if name == "div" else " (whether a factor holds inf")
+            + ": a partial sum is reduced first)")
+        how = "decided together by"
+    return agree_any(mesh.ranks, what, found, how)
 
 
 def _partials_reduced(inputs):

@@ -170,7 +170,12 @@ class DistTensor:
         from .reshard import reshard
         t = self
         if any(not p.is_replicate() for p in self.placements):
-            t = reshard(self, self.mesh, [Replicate()] * self.mesh.ndim)
+            if storage.holds_own(self.mesh):        # a read one process makes alone: told
+                from ..sim_mesh.agreed_reads import reading
+                with reading(f"a DistTensor {self.notation()}"):
+                    t = reshard(self, self.mesh, [Replicate()] * self.mesh.ndim)
+            else:
+                t = reshard(self, self.mesh, [Replicate()] * self.mesh.ndim)
         return t.local(None if storage.holds_own(self.mesh) else self.mesh.ranks[0])
 
     def cells(self) -> Cells:

@@ -303,20 +303,29 @@ def _agree_unsummed(t, plan) -> None:
     caused pair closure').  Only those gradients: the step's own collectives and every
     other reshard (all processes run them) pay no store round trip."""
     from ..sim_mesh import backends as _B
-    if not _B.is_distributed(t.mesh):
+    if not _B.is_distributed(t.mesh) or not any(s.kind in _REDUCING for s in plan.steps):
         return
+    read = unsummed_read(t)
+    if read is not None:
+        from ..sim_mesh.agreed_reads import agree
+        agree(*read, "summed over")
+
+
+def unsummed_read(t):
+    """(the processes of the sum, the read's words) for :func:`_agree_unsummed` where
+    ``t`` is a wrapper's gradient not yet summed (under torch.distributed), else None."""
+    from ..sim_mesh import backends as _B
     axes = {a for x in storage.tensors(t._local) for a in getattr(x, "_wb_unsummed", ())}
     axes = sorted(a for a in axes if t.placements[a].is_partial())
-    if not axes or not any(s.kind in _REDUCING for s in plan.steps):
-        return
-    from ..sim_mesh.agreed_reads import agree
+    if not axes:
+        return None
     mine = _B.coordinate(t.mesh)
     ranks = [r for r in t.mesh.ranks
              if all(t.mesh.coordinate(r)[i] == mine[i] for i in range(t.mesh.ndim)
                     if i not in axes)]
     names = " x ".join(repr(t.mesh.dim_names[a]) for a in axes)
-    agree(ranks, f"a gradient {tuple(t.shape)} before its wrapper sums it over {names} "
-                 "(p.grad before opt.step(), or inside no_sync())", "summed over")
+    return ranks, (f"a gradient {tuple(t.shape)} before its wrapper sums it over {names} "
+                   "(p.grad before opt.step(), or inside no_sync())")
 
 
 def _reduces(plan, t) -> bool:

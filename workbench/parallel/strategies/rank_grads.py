@@ -521,6 +521,9 @@ def as_shard_grad(t, pg, skip: bool = False, param=None):
     return out
 
 
+_READ = "a norm of a wrapper's gradient shards (p.grad.norm(), clip_grad_norm_)"
+
+
 def _groups(pg):
     return pg if isinstance(pg, tuple) else (pg,)
 
@@ -561,8 +564,11 @@ def _keep(out, like):
 
 
 def _reduce(x, ord_, pg):
-    """The norm of order ``ord_`` of the vector whose pieces' norms on the ranks are ``x``."""
-    with torch._C.DisableTorchFunctionSubclass():
+    """The norm of order ``ord_`` of the vector whose pieces' norms on the ranks are ``x``
+    (a read one process makes alone waits for its peers, as torch's ``_NormPartial``
+    does: it ends in an error naming the fix, agreed_reads.reading)."""
+    from ...sim_mesh.agreed_reads import reading
+    with torch._C.DisableTorchFunctionSubclass(), reading(_READ):
         x = x.detach().reshape(-1)
         if ord_ == math.inf:
             v = x.amax() if x.numel() else torch.tensor(0.0)
@@ -582,7 +588,8 @@ def _reduce(x, ord_, pg):
 
 def _full(x):
     """Each element of the partial norms ``x`` reduced over the ranks (one all-reduce)."""
-    with torch._C.DisableTorchFunctionSubclass():
+    from ...sim_mesh.agreed_reads import reading
+    with torch._C.DisableTorchFunctionSubclass(), reading(_READ):
         ord_, pg = x._wb_ord, x._wb_pg
         v = x.detach().clone()
         if ord_ in (math.inf, -math.inf):
