@@ -9,7 +9,10 @@ data-parallel synchronisation + the optimizer step, where
   activation forward and one gradient backward per chunk (v per micro-batch), of
   2 s b h / t bytes each (Narayanan et al. 2021 sec. 4.1 scatter/gather: 1/t over the
   inter-stage link, then an all-gather of 2 s b h inside the TP group; with sequence
-  parallelism the activation is already split, so no all-gather);
+  parallelism the activation is already split, so no all-gather); this library's recipe
+  (``framework="workbench"``) sends each TP rank's whole activation instead, each send
+  once, on its sender, and its pipeline is simulated layer-stage by layer-stage as the dry
+  run composes it (``_recipe_chunks``);
 - bubble (stages of unequal time T_i; the pipeline latency of Alpa's inter-operator pass,
   Zheng et al. 2022, held exactly to ``parallel.schedules.simulate`` in the tests):
   (sum_i T_i - max_i T_i) / v, which for equal stages is (p - 1) T / v, the published
@@ -146,6 +149,8 @@ class Estimate:
         bub = ("(DeepSpeed's TrainSchedule simulated: the slowest stage's idle time)"
                if d.get("deepspeed_pipe") else "(uneven stages: the schedule simulated, "
                "less m x the slowest stage)" if lay.stages is not None and lay.pp > 1
+               else "(the recipe's layer-stages simulated, less m x the slowest stage)"
+               if lay.engine == "workbench" and lay.pp > 1
                else "(sum of stage times - slowest) / v")
         return wrap("\n".join([
             f"{lay.short()}: {self.step_time:.3f} s = compute {b['compute']:.3f} + "
@@ -155,7 +160,8 @@ class Estimate:
             f"{ly.bwd_compute * ms:.2f} + {ly.bwd_comm * ms:.2f} ms ({d['layer_time_source']})",
             f"  slowest stage {slow['stage']}: {slow['time'] * ms:.1f} ms per micro-batch "
             f"(compute {slow['compute'] * ms:.1f}, communication {slow['comm'] * ms:.1f}, of "
-            f"which p2p {2 * lay.v * d['p2p'] * ms:.2f}) x m = {d['micro_batches']}",
+            f"which p2p {_sends(lay, slow['stage']) * d['p2p'] * ms:.2f}) x m = "
+            f"{d['micro_batches']}",
             f"  bubble {bub} = {b['bubble']:.3f} s; DP sync "
             f"{d['dp_sync']:.3f} s, tied-embedding sync {d['tied_embedding_sync']:.3f} s, "
             f"optimizer {d['optimizer']:.3f} s",
@@ -217,6 +223,15 @@ def _simulate(lay: Layout, stages: dict, m: int, p2p: float = 0.0):
         return simulate(sched, f=f, b=b)
     return simulate(sched, f=[d["forward"] / lay.v for d in rows],
                     b=[(d["time"] - d["forward"]) / lay.v for d in rows])
+
+
+def _sends(lay: Layout, stage: int) -> int:
+    """Stage crossings priced per micro-batch on pipeline rank ``stage``: 2v (a blocking
+    receive waits on the link), or, this library's recipe as its dry run composes it, one
+    fewer on the first and last ranks (``_recipe_chunks``)."""
+    if lay.pp == 1:
+        return 0
+    return 2 * lay.v - (lay.engine == "workbench" and stage in (0, lay.pp - 1))
 
 
 def _recipe_chunks(lay: Layout, rows: list, p2p: float) -> tuple[list, list]:
@@ -560,16 +575,15 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     for name, s, count in _stage_kinds(pp, lay.stages is not None):
         n_layers = per_stage[s]
         comp = n_layers * (layer.fwd_compute + layer.bwd_compute)
-        comm = n_layers * (layer.fwd_comm + layer.bwd_comm) + 2 * v * p2p_t
+        comm = n_layers * (layer.fwd_comm + layer.bwd_comm) + _sends(lay, s) * p2p_t
         # bytes sent: a crossing's send and the receiver's TP all-gather (p2p_sent),
         # both ways per chunk but the first stage's input and the last's output
         # (2v - 1 on them; the time keeps 2v: a blocking receive waits on the link)
         sent = n_layers * layer.comm_bytes + (2 * v - (s in (0, pp - 1))) * p2p_sent
         fwd = n_layers * (layer.fwd_compute + layer.fwd_comm) + v * p2p_t
         if lay.engine == "workbench" and pp > 1:
-            # the recipe's sends as the dry run composes them (_recipe_chunks): none
-            # from the last layer-stage's forward nor from the first's backward
-            comm -= (s in (0, pp - 1)) * p2p_t
+            # the recipe's sends as the dry run composes them (_recipe_chunks, _sends):
+            # none from the last layer-stage's forward nor from the first's backward
             fwd -= (s == pp - 1) * p2p_t
         edge_f = edge_t = 0.0          # the embedding's and the head's (_recipe_chunks)
         if s == 0:
