@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from ..sim_mesh.cost import overlap_rate, wire_bytes
 from ..sim_mesh import nccl_tuning as NT
@@ -214,10 +215,9 @@ def _simulate(lay: Layout, stages: dict, m: int, p2p: float = 0.0):
     each pipeline rank's forward and backward taken from ``stages`` (estimate's
     ``details["stages"]``); this library's recipe (:func:`_recipe_chunks`): per layer-stage,
     as the dry run composes it."""
-    from ..parallel.schedules import gpipe, interleaved_1f1b, one_f_one_b, simulate
+    from ..parallel.schedules import simulate
     rows = [stages[_stage_name(r, lay.pp, lay.stages is not None)] for r in range(lay.pp)]
-    build = {"1f1b": one_f_one_b, "gpipe": gpipe}.get(lay.schedule)
-    sched = build(lay.pp, m) if build else interleaved_1f1b(lay.pp, m, lay.v)
+    sched = _schedule(lay.schedule, lay.pp, m, lay.v)
     if lay.engine == "workbench" and lay.pp > 1:
         f, b = _recipe_chunks(lay, rows, p2p)
         return simulate(sched, f=f, b=b)
@@ -232,6 +232,16 @@ def _sends(lay: Layout, stage: int) -> int:
     if lay.pp == 1:
         return 0
     return 2 * lay.v - (lay.engine == "workbench" and stage in (0, lay.pp - 1))
+
+
+@lru_cache(maxsize=64)
+def _schedule(kind: str, pp: int, m: int, v: int):
+    """The (frozen) ``parallel.schedules`` Schedule of ``kind``, built once per shape: a
+    search simulates many layouts of one (pp, m, v), and building an interleaved one of
+    m = 48, v = 12 takes as long as simulating it."""
+    from ..parallel.schedules import gpipe, interleaved_1f1b, one_f_one_b
+    build = {"1f1b": one_f_one_b, "gpipe": gpipe}.get(kind)
+    return build(pp, m) if build else interleaved_1f1b(pp, m, v)
 
 
 def _recipe_chunks(lay: Layout, rows: list, p2p: float) -> tuple[list, list]:
