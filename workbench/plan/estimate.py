@@ -236,12 +236,39 @@ def _sends(lay: Layout, stage: int) -> int:
 
 @lru_cache(maxsize=64)
 def _schedule(kind: str, pp: int, m: int, v: int):
-    """The (frozen) ``parallel.schedules`` Schedule of ``kind``, built once per shape: a
-    search simulates many layouts of one (pp, m, v), and building an interleaved one of
-    m = 48, v = 12 takes as long as simulating it."""
+    """The (frozen) ``parallel.schedules`` Schedule of ``kind``, built and its structure
+    checked once per shape: a search simulates many layouts of one (pp, m, v), and
+    building an interleaved one of m = 48, v = 12 takes as long as simulating it."""
     from ..parallel.schedules import gpipe, interleaved_1f1b, one_f_one_b
+    from ..parallel.schedules.validate import check_structure
     build = {"1f1b": one_f_one_b, "gpipe": gpipe}.get(kind)
-    return build(pp, m) if build else interleaved_1f1b(pp, m, v)
+    sched = build(pp, m) if build else interleaved_1f1b(pp, m, v)
+    check_structure(sched)
+    return sched
+
+
+def _makespan(lay: Layout, stages: dict, m: int, p2p: float) -> float:
+    """``_simulate(...).makespan``, from the schedules' event-driven core alone (the
+    timeline ``simulate`` also builds is not read here; a search prices many layouts)."""
+    from ..parallel.schedules._engine import run
+    rows = [stages[_stage_name(r, lay.pp, lay.stages is not None)] for r in range(lay.pp)]
+    sched = _schedule(lay.schedule, lay.pp, m, lay.v)
+    if lay.engine == "workbench" and lay.pp > 1:
+        f, b = _recipe_chunks(lay, rows, p2p)
+    else:
+        f = [d["forward"] / lay.v for d in rows]
+        b = [(d["time"] - d["forward"]) / lay.v for d in rows]
+        f, b = [f[s % lay.pp] for s in range(sched.stages)], [b[s % lay.pp]
+                                                             for s in range(sched.stages)]
+    stage = [[sched.stage(r, c) for c in range(sched.v)] for r in range(sched.p)]
+    cost = {"F": f, "B": b}
+    durations = [[cost[a.kind][stage[r][a.chunk]] for a in row]
+                 for r, row in enumerate(sched.actions)]
+    out = run(sched, durations, 0.0)
+    if out.blocked:          # a library schedule never deadlocks: a bug, say so
+        raise RuntimeError(f"estimate: the {lay.schedule} schedule of pp={lay.pp}, m={m}, "
+                           f"v={lay.v} deadlocked in parallel.schedules' engine")
+    return max(row[-1] for row in out.ends if row)
 
 
 def _recipe_chunks(lay: Layout, rows: list, p2p: float) -> tuple[list, list]:
@@ -693,7 +720,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         # 8, 8), m = 4: the formula 26% above the schedule), so simulate the schedule;
         # this library's recipe: its layer-stages as the dry run composes them
         # (_recipe_chunks), whose sends on the sender the formula does not hold
-        bubble = _simulate(lay, stages, m, p2p_t).makespan - m * max(
+        bubble = _makespan(lay, stages, m, p2p_t) - m * max(
             d["time"] for d in stages.values())
     sync = max(d["dp"] for d in stages.values()) + tied
     opt = max(d["optimizer"] for d in stages.values())
