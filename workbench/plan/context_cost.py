@@ -71,8 +71,10 @@ def check_cp(cfg, cp: int, attention: "str | None" = None, cp_comm: str = "p2p")
         good = [c for c in range(1, 65) if cfg.seq_len % (2 * c) == 0 and c > 1][:8]
         raise ValueError(f"Layout: cp={cp} does not divide the sequence: seq_len="
                          f"{cfg.seq_len} must split in 2 x cp = {2 * cp} equal chunks (rank "
-                         f"i holds chunks i and 2cp-1-i, the causal load balancing); use a cp "
-                         f"in {good} or a seq_len divisible by {2 * cp}")
+                         f"i holds chunks i and 2cp-1-i, the causal load balancing); use "
+                         + (f"a cp in {good}" if good else
+                            f"cp=1 (no cp > 1 splits an odd seq_len)")
+                         + f" or a seq_len divisible by {2 * cp}")
     if attention is not None and attention != "flash":
         if cp_comm == "a2a":
             # Ulysses itself takes any attention (Jacobs et al. 2023 sec. 3), but what runs it

@@ -159,8 +159,13 @@ class DryRun:
                 f"{gb:.2f} GB per rank ({'fits' if self.fits else 'does NOT fit'})")
 
 
-def _check(model, lay: Layout, cl: Cluster, routing="balanced"):
+def _check(model, lay: Layout, cl: Cluster, routing="balanced", seed=0):
     from ..models.config import ModelConfig
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        # what torch.manual_seed takes, checked before anything is built (was: its
+        # RuntimeError "manual_seed expected a long" from inside the model's construction)
+        raise ValueError(f"dry_run: seed={seed!r} must be an int (the model's "
+                         f"initialisation seed, as torch.manual_seed takes), e.g. seed=0")
     if not isinstance(model, ModelConfig):
         raise ValueError(f"dry_run: model={model!r} must be a ModelConfig, e.g. "
                          f"wb.models.get_config('llama3-8b') or "
@@ -231,7 +236,7 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
     (module docstring); the same arguments as ``wb.plan.estimate``.  ``routing``: a MoE's
     rows per expert on meta tensors ("balanced", the planner's assumption, or per-rank
     counts: :mod:`.meta_moe`)."""
-    _check(model, layout, cluster, routing)
+    _check(model, layout, cluster, routing, seed)
     lay, prof = layout, cluster.profile
     cfg = model.replace(recompute=lay.recompute)
     h = _ep_cp.recipe(lay)         # Hybrid (with ep for a MoE) or ContextParallel

@@ -9,7 +9,10 @@ data-parallel synchronisation + the optimizer step, where
   activation forward and one gradient backward per chunk (v per micro-batch), of
   2 s b h / t bytes each (Narayanan et al. 2021 sec. 4.1 scatter/gather: 1/t over the
   inter-stage link, then an all-gather of 2 s b h inside the TP group; with sequence
-  parallelism the activation is already split, so no all-gather);
+  parallelism the activation is already split, so no all-gather); this library's recipe
+  (``framework="workbench"``) sends each TP rank's whole activation instead, each send
+  once, on its sender, and its pipeline is simulated layer-stage by layer-stage as the dry
+  run composes it (``_recipe_chunks``);
 - bubble (stages of unequal time T_i; the pipeline latency of Alpa's inter-operator pass,
   Zheng et al. 2022, held exactly to ``parallel.schedules.simulate`` in the tests):
   (sum_i T_i - max_i T_i) / v, which for equal stages is (p - 1) T / v, the published
@@ -66,6 +69,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from ..sim_mesh.cost import overlap_rate, wire_bytes
 from ..sim_mesh import nccl_tuning as NT
@@ -127,7 +131,7 @@ class Estimate:
             raise ValueError(f"pipeline(m={m!r}): give a number of micro-batches >= 1"
                              + (f", a multiple of pp={lay.pp} (interleaved)"
                                 if lay.schedule == "interleaved_1f1b" else ""))
-        return _simulate(lay, st, m)
+        return _simulate(lay, st, m, self.details["p2p"])
 
     def explain(self) -> str:
         """How the step time and the memory were put together, term by term; lines wrapped
@@ -146,6 +150,8 @@ class Estimate:
         bub = ("(DeepSpeed's TrainSchedule simulated: the slowest stage's idle time)"
                if d.get("deepspeed_pipe") else "(uneven stages: the schedule simulated, "
                "less m x the slowest stage)" if lay.stages is not None and lay.pp > 1
+               else "(the recipe's layer-stages simulated, less m x the slowest stage)"
+               if lay.engine == "workbench" and lay.pp > 1
                else "(sum of stage times - slowest) / v")
         return wrap("\n".join([
             f"{lay.short()}: {self.step_time:.3f} s = compute {b['compute']:.3f} + "
@@ -155,7 +161,8 @@ class Estimate:
             f"{ly.bwd_compute * ms:.2f} + {ly.bwd_comm * ms:.2f} ms ({d['layer_time_source']})",
             f"  slowest stage {slow['stage']}: {slow['time'] * ms:.1f} ms per micro-batch "
             f"(compute {slow['compute'] * ms:.1f}, communication {slow['comm'] * ms:.1f}, of "
-            f"which p2p {2 * lay.v * d['p2p'] * ms:.2f}) x m = {d['micro_batches']}",
+            f"which p2p {_sends(lay, slow['stage']) * d['p2p'] * ms:.2f}) x m = "
+            f"{d['micro_batches']}",
             f"  bubble {bub} = {b['bubble']:.3f} s; DP sync "
             f"{d['dp_sync']:.3f} s, tied-embedding sync {d['tied_embedding_sync']:.3f} s, "
             f"optimizer {d['optimizer']:.3f} s",
@@ -203,16 +210,89 @@ def pipeline_bubble(stage_times, v: int = 1) -> float:
     return (sum(times) - max(times)) / v
 
 
-def _simulate(lay: Layout, stages: dict, m: int):
+def _simulate(lay: Layout, stages: dict, m: int, p2p: float = 0.0):
     """``parallel.schedules.simulate`` of ``lay``'s schedule over ``m`` micro-batches,
     each pipeline rank's forward and backward taken from ``stages`` (estimate's
-    ``details["stages"]``)."""
-    from ..parallel.schedules import gpipe, interleaved_1f1b, one_f_one_b, simulate
+    ``details["stages"]``); this library's recipe (:func:`_recipe_chunks`): per layer-stage,
+    as the dry run composes it."""
+    from ..parallel.schedules import simulate
     rows = [stages[_stage_name(r, lay.pp, lay.stages is not None)] for r in range(lay.pp)]
-    build = {"1f1b": one_f_one_b, "gpipe": gpipe}.get(lay.schedule)
-    sched = build(lay.pp, m) if build else interleaved_1f1b(lay.pp, m, lay.v)
+    sched = _schedule(lay.schedule, lay.pp, m, lay.v)
+    if lay.engine == "workbench" and lay.pp > 1:
+        f, b = _recipe_chunks(lay, rows, p2p)
+        return simulate(sched, f=f, b=b)
     return simulate(sched, f=[d["forward"] / lay.v for d in rows],
                     b=[(d["time"] - d["forward"]) / lay.v for d in rows])
+
+
+def _sends(lay: Layout, stage: int) -> int:
+    """Stage crossings priced per micro-batch on pipeline rank ``stage``: 2v (a blocking
+    receive waits on the link), or, this library's recipe as its dry run composes it, one
+    fewer on the first and last ranks (``_recipe_chunks``)."""
+    if lay.pp == 1:
+        return 0
+    return 2 * lay.v - (lay.engine == "workbench" and stage in (0, lay.pp - 1))
+
+
+@lru_cache(maxsize=64)
+def _schedule(kind: str, pp: int, m: int, v: int):
+    """The (frozen) ``parallel.schedules`` Schedule of ``kind``, built and its structure
+    checked once per shape: a search simulates many layouts of one (pp, m, v), and
+    building an interleaved one of m = 48, v = 12 takes as long as simulating it."""
+    from ..parallel.schedules import gpipe, interleaved_1f1b, one_f_one_b
+    from ..parallel.schedules.validate import check_structure
+    build = {"1f1b": one_f_one_b, "gpipe": gpipe}.get(kind)
+    sched = build(pp, m) if build else interleaved_1f1b(pp, m, v)
+    check_structure(sched)
+    return sched
+
+
+def _makespan(lay: Layout, stages: dict, m: int, p2p: float) -> float:
+    """``_simulate(...).makespan``, from the schedules' event-driven core alone (the
+    timeline ``simulate`` also builds is not read here; a search prices many layouts)."""
+    from ..parallel.schedules._engine import run
+    rows = [stages[_stage_name(r, lay.pp, lay.stages is not None)] for r in range(lay.pp)]
+    sched = _schedule(lay.schedule, lay.pp, m, lay.v)
+    if lay.engine == "workbench" and lay.pp > 1:
+        f, b = _recipe_chunks(lay, rows, p2p)
+    else:
+        f = [d["forward"] / lay.v for d in rows]
+        b = [(d["time"] - d["forward"]) / lay.v for d in rows]
+        f, b = [f[s % lay.pp] for s in range(sched.stages)], [b[s % lay.pp]
+                                                             for s in range(sched.stages)]
+    stage = [[sched.stage(r, c) for c in range(sched.v)] for r in range(sched.p)]
+    cost = {"F": f, "B": b}
+    durations = [[cost[a.kind][stage[r][a.chunk]] for a in row]
+                 for r, row in enumerate(sched.actions)]
+    out = run(sched, durations, 0.0)
+    if out.blocked:          # a library schedule never deadlocks: a bug, say so
+        raise RuntimeError(f"estimate: the {lay.schedule} schedule of pp={lay.pp}, m={m}, "
+                           f"v={lay.v} deadlocked in parallel.schedules' engine")
+    return max(row[-1] for row in out.ends if row)
+
+
+def _recipe_chunks(lay: Layout, rows: list, p2p: float) -> tuple[list, list]:
+    """(forward, backward) seconds of each of the pp x v layer-stages of this library's
+    recipe as ``plan.dryrun`` composes its pipeline: layer-stage k's forward with the send
+    of its output (none from the last), its backward with the send of its input's
+    gradient (none from the first), each send priced once, on the sender; the embedding
+    on the first layer-stage and the head and loss on the last, not spread over a rank's
+    v chunks.  ``rows``: per pipeline rank, its stage dict (``edge``: the (forward, total)
+    seconds of the embedding or the head it holds)."""
+    pp, v = lay.pp, lay.v
+    n = pp * v
+    f, b = [0.0] * n, [0.0] * n
+    for r, d in enumerate(rows):
+        ef, et = d["edge"]
+        sends_f, sends_b = v - (r == pp - 1), v - (r == 0)     # as _recipe_sends
+        cf = (d["forward"] - ef - sends_f * p2p) / v
+        cb = (d["time"] - d["forward"] - (et - ef) - sends_b * p2p) / v
+        for c in range(v):
+            k = c * pp + r                 # parallel.schedules' layer-stage of chunk c
+            edge = (r == 0 and c == 0) or (r == pp - 1 and c == v - 1)
+            f[k] = max(0.0, cf + (ef if edge else 0.0) + (p2p if k < n - 1 else 0.0))
+            b[k] = max(0.0, cb + (et - ef if edge else 0.0) + (p2p if k > 0 else 0.0))
+    return f, b
 
 
 def _dp_nodes(lay: Layout, prof) -> int:
@@ -242,9 +322,17 @@ def _stage_kinds(pp: int, uneven: bool = False) -> list[tuple[str, int, int]]:
 
 
 def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
-    """(seconds, bytes) of one activation (or gradient) crossing one stage boundary."""
+    """(seconds, bytes) of one activation (or gradient) crossing one stage boundary.
+    Megatron-LM's scatter/gather (module docstring) where tp > 1 without sequence
+    parallelism; this library's recipe (framework "workbench") has none: each TP rank
+    sends its whole replicated activation to its peer (``Hybrid``'s stage send,
+    ``sim_mesh.collectives.send_recv`` of the stage output's local tensor), measured on
+    the dry run's trace (Llama 2 7B, tp 8, pp 2 across two 910B nodes: 1.352 ms a crossing
+    against 0.331 ms priced as scatter/gather)."""
     n = 2 * cfg.seq_len * lay.micro_batch * cfg.d_model
     pair = (lay.rank(0, 0, 0), lay.rank(0, 0, 1))
+    if lay.tp > 1 and not lay.sp and lay.engine == "workbench":
+        return C.group_price("send_recv", n, pair, prof), n
     t = C.group_price("send_recv", n / lay.tp, pair, prof)
     sent = n / lay.tp
     if lay.tp > 1 and not lay.sp:
@@ -536,12 +624,24 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     for name, s, count in _stage_kinds(pp, lay.stages is not None):
         n_layers = per_stage[s]
         comp = n_layers * (layer.fwd_compute + layer.bwd_compute)
-        comm = n_layers * (layer.fwd_comm + layer.bwd_comm) + 2 * v * p2p_t
+        comm = n_layers * (layer.fwd_comm + layer.bwd_comm) + _sends(lay, s) * p2p_t
         # bytes sent: a crossing's send and the receiver's TP all-gather (p2p_sent),
         # both ways per chunk but the first stage's input and the last's output
         # (2v - 1 on them; the time keeps 2v: a blocking receive waits on the link)
         sent = n_layers * layer.comm_bytes + (2 * v - (s in (0, pp - 1))) * p2p_sent
         fwd = n_layers * (layer.fwd_compute + layer.fwd_comm) + v * p2p_t
+        if lay.engine == "workbench" and pp > 1:
+            # the recipe's sends as the dry run composes them (_recipe_chunks, _sends):
+            # none from the last layer-stage's forward nor from the first's backward
+            fwd -= (s == pp - 1) * p2p_t
+        edge_f = edge_t = 0.0          # the embedding's and the head's (_recipe_chunks)
+        if s == 0:
+            edge_f += emb_t + edge["first"][0]
+            edge_t += emb_t + sum(edge["first"])
+        if s == pp - 1:
+            edge_f += head.fwd_compute + head.fwd_comm + edge["last"][0]
+            edge_t += head.fwd_compute + head.fwd_comm + head.bwd_compute + head.bwd_comm \
+                + sum(edge["last"])
         if s == 0:
             comm, sent, fwd = comm + emb_t, sent + emb_sent, fwd + emb_t
             comp, fwd = comp + sum(edge["first"]), fwd + edge["first"][0]
@@ -589,7 +689,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         mem_fusion = False if lay.engine == "megatron" and not fusion else None
         mem = stage_memory(cfg, lay, s, attention, prof, mem_fusion)
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
-                            forward=fwd, psi=psi, expert_dp=e_t,
+                            forward=fwd, psi=psi, expert_dp=e_t, edge=(edge_f, edge_t),
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
                             grad_accumulation=acc,
                             memory=mem,
@@ -626,12 +726,14 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     slow = max(stages.values(), key=lambda d: d["time"])
     bubble = pipeline_bubble([d["time"] for d in stages.values() for _ in range(d["count"])], v)
     m = lay.m
-    if lay.stages is not None and pp > 1 and ds is None:
+    if (lay.stages is not None or lay.engine == "workbench") and pp > 1 and ds is None:
         # uneven stages: (sum - max) is exact only when the slowest stage is the last (or
         # GPipe); a 1F1B whose slowest stage comes earlier overlaps more (stages (24, 8,
-        # 8, 8), m = 4: the formula 26% above the schedule), so simulate the schedule
-        bubble = _simulate(lay, stages, m).makespan - m * max(d["time"] for d in
-                                                              stages.values())
+        # 8, 8), m = 4: the formula 26% above the schedule), so simulate the schedule;
+        # this library's recipe: its layer-stages as the dry run composes them
+        # (_recipe_chunks), whose sends on the sender the formula does not hold
+        bubble = _makespan(lay, stages, m, p2p_t) - m * max(
+            d["time"] for d in stages.values())
     sync = max(d["dp"] for d in stages.values()) + tied
     opt = max(d["optimizer"] for d in stages.values())
     breakdown = {"compute": m * slow["compute"] + opt, "communication": m * slow["comm"] + sync,

@@ -309,7 +309,16 @@ def check_layout(model, layout: Layout, cluster: Cluster) -> None:
                          f"ranks, which must divide it; use a tp dividing {s}"
                          + (f" (one of {good})" if good else "")
                          + " or a seq_len that is a multiple of tp, or sp=False")
-    if model.d_ff % lay.tp or model.vocab_size % lay.tp:
-        raise ValueError(f"Layout: tp={lay.tp} must divide d_ff={model.d_ff} and vocab_size="
-                         f"{model.vocab_size} (column-parallel MLP, vocabulary-parallel "
-                         f"embedding); choose another tp")
+    if model.d_ff % lay.tp:
+        raise ValueError(f"Layout: tp={lay.tp} does not divide d_ff={model.d_ff} (the "
+                         f"column-parallel MLP splits its width evenly); use a tp dividing "
+                         f"{model.d_ff}")
+    if model.vocab_size % lay.tp:
+        # Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by
+        # (128) x tp (megatron/training/tokenizer/tokenizer.py, _vocab_size_with_padding)
+        pad = -(-model.vocab_size // (128 * lay.tp)) * 128 * lay.tp
+        raise ValueError(f"Layout: tp={lay.tp} does not divide vocab_size={model.vocab_size} "
+                         f"(the vocabulary-parallel embedding and head split it evenly); pad "
+                         f"the vocabulary as Megatron-LM does (model.replace(vocab_size="
+                         f"{pad}): a multiple of 128 x tp) or use a tp dividing "
+                         f"{model.vocab_size}")

@@ -37,6 +37,7 @@ from ..parallel.placement import Replicate, Shard
 from ..parallel.schedules.execute import _detach_leaf, _send
 from ..parallel.strategies.memory import _ranks_splitting, _varying_axes
 from ..sim_mesh import backends as _B
+from ..sim_mesh.trace import Handle
 
 __all__ = ["SavedCounter", "run_stage"]
 
@@ -344,6 +345,13 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
         send = max(e.end for e in sent) - min(e.start for e in sent) if sent else 0.0
         send_bytes = {r: b - b0.get(r, 0) for r, b in tr.bytes_per_rank().items()
                       if b != b0.get(r, 0)}
+        # the backward is timed alone, after the send: the composed pipeline (plan.dryrun)
+        # adds the send to this stage's forward and runs the backward once the gradient
+        # is back; left on the compute clock, its ops started beside the send (which holds
+        # only the comm stream) and it measured the send's length short (Llama 2 7B, tp 8,
+        # pp 2 on 910B: 1.25 ms of a layer's 4.08 ms backward; tests/test_plan10.py)
+        if sent:
+            tr.wait(Handle(tuple(ranks), max(e.end for e in sent)))
     t1 = _clock(tr, ranks)
     # the recipe's backward context (context parallelism: recomputed attention on the ring)
     with getattr(h, "backward_context", contextlib.nullcontext)():

@@ -221,6 +221,9 @@ def estimate_range(model, layout, cluster, pinned: "dict | None" = None,
     kernel is SDPA's, ``plan.fsdp2_cost.sdpa_profile``), or the range may not hold it."""
     from .estimate import estimate
     from .layout import Cluster
+    if not isinstance(cluster, Cluster):    # as estimate's check_layout, before reading it
+        raise ValueError(f"estimate_range: cluster={cluster!r} must be a "
+                         f"workbench.plan.Cluster, e.g. Cluster('a100', 8)")
     prof = get_profile(cluster.profile)
     pins = _check_pinned(prof, pinned)
     point = estimate(model, layout, cluster, **kwargs)

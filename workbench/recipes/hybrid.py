@@ -229,7 +229,7 @@ class Hybrid:
         """A clear error before anything runs when the layout does not fit the model."""
         tp, pp, v = self.tp, self.pp, self.v
         check_ep_batch(self.edp, self.ep, batch_size)           # recipes/moe.py
-        check_sizes(self.dp, tp, pp, batch_size, cfg, "the model", _arg)
+        check_sizes(self.dp, tp, pp, batch_size, cfg, "the model", _arg, self.stage_sizes)
         check_moe_layout(cfg, self.ep)
         if self._m is not None and self.dp * self._m > batch_size:
             raise ValueError(f"microbatches={self._m}: at most batch_size // dp = "
