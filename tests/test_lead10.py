@@ -137,3 +137,22 @@ def test_plan_cli_takes_a_framework(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--framework", "nope"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_stage_crossing_priced_on_its_slowest_link():
+    """tp 4, pp 4 on 8-GPU A100 nodes: stages 0 and 1 share a node, 1 -> 2 leaves it.  The
+    estimate priced every crossing as 0 -> 1 (NVLink: 0.039 ms a crossing, dry run /
+    estimate 1.018); now the slowest boundary's link (0.358 ms; 0.999)."""
+    from workbench.plan.costs import group_price
+    cfg = get_config("llama2-7b", n_layer=8)
+    lay = Layout(dp=1, tp=4, pp=4, sp=True, micro_batch=1, global_batch=8,
+                 framework="workbench")
+    cl = Cluster("a100", 16)
+    est = estimate(cfg, lay, cl)
+    n = 2 * cfg.seq_len * cfg.d_model / 4
+    inter, intra = (group_price("send_recv", n, pair, cl.profile) for pair in ((4, 8), (0, 4)))
+    assert inter > 5 * intra
+    assert est.details["p2p"] == pytest.approx(inter)
+    assert dry_run(cfg, lay, cl).step_time == pytest.approx(est.step_time, rel=0.01)
+    one = Layout(dp=1, tp=4, pp=2, sp=True, micro_batch=1, global_batch=8)   # one node
+    assert estimate(cfg, one, Cluster("a100", 8)).details["p2p"] == pytest.approx(intra)

@@ -330,10 +330,16 @@ def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
     the dry run's trace (Llama 2 7B, tp 8, pp 2 across two 910B nodes: 1.352 ms a crossing
     against 0.331 ms priced as scatter/gather)."""
     n = 2 * cfg.seq_len * lay.micro_batch * cfg.d_model
-    pair = (lay.rank(0, 0, 0), lay.rank(0, 0, 1))
+    # the slowest boundary's link: with fewer than a node's devices per stage (tp x dp x
+    # cp below it) some crossings stay inside a node and others leave it; was the first
+    # boundary's alone (0 -> 1), inside the node with tp 4, pp 4 on 8-GPU nodes, so the
+    # inter-node crossing 1 -> 2 was priced at NVLink's rate (found by plan10's random
+    # layouts); interleaved chunks cross pp - 1 -> 0 too
+    ends = [(s, s + 1) for s in range(lay.pp - 1)] + ([(lay.pp - 1, 0)] if lay.v > 1 else [])
+    pairs = {(lay.rank(0, 0, a), lay.rank(0, 0, b)) for a, b in ends}
     if lay.tp > 1 and not lay.sp and lay.engine == "workbench":
-        return C.group_price("send_recv", n, pair, prof), n
-    t = C.group_price("send_recv", n / lay.tp, pair, prof)
+        return max(C.group_price("send_recv", n, pair, prof) for pair in pairs), n
+    t = max(C.group_price("send_recv", n / lay.tp, pair, prof) for pair in pairs)
     sent = n / lay.tp
     if lay.tp > 1 and not lay.sp:
         t += C.group_price("all_gather", n, tuple(lay.tp_ranks()), prof)
