@@ -32,7 +32,7 @@ from ..parallel.dist_tensor import DistTensor
 from ..parallel.ops_table import load as _load_ops
 from ..parallel.ops_table.composites import COMPOSITES
 from ..parallel.ops_table.table import BY_FUNC
-from .graph import Graph, GraphBreak, Node, Ref
+from .graph import Graph, GraphBreak, Node, Ref, same_tuple
 from .guards import state_writes
 
 __all__ = ["capture", "CaptureError", "Broken", "break_from_export_error"]
@@ -76,8 +76,8 @@ def _extremum(kind):
     (``parallel.habits._extremum``): with a dim, ``(values, indices)`` from ``argmax`` /
     ``argmin`` (the first extreme, as torch's) and ``gather`` at it, so the gradient goes to
     that one element; with a tensor, ``maximum`` / ``minimum``.  ``max(x)`` over every dim
-    is left to break the graph: its gradient (torch's even share among NaNs) is the eager
-    ``extreme_grad`` Function's, which no table op records."""
+    is recorded by the tracer as the eager call itself (``_Tracer``: an ``amax`` node whose
+    call is ``max``, so the run takes eager's even gradient among ties and NaNs)."""
     arg, pair = (torch.argmax, torch.maximum) if kind == "max" else (torch.argmin, torch.minimum)
     result = getattr(torch.return_types, kind)
 
@@ -207,8 +207,7 @@ def _swap(tree, fn):
     if isinstance(tree, torch.Tensor):
         return fn(tree)
     if isinstance(tree, tuple):
-        vals = [_swap(x, fn) for x in tree]
-        return type(tree)(*vals) if hasattr(tree, "_fields") else tuple(vals)
+        return same_tuple(tree, [_swap(x, fn) for x in tree])
     if isinstance(tree, list):
         return [_swap(x, fn) for x in tree]
     if isinstance(tree, dict):
@@ -329,6 +328,16 @@ class _Tracer(TorchFunctionMode):
                     out = None if adv is None else index_with(args[0], *adv)
             if out is not None:
                 return out
+        if hit is None and func in _EXTREMA and len(args) == 1 and not kwargs and \
+                isinstance(args[0], torch.Tensor) and args[0].numel():
+            # ``x.max()``: over every dim, the eager call itself (habits._extremum: amax
+            # over every dim, with torch's even gradient among ties and NaNs where it is
+            # needed, extreme_grad.py), recorded as the ``amax`` / ``amin`` it places
+            red = torch.amax if func in (torch.max, T.max) else torch.amin
+            entry, parse = BY_FUNC[red]
+            x = args[0]
+            return self._record(func, entry, parse, args, kwargs, leaves,
+                                parse_as=((x, tuple(range(x.ndim))), {}))
         if hit is None and func in _EXTREMA:
             with self:
                 out = _EXTREMA[func](*args, **kwargs)
@@ -368,6 +377,12 @@ class _Tracer(TorchFunctionMode):
                     "function", where=(f, line, code))
             return out                     # metadata: sizes, dims, dtypes
         entry, parse = hit
+        return self._record(func, entry, parse, args, kwargs, leaves)
+
+    def _record(self, func, entry, parse, args, kwargs, leaves, parse_as=None):
+        """Run ``func`` on the meta tensors and record it as a node of ``entry``;
+        ``parse_as``: (args, kwargs) the entry's parse reads instead of the call's (a
+        ``max()`` recorded as ``amax`` over every dim)."""
         # constants (buffers, tensors made inside) become replicated values
         for t in leaves:
             if id(t) not in self.ids:
@@ -384,6 +399,8 @@ class _Tracer(TorchFunctionMode):
         margs, mkw = _swap(args, to_meta), _swap(kwargs, to_meta)
         rargs, rkw = _swap(args, to_ref), _swap(kwargs, to_ref)     # before outputs register
         out = func(*margs, **mkw)
+        if parse_as is not None:
+            margs, mkw = _swap(parse_as[0], to_meta), _swap(parse_as[1], to_meta)
         ins, attrs = parse(*margs, **mkw)
         g = self.g
         inputs = []

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Ref", "Value", "Node", "Graph", "GraphBreak", "map_refs"]
+__all__ = ["Ref", "Value", "Node", "Graph", "GraphBreak", "map_refs", "same_tuple"]
 
 
 @dataclass(frozen=True)
@@ -143,13 +143,23 @@ class Graph:
         return "\n".join(lines)
 
 
+def same_tuple(tree: tuple, vals):
+    """``vals`` as a tuple of ``tree``'s kind: a namedtuple's, or a structseq's
+    (``torch.return_types.max``: ``.values`` / ``.indices``, as eager returns it), else a
+    plain tuple."""
+    if hasattr(tree, "_fields"):
+        return type(tree)(*vals)
+    if hasattr(type(tree), "n_fields"):          # a structseq takes one sequence
+        return type(tree)(list(vals))
+    return tuple(vals)
+
+
 def map_refs(tree, fn):
     """``tree`` with every :class:`Ref` replaced by ``fn(ref)`` (tuples, lists, dicts)."""
     if isinstance(tree, Ref):
         return fn(tree)
     if isinstance(tree, tuple):
-        vals = [map_refs(x, fn) for x in tree]
-        return type(tree)(*vals) if hasattr(tree, "_fields") else tuple(vals)
+        return same_tuple(tree, [map_refs(x, fn) for x in tree])
     if isinstance(tree, list):
         return [map_refs(x, fn) for x in tree]
     if isinstance(tree, dict):

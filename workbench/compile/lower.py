@@ -204,15 +204,19 @@ def _bucketed(arg, graph, n, st, mesh, gb):
     here, behind their buckets' markers (``buckets.py``)."""
     from ..parallel import layout
     from .graph import Ref
+    # (a "fresh" input, dropout's mask, is made by the op's parse on each call: no value
+    # of the program holds it, and no gradient is reduced for it)
+    fresh = {v for v in n.inputs if v is not None and graph.values[v].kind == "fresh"}
     if not all(layout.is_even(tuple(r.shape), mesh, req) for r, req in
-               zip([arg(Ref(v)) if v is not None else None for v in n.inputs], st.inputs)
+               zip([arg(Ref(v)) if v is not None and v not in fresh else None
+                    for v in n.inputs], st.inputs)
                if r is not None and req is not None) or \
             not all(layout.is_even(tuple(graph.values[o].shape), mesh, ps)
                     for o, ps in zip(n.outs, st.outputs)):
         return arg                       # uneven shards: the dispatcher runs it per rank
     swap = {}
     for pos, vid in enumerate(n.inputs):
-        axes = () if vid is None else gb.axes(n.nid, pos)
+        axes = () if vid is None or vid in fresh else gb.axes(n.nid, pos)
         if not axes or vid in swap:
             continue
         t = arg(Ref(vid))

@@ -40,7 +40,7 @@ from ..sim_mesh.trace import current_trace
 from . import passes as _passes
 from .arguments import positional
 from .capture import Broken, CaptureError, capture
-from .graph import GraphBreak
+from .graph import GraphBreak, same_tuple
 from .guards import (Frozen, bind_attributes, check_hooks, check_no_mode, snapshot,
                      check_module_tree, check_parameter, check_training_flags, hook_keys,
                      module_tree, tensor_attributes, training_flags)
@@ -94,8 +94,7 @@ def _fulls(tree):
     if isinstance(tree, DistTensor):
         return tree.full()
     if isinstance(tree, tuple):
-        vals = [_fulls(x) for x in tree]
-        return type(tree)(*vals) if hasattr(tree, "_fields") else tuple(vals)
+        return same_tuple(tree, [_fulls(x) for x in tree])
     if isinstance(tree, list):
         return [_fulls(x) for x in tree]
     if isinstance(tree, dict):

@@ -49,6 +49,7 @@ FAMILIES += ("datadep",)            # masked_select / nonzero / unique / x[mask]
 FAMILIES += ("conv", "pool", "batch_norm", "group_norm")   # CNNs: conv, pooling, BN / GN / IN
 FAMILIES += ("take",)               # torch.take: the input whole, the index sharded
 FAMILIES += ("quantile", "searchsorted")    # order statistics; binary search in a sorted dim
+FAMILIES += ("index_bounds",)     # a computed index checked where its values are known
 
 
 def load():

@@ -1,0 +1,170 @@
+"""``wb.compile`` on programs users write (helper compile10): each held to the same
+program run eagerly on the same DistTensors and to plain torch on one device (values,
+gradients, dtypes, errors' types and messages)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import workbench as wb
+from workbench.parallel import Replicate, Shard
+from workbench.parallel.ops_table.index_bounds import wrap_indices
+
+MESH = wb.init_device_mesh("cpu", (4,))
+M2 = wb.init_device_mesh("cpu", (2,))
+# ties within a rank's shard and across ranks (Shard(1) on 4 ranks: two columns each)
+X = torch.tensor([[3., 3., 1., 3., 0., 2., 1., 0.],
+                  [0., -1., 5., 5., 2., 2., 7., 7.],
+                  [1., 2., 3., 4., 7., 6., 7., 7.]])
+XN = X.clone()
+XN[1, 3] = XN[2, 5] = float("nan")
+
+
+def _error(fn, *args):
+    try:
+        fn(*args)
+    except Exception as e:      # noqa: BLE001 (the type and message are what is compared)
+        return type(e), str(e)
+    raise AssertionError("no error")
+
+
+# ---- max() / min() over every dim: captured, with eager's gradient (ties, NaN) --------
+
+@pytest.mark.parametrize("values", ["ties", "nan", "neg"])
+@pytest.mark.parametrize("pl", [Shard(0), Shard(1), Replicate()], ids=str)
+@pytest.mark.parametrize("level", ["O0", "O2"])
+def test_max_min_over_every_dim_are_captured_with_torchs_gradient(values, pl, level):
+    # before: max() broke the graph (the program ran eagerly)
+    base = {"ties": X, "nan": XN, "neg": -X}[values]
+
+    def fn(t):
+        return t.max() * 2 - torch.min(t) + t.sum(0).max()
+    xr = base.clone().requires_grad_()
+    ref = fn(xr)
+    ref.backward()
+    x = wb.distribute_tensor(base.clone(), MESH, [pl]).requires_grad_()
+    prog = wb.compile(fn, x, level=level)
+    assert prog.breaks == []
+    assert [n.op for n in prog.graph.nodes].count("amax") == 2
+    out = prog(x)
+    out.backward()
+    xe = wb.distribute_tensor(base.clone(), MESH, [pl]).requires_grad_()
+    fn(xe).backward()
+    assert torch.equal(out.full_tensor(), ref) or (ref.isnan() and out.full_tensor().isnan())
+    assert torch.equal(x.grad.full_tensor(), xe.grad.full_tensor())
+    assert torch.equal(x.grad.full_tensor(), xr.grad)
+
+
+def test_max_over_every_dim_without_grad_and_of_ints():
+    x = wb.distribute_tensor(X.clone(), MESH, [Shard(1)])
+    prog = wb.compile(lambda t: (t.max(), (t * 2).long().min()), x)
+    assert prog.breaks == []
+    a, b = prog(x)
+    assert torch.equal(a.full_tensor(), X.max())
+    assert b.dtype == torch.long and torch.equal(b.full_tensor(), (X * 2).long().min())
+
+
+# ---- an index the program computes: torch's IndexError where it runs ------------------
+
+IDX = torch.tensor([1, 0])
+INDEXING = {
+    "i + 4": (lambda x, i: x[i + 4], IDX),                      # past the end
+    "i - 5": (lambda x, i: x[i - 5], IDX),                      # before -n
+    "i - 2 (in bounds)": (lambda x, i: x[i - 2], IDX),          # negative, wrapped
+    "x[:, i * 9]": (lambda x, i: x[:, i * 9], IDX),             # dimension 0 (of the indices)
+    "x[i, i * 9]": (lambda x, i: x[i, i * 9], IDX),             # the first element's dim 1
+    "x[i * 5, i * 9]": (lambda x, i: x[i * 5, i * 9], IDX),     # torch names dim 0's first
+    "x[0, :, i + 8]": (lambda x, i: x[0, :, i + 8].sum(), IDX),
+    "index_select 0": (lambda x, i: torch.index_select(x, 0, i + 3), IDX),
+    "index_select 1": (lambda x, i: torch.index_select(x, 1, i * 8), IDX),
+}
+
+
+@pytest.mark.parametrize("name", sorted(INDEXING))
+@pytest.mark.parametrize("pl", [Shard(0), Shard(1), Replicate()], ids=str)
+def test_a_computed_index_out_of_bounds_raises_torchs_error(name, pl):
+    # before: the compiled x[i + 4] raised index_select's RuntimeError ("INDICES element
+    # is out of DATA bounds") where torch and eager raise IndexError
+    fn, i = INDEXING[name]
+    base = torch.arange(24.).reshape(3, 8) if "0, :" not in name else \
+        torch.arange(48.).reshape(2, 3, 8)
+    x = wb.distribute_tensor(base, M2, [pl])
+    prog = wb.compile(fn, x, i)
+    assert prog.breaks == []
+    try:
+        ref = fn(base, i)
+    except Exception as e:      # noqa: BLE001
+        want = (type(e), str(e))
+        assert _error(prog, x, i) == want
+        assert _error(fn, x, i) == want                 # eager, the same
+        return
+    assert torch.equal(prog(x, i).full_tensor(), ref)
+    assert torch.equal(fn(x, i).full_tensor(), ref)
+
+
+def test_eager_index_messages_and_negative_distributed_indices_are_torchs():
+    base = torch.arange(12.).reshape(3, 4)
+    x = wb.distribute_tensor(base, M2, [Shard(0)])
+    # torch names the index tensor (dimension 0), not x's dim; the first bad element
+    for idx in ((slice(None), torch.tensor([9])), torch.tensor([-5, 7])):
+        assert _error(lambda t: t[idx], x) == _error(lambda t: t[idx], base)
+    # a DistTensor index: negative ones wrap (an index_select error before)
+    i = wb.distribute_tensor(torch.tensor([-1, 1, -3]), M2, [Replicate()])
+    assert torch.equal(x[i].full_tensor(), base[torch.tensor([-1, 1, -3])])
+    bad = wb.distribute_tensor(torch.tensor([1, 3]), M2, [Replicate()])
+    assert _error(lambda t: t[bad], x) == (IndexError, "index 3 is out of bounds for "
+                                                       "dimension 0 with size 3")
+
+
+@pytest.mark.parametrize("pl", [Shard(0), Shard(1), Replicate()], ids=str)
+def test_wrap_indices_op_on_every_placement(pl):
+    s = torch.tensor([[0, -1], [2, 1], [-3, 0], [1, -2]])
+    d = wb.distribute_tensor(s, M2, [pl])
+    out = wrap_indices(d, (3, 2))
+    assert out.dtype == torch.long and torch.equal(out.full_tensor(), wrap_indices(s, (3, 2)))
+    assert torch.equal(wrap_indices(s, (3, 2)), torch.tensor([[0, 1], [2, 1], [0, 0], [1, 0]]))
+    bad = wb.distribute_tensor(torch.tensor([[0, 1], [1, 2], [3, 0]]), M2, [pl])
+    with pytest.raises(IndexError, match="index 2 is out of bounds for dimension 1 with size 2"):
+        wrap_indices(bad, (3, 2))
+
+
+# ---- what the program returns ------------------------------------------------------------
+
+def test_structseq_results_keep_their_type():
+    # before: a compiled x.max(dim=1) returned a plain tuple (no .values / .indices)
+    x = wb.distribute_tensor(X.clone(), M2, [Shard(0)])
+    for fn in (lambda t: (t * 2).max(dim=1), lambda t: torch.sort(t, 1),
+               lambda t: {"k": [torch.topk(t, 2)]}):
+        prog = wb.compile(fn, x)
+        assert prog.breaks == []
+        got, want = prog(x), fn(x)
+        if isinstance(want, dict):
+            got, want = got["k"][0], want["k"][0]
+        assert type(got) is type(want)
+        assert torch.equal(got.indices.full_tensor(), want.indices.full_tensor())
+
+
+# ---- random ops -----------------------------------------------------------------------------
+
+def test_dropout_at_o2_runs_and_draws_as_eager():
+    # before: O2's gradient buckets looked dropout's mask (made on each call) up among the
+    # program's values: KeyError
+    torch.manual_seed(0)
+    w = torch.randn(6, 6)
+
+    def fn(x, w):
+        return F.dropout(x @ w, 0.5, training=True).sum(1)
+    x = wb.distribute_tensor(torch.randn(4, 6), M2, [Shard(0)])
+    wd = wb.distribute_tensor(w.clone(), M2, [Replicate()]).requires_grad_()
+    we = wb.distribute_tensor(w.clone(), M2, [Replicate()]).requires_grad_()
+    prog = wb.compile(fn, x, wd, level="O2")
+    torch.manual_seed(5)
+    out = prog(x, wd)
+    torch.manual_seed(5)
+    ref = fn(x, we)
+    assert torch.equal(out.full_tensor(), ref.full_tensor())
+    out.sum().backward()
+    ref.sum().backward()
+    # (the whole-graph placements may sum the weight's gradient in another order)
+    torch.testing.assert_close(wd.grad.full_tensor(), we.grad.full_tensor())
