@@ -168,3 +168,49 @@ def test_dropout_at_o2_runs_and_draws_as_eager():
     ref.sum().backward()
     # (the whole-graph placements may sum the weight's gradient in another order)
     torch.testing.assert_close(wd.grad.full_tensor(), we.grad.full_tensor())
+
+
+# ---- the course's models ------------------------------------------------------------------
+
+def test_a_compiled_moe_model_runs_twice_and_reports_its_routing():
+    # before: the second call was refused ("module attribute layers.0.mlp._last was None
+    # at capture and is now [...]"): the guard held the routing the program itself records
+    from workbench.models import build_model, get_config
+    cfg = get_config("tiny", moe_experts=4, moe_topk=2, n_layer=1)
+    mesh = wb.Mesh.grid((1, 2), ("dp", "tp"))
+
+    def make():
+        m = build_model(cfg, seed=0)
+        return wb.parallelize(m, mesh, m.tp_plan(2), mesh_dim="tp")
+    me, mc = make(), make()
+    g = torch.Generator().manual_seed(0)
+    prog = None
+    for _ in range(2):
+        ids, tg = (wb.shard_tensor(torch.randint(0, cfg.vocab_size, (2, 16), generator=g),
+                                   mesh, [Shard(0), Replicate()]) for _ in range(2))
+        prog = prog or wb.compile(mc, ids, tg, level="O0")
+        assert prog.breaks == []
+        le, lc = me(ids, tg)[1], prog(ids, tg)[1]
+        assert torch.equal(lc.full_tensor(), le.full_tensor())
+        se, sc = me.layers[0].mlp.last_stats, mc.layers[0].mlp.last_stats
+        assert se.keys() == sc.keys()
+        for k in se:
+            assert torch.equal(torch.as_tensor(sc[k]), torch.as_tensor(se[k])), k
+
+
+# ---- gradient modes inside the program ------------------------------------------------------
+
+def test_inference_mode_inside_the_program_is_kept():
+    # before: torch.export dropped the inference_mode region: the compiled output required
+    # grad (and backward reached x through it) where eager's and torch's do not
+    def fn(x):
+        with torch.inference_mode():
+            y = x * 3
+        return y + 1
+    xr = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    x = wb.distribute_tensor(xr.detach().clone(), M2, [Shard(0)]).requires_grad_()
+    prog = wb.compile(fn, x)
+    assert prog.breaks == []
+    out, ref = prog(x), fn(xr)
+    assert out.requires_grad is ref.requires_grad is False
+    assert torch.equal(out.full_tensor(), ref)

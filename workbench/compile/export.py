@@ -151,6 +151,26 @@ class _Fn(nn.Module):
         return self.fn(*args)
 
 
+@contextlib.contextmanager
+def _inference_mode_seen():
+    """Yields a list that holds True once the program entered ``torch.inference_mode()``:
+    export keeps no trace of it (its ops come out as if gradients were on: the output
+    required grad where eager's does not), so such a program is traced instead, which
+    records the region's ops as called without gradients."""
+    cls = torch.autograd.grad_mode.inference_mode
+    orig, seen = cls.__dict__["__enter__"], []
+
+    def enter(self):
+        if self.mode:
+            seen.append(True)
+        return orig(self)
+    cls.__enter__ = enter
+    try:
+        yield seen
+    finally:
+        cls.__enter__ = orig
+
+
 def capture_export(fn, args):
     if any(isinstance(a, (list, tuple, dict)) for a in args):
         raise Unmapped("an argument is a list, tuple or dict (export flattens it)")
@@ -166,13 +186,16 @@ def capture_export(fn, args):
                 # export's own advice (e.g. "tensor attributes assigned during export"):
                 # capture reports what it does with such code itself (guards.py)
                 warnings.simplefilter("ignore", UserWarning)
-                ep = torch.export.export(module, tuple(margs), strict=False)
+                with _inference_mode_seen() as inference:
+                    ep = torch.export.export(module, tuple(margs), strict=False)
         except Exception as e:               # noqa: BLE001 (what export says is the report)
             brk = break_from_export_error(e)
             if brk is not None:
                 raise Broken(brk) from None
             raise Unmapped(f"torch.export failed ({type(e).__name__}: "
                            f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
+    if inference:
+        raise Unmapped("torch.inference_mode() inside the program (export drops it)")
     sig = ep.graph_signature
     env = Env()                 # fx node name -> Ref (or tuple of Refs)
     metas = {}                   # vid -> meta tensor

@@ -192,6 +192,17 @@ class CompiledProgram:
             self._tree = module_tree(self.module)
             self._attrs = tensor_attributes(self.module, graph.consts)
         self._frozen = Frozen(fn, graph.consts)
+        if self.module is not None and graph.stats_layers:
+            # what the program itself writes on each call (a MoE layer's last routing,
+            # ``record_stats``) is no value the graph read: its change is no reason to
+            # refuse the next call (it refused the second call of a compiled MoE model)
+            mine = {id(m) for m in graph.stats_layers}
+            for mname, mod in self.module.named_modules(remove_duplicate=False):
+                if id(mod) in mine:
+                    for a in getattr(mod, "STATS_WRITES", ()):
+                        label = f"module attribute {mname + '.' if mname else ''}{a}"
+                        self._frozen.scalars.pop(label, None)
+                        self._frozen.objects.pop(label, None)
         self._hooks = hook_keys(fn)
         if level != "O0":
             graph = _passes.run_graph_passes(self, graph)
