@@ -214,3 +214,90 @@ def test_inference_mode_inside_the_program_is_kept():
     out, ref = prog(x), fn(xr)
     assert out.requires_grad is ref.requires_grad is False
     assert torch.equal(out.full_tensor(), ref)
+
+
+# ---- what the code asks of autograd, of the generator and of its own Python state ---------
+
+def _d(t, rg=False, pl=Replicate()):
+    return wb.distribute_tensor(t.clone(), M2, [pl]).requires_grad_(rg)
+
+
+XS = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+
+
+def _by_requires_grad(x):
+    return x * 2 if x.requires_grad else x * 3
+
+
+def _by_grad_mode(x):
+    return x * 2 if torch.is_grad_enabled() else x * 3
+
+
+def _by_leaf(x):
+    return x * 2 if x.is_leaf else x + 1
+
+
+@pytest.mark.parametrize("fn, other", [
+    (_by_requires_grad, lambda: _d(XS)),
+    (_by_leaf, lambda: _d(XS, rg=True) * 1),
+], ids=["requires_grad", "is_leaf"])
+def test_a_branch_on_an_inputs_autograd_state_is_guarded(fn, other):
+    # before: called with x.requires_grad False (or a non-leaf), the graph ran the branch
+    # of the capture's (x * 2; eager x * 3): 1.13 off, silently
+    prog = wb.compile(fn, _d(XS, rg=True))
+    assert torch.equal(prog(_d(XS, rg=True)).full_tensor(), fn(XS.clone().requires_grad_()))
+    with pytest.raises(ValueError, match="its code read .* at capture .*compile it again"):
+        prog(other())
+
+
+def test_a_branch_on_the_grad_mode_is_guarded_and_code_that_reads_none_is_not():
+    prog = wb.compile(_by_grad_mode, _d(XS))
+    assert torch.equal(prog(_d(XS)).full_tensor(), XS * 2)
+    with torch.no_grad(), pytest.raises(ValueError, match="gradients were on at capture"):
+        prog(_d(XS))
+    plain = wb.compile(lambda x: x * 2, _d(XS))
+    assert not plain.graph.autograd_reads
+    with torch.no_grad():
+        assert torch.equal(plain(_d(XS, rg=True)).full_tensor(), XS * 2)
+    assert plain(_d(XS, rg=True)).requires_grad
+
+
+_CALLS = [0]
+
+
+def _counts(x):
+    _CALLS[0] += 1
+    return x * _CALLS[0]
+
+
+def test_a_program_that_writes_python_state_runs_eagerly_and_capture_leaves_it():
+    # before: the graph held the capture's count (x * 1 on every call; eager x * 2, x * 3)
+    _CALLS[0] = 0
+    k = 0
+
+    def closure(x):
+        nonlocal k
+        k += 1
+        return x * k
+    for fn, count in ((_counts, lambda: _CALLS[0]), (closure, lambda: k)):
+        prog = wb.compile(fn, _d(XS))
+        assert "writes Python state" in prog.breaks[0].reason
+        assert count() == 0                                   # put back after capture
+        prog(_d(XS))
+        assert torch.equal(prog(_d(XS)).full_tensor(), XS * 2) and count() == 2
+
+
+def _reseeds(x):
+    torch.manual_seed(0)
+    return F.dropout(x, 0.5)
+
+
+def test_a_program_that_reseeds_the_generator_runs_eagerly():
+    # before: the graph drew on from the generator's state (each eager call restarts at 0)
+    prog = wb.compile(_reseeds, _d(XS))
+    assert "reseeds the random generator" in prog.breaks[0].reason
+    torch.manual_seed(3)
+    a = prog(_d(XS))
+    torch.manual_seed(4)
+    assert torch.equal(a.full_tensor(), prog(_d(XS)).full_tensor())
+    assert torch.equal(a.full_tensor(), _reseeds(XS.clone()))

@@ -34,6 +34,7 @@ from ..parallel.ops_table.composites import COMPOSITES
 from ..parallel.ops_table.table import BY_FUNC
 from .graph import Graph, GraphBreak, Node, Ref, same_tuple
 from .guards import state_writes
+from .reads import TENSOR_READS, from_library, autograd_reads, python_writes, rng_reseeds_refused
 
 __all__ = ["capture", "CaptureError", "Broken", "break_from_export_error"]
 
@@ -291,6 +292,9 @@ class _Tracer(TorchFunctionMode):
         kwargs = kwargs or {}
         leaves = _leaves((args, kwargs), [])
         traced = any(id(t) in self.ids for t in leaves)
+        if traced and func in TENSOR_READS and not from_library(1):   # a branch may
+            # follow it (reads.py)
+            self.g.autograd_reads.add(TENSOR_READS[func])
         if func in _RANDOM:
             f, line, code = _user_frame()
             raise CaptureError(f"{func.__name__} at {f}:{line} ({code}) draws random numbers "
@@ -550,16 +554,24 @@ def capture(fn, args, method: str = "auto"):
     # captures the program, not the mode): a no_grad block inside the program is then
     # its nodes' ``grad=False``, and the run calls them so (as eager does)
     from ..ops.moe import stats_sink
-    with state_writes(fn) as writes, torch.enable_grad(), _custom_functions_refused(), \
-            stats_sink() as layers:
+    with state_writes(fn) as writes, python_writes(fn) as globals_written, \
+            autograd_reads() as (asked, watch), rng_reseeds_refused(_reseed_error), \
+            torch.enable_grad(), _custom_functions_refused(), stats_sink() as layers:
         try:
-            out = _capture(fn, args, method)
+            out = _capture(fn, args, method, watch)
         except Broken:
             if writes:                     # the write came first: name it
                 raise _state_error(writes) from None
             raise
     if writes:
         raise _state_error(writes)
+    if globals_written:
+        raise CaptureError(f"the program writes Python state ({', '.join(globals_written[:3])}"
+                           "): a captured graph would not repeat the write on each call; "
+                           "it runs eagerly (the values are as they were before the "
+                           "capture; return the new value instead, or keep such state "
+                           "outside the compiled function)")
+    out[0].autograd_reads |= set(asked)
     if layers:
         # a mixture-of-experts layer keeps its last routing (MoE.last_stats): the program
         # hands it its router_topk node's outputs on each call, one node per layer call
@@ -604,18 +616,26 @@ def _custom_functions_refused():
         base.apply = orig
 
 
+def _reseed_error(name):
+    f, line, code = _user_frame()
+    return CaptureError(f"torch.{name} at {f}:{line} ({code}) reseeds the random generator "
+                        "inside the program: each eager call restarts its draws there, a "
+                        "captured graph would draw on; the program runs eagerly (seed "
+                        "outside the compiled function)", where=(f, line, code))
+
+
 def _state_error(writes):
     return CaptureError(f"the forward sets module state ({', '.join(writes[:3])}): a "
                         "captured graph would not repeat the write on each call; the module "
                         "runs eagerly (keep such state outside forward, or return it)")
 
 
-def _capture(fn, args, method):
+def _capture(fn, args, method, watch):
     notes = []
     if method in ("auto", "export"):
         from .export import capture_export, Unmapped
         try:
-            return capture_export(fn, args)
+            return capture_export(fn, args, watch)
         except Unmapped as e:
             if method == "export":
                 raise CaptureError(str(e)) from None

@@ -171,7 +171,7 @@ def _inference_mode_seen():
         cls.__enter__ = orig
 
 
-def capture_export(fn, args):
+def capture_export(fn, args, watch=None):
     if any(isinstance(a, (list, tuple, dict)) for a in args):
         raise Unmapped("an argument is a list, tuple or dict (export flattens it)")
     module = fn if isinstance(fn, nn.Module) else _Fn(fn)
@@ -186,7 +186,8 @@ def capture_export(fn, args):
                 # export's own advice (e.g. "tensor attributes assigned during export"):
                 # capture reports what it does with such code itself (guards.py)
                 warnings.simplefilter("ignore", UserWarning)
-                with _inference_mode_seen() as inference:
+                with _inference_mode_seen() as inference, \
+                        (watch() if watch is not None else contextlib.nullcontext()):
                     ep = torch.export.export(module, tuple(margs), strict=False)
         except Exception as e:               # noqa: BLE001 (what export says is the report)
             brk = break_from_export_error(e)

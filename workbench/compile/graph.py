@@ -96,6 +96,8 @@ class Graph:
     stats_layers: list = field(default_factory=list)  # the layers given each router_topk
                                                     # node's routing on each call, in order
                                                     # (models.moe.MoE.record_stats)
+    autograd_reads: set = field(default_factory=set)  # what the code asked of autograd
+                                                    # (reads.py): guarded on each call
 
     def value(self, shape, dtype, kind, name, producer=None, requires_grad=False) -> int:
         v = Value(len(self.values), torch.Size(shape), dtype, kind, name, producer,

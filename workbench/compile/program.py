@@ -46,6 +46,7 @@ from .guards import (Frozen, bind_attributes, check_hooks, check_no_mode, snapsh
                      module_tree, tensor_attributes, training_flags)
 from .lower import Reshard, execute_program, lower
 from .propagate import greedy, propagate
+from .reads import autograd_state, describe_change
 
 __all__ = ["compile", "CompiledProgram", "LEVELS"]
 
@@ -192,6 +193,12 @@ class CompiledProgram:
             self._tree = module_tree(self.module)
             self._attrs = tensor_attributes(self.module, graph.consts)
         self._frozen = Frozen(fn, graph.consts)
+        # the code read autograd's state (reads.py): the capture's answer is a guard
+        # (its grad mode: on, as capture runs)
+        self._autograd = None
+        if graph.autograd_reads:
+            ins, params, _ = autograd_state(example_inputs, self.module)
+            self._autograd = (ins, params, True)
         if self.module is not None and graph.stats_layers:
             # what the program itself writes on each call (a MoE layer's last routing,
             # ``record_stats``) is no value the graph read: its change is no reason to
@@ -290,6 +297,15 @@ class CompiledProgram:
             check_training_flags(self.module, self._modes)
         check_no_mode()
         check_hooks(self.fn, self._hooks)
+        if self._autograd is not None:
+            now = autograd_state(args, self.module)
+            if now != self._autograd:
+                raise ValueError(
+                    "compiled program: its code read "
+                    f"{', '.join(sorted(self.graph.autograd_reads))} at capture (a Python "
+                    "branch may follow it), and this call answers otherwise: "
+                    f"{describe_change(self._autograd, now)}; compile it again for such "
+                    "calls (or call it as at capture)")
         g = self.graph
         bind = {}
         tensors = [a for a in args if isinstance(a, (torch.Tensor, DistTensor))]
