@@ -301,3 +301,26 @@ def test_a_program_that_reseeds_the_generator_runs_eagerly():
     torch.manual_seed(4)
     assert torch.equal(a.full_tensor(), prog(_d(XS)).full_tensor())
     assert torch.equal(a.full_tensor(), _reseeds(XS.clone()))
+
+
+def _autocast_inside(x, w):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = x @ w
+    return y.float().sum(1)
+
+
+@pytest.mark.parametrize("level", ["O0", "O1"])
+def test_autocast_inside_the_program_and_around_the_call(level):
+    # before: the graph ran the autocast region's matmul in float32 (0.04 off torch's,
+    # eager's bfloat16); a program compiled under autocast ran without it when exported
+    w = torch.randn(6, 6, generator=torch.Generator().manual_seed(2))
+    x, wd = _d(XS), _d(w)
+    prog = wb.compile(_autocast_inside, x, wd, level=level)
+    assert torch.equal(prog(x, wd).full_tensor(), _autocast_inside(XS, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match="another torch.autocast state"):
+            prog(x, wd)
+        under = wb.compile(lambda a, b: (a @ b).sum(1), x, wd, level="O0")
+        got = under(x, wd)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.full_tensor(), (XS @ w).sum(1))

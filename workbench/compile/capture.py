@@ -34,7 +34,7 @@ from ..parallel.ops_table.composites import COMPOSITES
 from ..parallel.ops_table.table import BY_FUNC
 from .graph import Graph, GraphBreak, Node, Ref, same_tuple
 from .guards import state_writes
-from .reads import TENSOR_READS, from_library, autograd_reads, python_writes, rng_reseeds_refused
+from .reads import TENSOR_READS, amp_state, from_library, autograd_reads, python_writes, rng_reseeds_refused
 
 __all__ = ["capture", "CaptureError", "Broken", "break_from_export_error"]
 
@@ -431,7 +431,7 @@ class _Tracer(TorchFunctionMode):
                             f"{os.path.basename(f)}:{line}  {code}",
                             in_consts=tuple(None if isinstance(x, torch.Tensor) else x
                                             for x in ins),
-                            grad=torch.is_grad_enabled()))
+                            grad=torch.is_grad_enabled(), amp=amp_state()))
         return out
 
 

@@ -31,6 +31,7 @@ from .capture import Broken, _meta_like, break_from_export_error, _swap, meta_tw
     meta_buffers
 from .export_consts import Const, Env, node_args, view_of_const
 from .export_ops import ADAPT as _KEPT_WHOLE, Unmapped, kept_whole
+from .reads import amp_state
 
 __all__ = ["capture_export", "Unmapped", "ADAPT"]
 
@@ -338,4 +339,5 @@ def _map_node(g, node, env, metas):
             break
     g.nodes.append(Node(nid, entry.name, func, args, kwargs, inputs, dict(attrs), tuple(outs),
                         tree, src, in_consts=tuple(None if isinstance(x, torch.Tensor) else x
-                                                   for x in ins)))
+                                                   for x in ins),
+                        amp=amp_state()))     # the caller's autocast: export keeps no cast

@@ -56,6 +56,8 @@ class Node:
     in_consts: tuple = ()       # per rule input: the non-tensor value (None for tensors)
     grad: bool = True           # False: called under torch.no_grad() in the program (the
                                 # run calls it so too: no gradient flows through it)
+    amp: Any = None             # torch.autocast's dtype where the call ran under CPU autocast
+                                # (traced: the run calls it so too); None: without
 
     @property
     def name(self) -> str:

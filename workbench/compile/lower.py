@@ -185,7 +185,9 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
         args = map_refs(n.args, arg)
         kwargs = map_refs(n.kwargs, arg)
         with force_candidate(_pick(n, st)), \
-                (torch.no_grad() if not n.grad else contextlib.nullcontext()):
+                (torch.no_grad() if not n.grad else contextlib.nullcontext()), \
+                torch.autocast("cpu", enabled=n.amp is not None,
+                               dtype=n.amp if n.amp is not None else torch.bfloat16):
             out = dispatch(n.func, args, kwargs)     # the dispatcher, as DistTensor calls it
         if n.op == "router_topk" and graph.stats_layers:
             w, e, slot, aux = out

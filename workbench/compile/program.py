@@ -46,7 +46,7 @@ from .guards import (Frozen, bind_attributes, check_hooks, check_no_mode, snapsh
                      module_tree, tensor_attributes, training_flags)
 from .lower import Reshard, execute_program, lower
 from .propagate import greedy, propagate
-from .reads import autograd_state, describe_change
+from .reads import amp_state, autograd_state, describe_change
 
 __all__ = ["compile", "CompiledProgram", "LEVELS"]
 
@@ -193,6 +193,7 @@ class CompiledProgram:
             self._tree = module_tree(self.module)
             self._attrs = tensor_attributes(self.module, graph.consts)
         self._frozen = Frozen(fn, graph.consts)
+        self._amp = amp_state()             # the caller's autocast at capture (reads.py)
         # the code read autograd's state (reads.py): the capture's answer is a guard
         # (its grad mode: on, as capture runs)
         self._autograd = None
@@ -297,6 +298,12 @@ class CompiledProgram:
             check_training_flags(self.module, self._modes)
         check_no_mode()
         check_hooks(self.fn, self._hooks)
+        if amp_state() != self._amp:
+            raise ValueError(
+                "compiled program called under another torch.autocast state than at "
+                f"capture (autocast dtype {self._amp} then, {amp_state()} now): the graph's "
+                "dtypes and placements were chosen for the capture's; compile it again "
+                "under this autocast (or call it as at capture)")
         if self._autograd is not None:
             now = autograd_state(args, self.module)
             if now != self._autograd:

@@ -29,7 +29,7 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["from_library", "autograd_reads", "autograd_state", "rng_reseeds_refused", "python_writes",
+__all__ = ["amp_state", "from_library", "autograd_reads", "autograd_state", "rng_reseeds_refused", "python_writes",
            "TENSOR_READS"]
 
 _T = torch.Tensor
@@ -113,6 +113,17 @@ def describe_change(was: tuple, now: tuple) -> str:
         out.append(f"gradients were {'on' if was[2] else 'off'} at capture and are "
                    f"{'on' if now[2] else 'off'} now")
     return "; ".join(out[:3]) + (" ..." if len(out) > 3 else "")
+
+
+def amp_state():
+    """The CPU autocast dtype now (``torch.autocast("cpu", ...)``), or None when it is off.
+    A traced op records it and runs under it (an autocast region inside the program: the
+    graph's matmul ran in float32 where eager's ran in bfloat16, 0.04 off); a compiled
+    program is called under the autocast state of its capture (TorchDynamo guards the
+    same global state), or refused."""
+    if not torch.is_autocast_enabled("cpu"):
+        return None
+    return torch.get_autocast_dtype("cpu")
 
 
 _SEEDS = ("manual_seed", "seed", "set_rng_state")
