@@ -257,6 +257,17 @@ def test_a_branch_on_the_grad_mode_is_guarded_and_code_that_reads_none_is_not():
         prog(_d(XS))
     plain = wb.compile(lambda x: x * 2, _d(XS))
     assert not plain.graph.autograd_reads
+
+    def enables(x):         # torch.enable_grad() asks the grad mode itself: no read
+        with torch.enable_grad():
+            y = x * 3
+        return y + 1
+    prog = wb.compile(enables, _d(XS, rg=True))
+    assert not prog.graph.autograd_reads
+    with torch.no_grad():         # (runs; y + 1 outside the block: no grad, as eager's)
+        got, want = prog(_d(XS, rg=True)), enables(_d(XS, rg=True))
+    assert got.requires_grad == want.requires_grad
+    assert torch.equal(got.full_tensor(), want.full_tensor())
     with torch.no_grad():
         assert torch.equal(plain(_d(XS, rg=True)).full_tensor(), XS * 2)
     assert plain(_d(XS, rg=True)).requires_grad

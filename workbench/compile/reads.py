@@ -42,14 +42,20 @@ _LIB = tuple(os.path.join(os.path.dirname(os.path.dirname(__file__)), d)
              for d in ("compile", "parallel", "sim_mesh"))
 
 
-def from_library(depth: int) -> bool:
-    """True when the code that asked (the first frame outside torch, from ``depth`` frames
-    up) is torch's or workbench's machinery, not the program's own code nor a model's."""
+def from_library(depth: int, through_torch: bool = True) -> bool:
+    """True when the code that asked (the frame ``depth`` up; with ``through_torch`` the
+    first one outside torch from there: a tensor attribute's getter reaches a mode through
+    torch's frames) is torch's or workbench's machinery, not the program's own code nor a
+    model's (``torch.enable_grad()`` asks the grad mode itself: not the program)."""
     f = sys._getframe(depth + 1)
-    while f is not None and (os.path.abspath(f.f_code.co_filename).startswith(_TORCH) or
-                             "/contextlib.py" in f.f_code.co_filename):
+    while through_torch and f is not None and (
+            os.path.abspath(f.f_code.co_filename).startswith(_TORCH) or
+            "/contextlib.py" in f.f_code.co_filename):
         f = f.f_back
-    return f is None or os.path.abspath(f.f_code.co_filename).startswith(_LIB)
+    if f is None:
+        return True
+    name = os.path.abspath(f.f_code.co_filename)
+    return name.startswith(_TORCH) or name.startswith(_LIB) or "/contextlib.py" in name
 
 
 class _Watch(TorchFunctionMode):
@@ -77,7 +83,7 @@ def autograd_reads():
     orig = torch.is_grad_enabled
 
     def is_grad_enabled():
-        if not from_library(1):
+        if not from_library(1, through_torch=False):
             seen.add("grad mode")
         return orig()
     torch.is_grad_enabled = is_grad_enabled
@@ -141,7 +147,7 @@ def rng_reseeds_refused(error):
             orig = getattr(mod, name)
 
             def refuse(*a, _orig=orig, _name=name, **k):
-                if not from_library(1):
+                if not from_library(1, through_torch=False):
                     raise error(_name)
                 return _orig(*a, **k)
             saved.append((mod, name, orig))
