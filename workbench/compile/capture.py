@@ -674,6 +674,15 @@ def _capture_trace(fn, args):
             raise
         except Exception as e:    # noqa: BLE001 (code that needs real DistTensors or data)
             where = _user_frame(e.__traceback__)     # the user's line that raised
+            if where[0] == "?":
+                # workbench's own code raised (a model's or a recipe's hook reading a
+                # DistTensor's placements): name its line rather than "?:0"
+                inner = [fr for fr in traceback.extract_tb(e.__traceback__)
+                         if not os.path.abspath(fr.filename).startswith(_TORCH)
+                         and not os.path.abspath(fr.filename).startswith(_HERE)]
+                if inner:
+                    fr = inner[-1]
+                    where = (fr.filename, fr.lineno or 0, (fr.line or "").strip())
             raise CaptureError(
                 "capture runs the program on meta tensors of the global shapes (plain "
                 f"tensors, no data) and it raised {type(e).__name__}: "
