@@ -350,3 +350,16 @@ def test_a_hybrid_models_break_names_the_library_line_that_raised():
     brk = prog.breaks[0]
     assert brk.file.endswith("tensor_parallel.py") and brk.line > 0 and "placements" in brk.code
     assert torch.equal(prog(ids, ids)[1].full_tensor(), m(ids, ids)[1].full_tensor())
+
+
+@pytest.mark.parametrize("pl", [Shard(0), Shard(1), Replicate()], ids=str)
+def test_gather_and_scatter_bound_errors_name_torchs_dim(pl):
+    # before: "... for dimension 2 with size 6" (the stacked tensor's dim) where torch says 1
+    base = torch.arange(24.).reshape(4, 6)
+    i = torch.tensor([[0, 1], [2, 3]])
+    for fn in (lambda x, i: torch.gather(x, 1, i * 4), lambda x, i: torch.gather(x, 0, i * 3),
+               lambda x, i: torch.scatter(x, 1, i * 4, 1.0)):
+        want = _error(fn, base, i)
+        x = wb.distribute_tensor(base, M2, [pl])
+        assert _error(fn, x, i) == want
+        assert _error(wb.compile(fn, x, i), x, i) == want

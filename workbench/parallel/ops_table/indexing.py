@@ -16,6 +16,9 @@ Per mesh dim:
 """
 from __future__ import annotations
 
+import contextlib
+import re
+
 import torch
 
 from ..placement import Partial, Replicate, Shard
@@ -59,7 +62,23 @@ def _gather_local(nd, ctx, x, index, dim):
     index = index.expand(lead + tuple(index.shape[nd:]))
     if x.dim() == nd:                 # 0-d x and index along dim 0 (as torch)
         return torch.gather(x.unsqueeze(-1), nd, index.unsqueeze(-1)).squeeze(-1)
-    return torch.gather(x, dim + nd, index)
+    with _global_dims(nd):
+        return torch.gather(x, dim + nd, index)
+
+
+@contextlib.contextmanager
+def _global_dims(nd):
+    """torch's bound error of a stacked call ("index 8 is out of bounds for dimension 2
+    with size 6") names the global dim, as the user's call of torch does (dimension 1)."""
+    try:
+        yield
+    except RuntimeError as e:
+        m = re.fullmatch(r"index (-?\d+) is out of bounds for dimension (\d+) with size (\d+)",
+                         str(e))
+        if m is None or int(m[2]) < nd:
+            raise
+        raise RuntimeError(f"index {m[1]} is out of bounds for dimension {int(m[2]) - nd} "
+                           f"with size {m[3]}") from None
 
 
 register("gather", [torch.gather, T.gather], parse=_gather_parse, rule=gather_rule,
@@ -101,9 +120,10 @@ def _scatter_local(nd, ctx, x, index, src, dim, value):
         x, index = x.unsqueeze(-1), index.reshape(lead + (1,))
         src = None if src is None else src.reshape(tuple(src.shape[:nd]) + (1,))
         return _scatter_local(nd, ctx, x, index, src, 0, value).squeeze(-1)
-    if src is None:
-        return torch.scatter(x, dim + nd, index, value)
-    return torch.scatter(x, dim + nd, index, src.expand(lead + tuple(src.shape[nd:])))
+    with _global_dims(nd):
+        if src is None:
+            return torch.scatter(x, dim + nd, index, value)
+        return torch.scatter(x, dim + nd, index, src.expand(lead + tuple(src.shape[nd:])))
 
 
 register("scatter", [torch.scatter, T.scatter], parse=_scatter_parse, rule=scatter_rule,
