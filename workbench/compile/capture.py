@@ -34,7 +34,8 @@ from ..parallel.ops_table.composites import COMPOSITES
 from ..parallel.ops_table.table import BY_FUNC
 from .graph import Graph, GraphBreak, Node, Ref, same_tuple
 from .guards import state_writes
-from .reads import TENSOR_READS, amp_state, from_library, autograd_reads, python_writes, rng_reseeds_refused
+from .reads import (TENSOR_READS, amp_state, autograd_reads, from_library, python_writes,
+                    rng_reseeds_refused)
 
 __all__ = ["capture", "CaptureError", "Broken", "break_from_export_error"]
 

@@ -29,8 +29,8 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["amp_state", "from_library", "autograd_reads", "autograd_state", "rng_reseeds_refused", "python_writes",
-           "TENSOR_READS"]
+__all__ = ["amp_state", "from_library", "autograd_reads", "autograd_state",
+           "describe_change", "rng_reseeds_refused", "python_writes", "TENSOR_READS"]
 
 _T = torch.Tensor
 # the tensor attributes whose answer a Python branch may follow (their getters, as a
