@@ -140,7 +140,9 @@ def runnable():
 
 # ops a sample of plain inputs cannot run: held to eager by their own tests
 ELSEWHERE = {"expert_parallel": "tests/test_fixlist16.py (an ExpertParallel dispatcher over "
-                                "an expert mesh, compiled against eager)"}
+                                "an expert mesh, compiled against eager)",
+            "wrap_indices": "tests/test_compile10.py (an integer index: the harness lays out "
+                            "floating inputs only)"}
 
 
 def test_every_op_in_the_table_has_a_sample_and_everything():

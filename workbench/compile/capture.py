@@ -32,8 +32,10 @@ from ..parallel.dist_tensor import DistTensor
 from ..parallel.ops_table import load as _load_ops
 from ..parallel.ops_table.composites import COMPOSITES
 from ..parallel.ops_table.table import BY_FUNC
-from .graph import Graph, GraphBreak, Node, Ref
+from .graph import Graph, GraphBreak, Node, Ref, same_tuple
 from .guards import state_writes
+from .reads import (TENSOR_READS, amp_state, autograd_reads, from_library, python_writes,
+                    rng_reseeds_refused)
 
 __all__ = ["capture", "CaptureError", "Broken", "break_from_export_error"]
 
@@ -76,8 +78,8 @@ def _extremum(kind):
     (``parallel.habits._extremum``): with a dim, ``(values, indices)`` from ``argmax`` /
     ``argmin`` (the first extreme, as torch's) and ``gather`` at it, so the gradient goes to
     that one element; with a tensor, ``maximum`` / ``minimum``.  ``max(x)`` over every dim
-    is left to break the graph: its gradient (torch's even share among NaNs) is the eager
-    ``extreme_grad`` Function's, which no table op records."""
+    is recorded by the tracer as the eager call itself (``_Tracer``: an ``amax`` node whose
+    call is ``max``, so the run takes eager's even gradient among ties and NaNs)."""
     arg, pair = (torch.argmax, torch.maximum) if kind == "max" else (torch.argmin, torch.minimum)
     result = getattr(torch.return_types, kind)
 
@@ -207,8 +209,7 @@ def _swap(tree, fn):
     if isinstance(tree, torch.Tensor):
         return fn(tree)
     if isinstance(tree, tuple):
-        vals = [_swap(x, fn) for x in tree]
-        return type(tree)(*vals) if hasattr(tree, "_fields") else tuple(vals)
+        return same_tuple(tree, [_swap(x, fn) for x in tree])
     if isinstance(tree, list):
         return [_swap(x, fn) for x in tree]
     if isinstance(tree, dict):
@@ -292,6 +293,9 @@ class _Tracer(TorchFunctionMode):
         kwargs = kwargs or {}
         leaves = _leaves((args, kwargs), [])
         traced = any(id(t) in self.ids for t in leaves)
+        if traced and func in TENSOR_READS and not from_library(1):   # a branch may
+            # follow it (reads.py)
+            self.g.autograd_reads.add(TENSOR_READS[func])
         if func in _RANDOM:
             f, line, code = _user_frame()
             raise CaptureError(f"{func.__name__} at {f}:{line} ({code}) draws random numbers "
@@ -329,6 +333,16 @@ class _Tracer(TorchFunctionMode):
                     out = None if adv is None else index_with(args[0], *adv)
             if out is not None:
                 return out
+        if hit is None and func in _EXTREMA and len(args) == 1 and not kwargs and \
+                isinstance(args[0], torch.Tensor) and args[0].numel():
+            # ``x.max()``: over every dim, the eager call itself (habits._extremum: amax
+            # over every dim, with torch's even gradient among ties and NaNs where it is
+            # needed, extreme_grad.py), recorded as the ``amax`` / ``amin`` it places
+            red = torch.amax if func in (torch.max, T.max) else torch.amin
+            entry, parse = BY_FUNC[red]
+            x = args[0]
+            return self._record(func, entry, parse, args, kwargs, leaves,
+                                parse_as=((x, tuple(range(x.ndim))), {}))
         if hit is None and func in _EXTREMA:
             with self:
                 out = _EXTREMA[func](*args, **kwargs)
@@ -368,6 +382,12 @@ class _Tracer(TorchFunctionMode):
                     "function", where=(f, line, code))
             return out                     # metadata: sizes, dims, dtypes
         entry, parse = hit
+        return self._record(func, entry, parse, args, kwargs, leaves)
+
+    def _record(self, func, entry, parse, args, kwargs, leaves, parse_as=None):
+        """Run ``func`` on the meta tensors and record it as a node of ``entry``;
+        ``parse_as``: (args, kwargs) the entry's parse reads instead of the call's (a
+        ``max()`` recorded as ``amax`` over every dim)."""
         # constants (buffers, tensors made inside) become replicated values
         for t in leaves:
             if id(t) not in self.ids:
@@ -384,6 +404,8 @@ class _Tracer(TorchFunctionMode):
         margs, mkw = _swap(args, to_meta), _swap(kwargs, to_meta)
         rargs, rkw = _swap(args, to_ref), _swap(kwargs, to_ref)     # before outputs register
         out = func(*margs, **mkw)
+        if parse_as is not None:
+            margs, mkw = _swap(parse_as[0], to_meta), _swap(parse_as[1], to_meta)
         ins, attrs = parse(*margs, **mkw)
         g = self.g
         inputs = []
@@ -410,7 +432,7 @@ class _Tracer(TorchFunctionMode):
                             f"{os.path.basename(f)}:{line}  {code}",
                             in_consts=tuple(None if isinstance(x, torch.Tensor) else x
                                             for x in ins),
-                            grad=torch.is_grad_enabled()))
+                            grad=torch.is_grad_enabled(), amp=amp_state()))
         return out
 
 
@@ -533,16 +555,24 @@ def capture(fn, args, method: str = "auto"):
     # captures the program, not the mode): a no_grad block inside the program is then
     # its nodes' ``grad=False``, and the run calls them so (as eager does)
     from ..ops.moe import stats_sink
-    with state_writes(fn) as writes, torch.enable_grad(), _custom_functions_refused(), \
-            stats_sink() as layers:
+    with state_writes(fn) as writes, python_writes(fn) as globals_written, \
+            autograd_reads() as (asked, watch), rng_reseeds_refused(_reseed_error), \
+            torch.enable_grad(), _custom_functions_refused(), stats_sink() as layers:
         try:
-            out = _capture(fn, args, method)
+            out = _capture(fn, args, method, watch)
         except Broken:
             if writes:                     # the write came first: name it
                 raise _state_error(writes) from None
             raise
     if writes:
         raise _state_error(writes)
+    if globals_written:
+        raise CaptureError(f"the program writes Python state ({', '.join(globals_written[:3])}"
+                           "): a captured graph would not repeat the write on each call; "
+                           "it runs eagerly (the values are as they were before the "
+                           "capture; return the new value instead, or keep such state "
+                           "outside the compiled function)")
+    out[0].autograd_reads |= set(asked)
     if layers:
         # a mixture-of-experts layer keeps its last routing (MoE.last_stats): the program
         # hands it its router_topk node's outputs on each call, one node per layer call
@@ -587,18 +617,26 @@ def _custom_functions_refused():
         base.apply = orig
 
 
+def _reseed_error(name):
+    f, line, code = _user_frame()
+    return CaptureError(f"torch.{name} at {f}:{line} ({code}) reseeds the random generator "
+                        "inside the program: each eager call restarts its draws there, a "
+                        "captured graph would draw on; the program runs eagerly (seed "
+                        "outside the compiled function)", where=(f, line, code))
+
+
 def _state_error(writes):
     return CaptureError(f"the forward sets module state ({', '.join(writes[:3])}): a "
                         "captured graph would not repeat the write on each call; the module "
                         "runs eagerly (keep such state outside forward, or return it)")
 
 
-def _capture(fn, args, method):
+def _capture(fn, args, method, watch):
     notes = []
     if method in ("auto", "export"):
         from .export import capture_export, Unmapped
         try:
-            return capture_export(fn, args)
+            return capture_export(fn, args, watch)
         except Unmapped as e:
             if method == "export":
                 raise CaptureError(str(e)) from None
@@ -637,6 +675,15 @@ def _capture_trace(fn, args):
             raise
         except Exception as e:    # noqa: BLE001 (code that needs real DistTensors or data)
             where = _user_frame(e.__traceback__)     # the user's line that raised
+            if where[0] == "?":
+                # workbench's own code raised (a model's or a recipe's hook reading a
+                # DistTensor's placements): name its line rather than "?:0"
+                inner = [fr for fr in traceback.extract_tb(e.__traceback__)
+                         if not os.path.abspath(fr.filename).startswith(_TORCH)
+                         and not os.path.abspath(fr.filename).startswith(_HERE)]
+                if inner:
+                    fr = inner[-1]
+                    where = (fr.filename, fr.lineno or 0, (fr.line or "").strip())
             raise CaptureError(
                 "capture runs the program on meta tensors of the global shapes (plain "
                 f"tensors, no data) and it raised {type(e).__name__}: "

@@ -31,6 +31,7 @@ from .capture import Broken, _meta_like, break_from_export_error, _swap, meta_tw
     meta_buffers
 from .export_consts import Const, Env, node_args, view_of_const
 from .export_ops import ADAPT as _KEPT_WHOLE, Unmapped, kept_whole
+from .reads import amp_state
 
 __all__ = ["capture_export", "Unmapped", "ADAPT"]
 
@@ -151,7 +152,27 @@ class _Fn(nn.Module):
         return self.fn(*args)
 
 
-def capture_export(fn, args):
+@contextlib.contextmanager
+def _inference_mode_seen():
+    """Yields a list that holds True once the program entered ``torch.inference_mode()``:
+    export keeps no trace of it (its ops come out as if gradients were on: the output
+    required grad where eager's does not), so such a program is traced instead, which
+    records the region's ops as called without gradients."""
+    cls = torch.autograd.grad_mode.inference_mode
+    orig, seen = cls.__dict__["__enter__"], []
+
+    def enter(self):
+        if self.mode:
+            seen.append(True)
+        return orig(self)
+    cls.__enter__ = enter
+    try:
+        yield seen
+    finally:
+        cls.__enter__ = orig
+
+
+def capture_export(fn, args, watch=None):
     if any(isinstance(a, (list, tuple, dict)) for a in args):
         raise Unmapped("an argument is a list, tuple or dict (export flattens it)")
     module = fn if isinstance(fn, nn.Module) else _Fn(fn)
@@ -166,13 +187,17 @@ def capture_export(fn, args):
                 # export's own advice (e.g. "tensor attributes assigned during export"):
                 # capture reports what it does with such code itself (guards.py)
                 warnings.simplefilter("ignore", UserWarning)
-                ep = torch.export.export(module, tuple(margs), strict=False)
+                with _inference_mode_seen() as inference, \
+                        (watch() if watch is not None else contextlib.nullcontext()):
+                    ep = torch.export.export(module, tuple(margs), strict=False)
         except Exception as e:               # noqa: BLE001 (what export says is the report)
             brk = break_from_export_error(e)
             if brk is not None:
                 raise Broken(brk) from None
             raise Unmapped(f"torch.export failed ({type(e).__name__}: "
                            f"{str(e).splitlines()[0][:120] if str(e) else ''})") from None
+    if inference:
+        raise Unmapped("torch.inference_mode() inside the program (export drops it)")
     sig = ep.graph_signature
     env = Env()                 # fx node name -> Ref (or tuple of Refs)
     metas = {}                   # vid -> meta tensor
@@ -314,4 +339,5 @@ def _map_node(g, node, env, metas):
             break
     g.nodes.append(Node(nid, entry.name, func, args, kwargs, inputs, dict(attrs), tuple(outs),
                         tree, src, in_consts=tuple(None if isinstance(x, torch.Tensor) else x
-                                                   for x in ins)))
+                                                   for x in ins),
+                        amp=amp_state()))     # the caller's autocast: export keeps no cast

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Ref", "Value", "Node", "Graph", "GraphBreak", "map_refs"]
+__all__ = ["Ref", "Value", "Node", "Graph", "GraphBreak", "map_refs", "same_tuple"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,8 @@ class Node:
     in_consts: tuple = ()       # per rule input: the non-tensor value (None for tensors)
     grad: bool = True           # False: called under torch.no_grad() in the program (the
                                 # run calls it so too: no gradient flows through it)
+    amp: Any = None             # torch.autocast's dtype where the call ran under CPU autocast
+                                # (traced: the run calls it so too); None: without
 
     @property
     def name(self) -> str:
@@ -96,6 +98,8 @@ class Graph:
     stats_layers: list = field(default_factory=list)  # the layers given each router_topk
                                                     # node's routing on each call, in order
                                                     # (models.moe.MoE.record_stats)
+    autograd_reads: set = field(default_factory=set)  # what the code asked of autograd
+                                                    # (reads.py): guarded on each call
 
     def value(self, shape, dtype, kind, name, producer=None, requires_grad=False) -> int:
         v = Value(len(self.values), torch.Size(shape), dtype, kind, name, producer,
@@ -143,13 +147,23 @@ class Graph:
         return "\n".join(lines)
 
 
+def same_tuple(tree: tuple, vals):
+    """``vals`` as a tuple of ``tree``'s kind: a namedtuple's, or a structseq's
+    (``torch.return_types.max``: ``.values`` / ``.indices``, as eager returns it), else a
+    plain tuple."""
+    if hasattr(tree, "_fields"):
+        return type(tree)(*vals)
+    if hasattr(type(tree), "n_fields"):          # a structseq takes one sequence
+        return type(tree)(list(vals))
+    return tuple(vals)
+
+
 def map_refs(tree, fn):
     """``tree`` with every :class:`Ref` replaced by ``fn(ref)`` (tuples, lists, dicts)."""
     if isinstance(tree, Ref):
         return fn(tree)
     if isinstance(tree, tuple):
-        vals = [map_refs(x, fn) for x in tree]
-        return type(tree)(*vals) if hasattr(tree, "_fields") else tuple(vals)
+        return same_tuple(tree, [map_refs(x, fn) for x in tree])
     if isinstance(tree, list):
         return [map_refs(x, fn) for x in tree]
     if isinstance(tree, dict):

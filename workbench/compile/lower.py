@@ -185,7 +185,9 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
         args = map_refs(n.args, arg)
         kwargs = map_refs(n.kwargs, arg)
         with force_candidate(_pick(n, st)), \
-                (torch.no_grad() if not n.grad else contextlib.nullcontext()):
+                (torch.no_grad() if not n.grad else contextlib.nullcontext()), \
+                torch.autocast("cpu", enabled=n.amp is not None,
+                               dtype=n.amp if n.amp is not None else torch.bfloat16):
             out = dispatch(n.func, args, kwargs)     # the dispatcher, as DistTensor calls it
         if n.op == "router_topk" and graph.stats_layers:
             w, e, slot, aux = out
@@ -204,15 +206,19 @@ def _bucketed(arg, graph, n, st, mesh, gb):
     here, behind their buckets' markers (``buckets.py``)."""
     from ..parallel import layout
     from .graph import Ref
+    # (a "fresh" input, dropout's mask, is made by the op's parse on each call: no value
+    # of the program holds it, and no gradient is reduced for it)
+    fresh = {v for v in n.inputs if v is not None and graph.values[v].kind == "fresh"}
     if not all(layout.is_even(tuple(r.shape), mesh, req) for r, req in
-               zip([arg(Ref(v)) if v is not None else None for v in n.inputs], st.inputs)
+               zip([arg(Ref(v)) if v is not None and v not in fresh else None
+                    for v in n.inputs], st.inputs)
                if r is not None and req is not None) or \
             not all(layout.is_even(tuple(graph.values[o].shape), mesh, ps)
                     for o, ps in zip(n.outs, st.outputs)):
         return arg                       # uneven shards: the dispatcher runs it per rank
     swap = {}
     for pos, vid in enumerate(n.inputs):
-        axes = () if vid is None else gb.axes(n.nid, pos)
+        axes = () if vid is None or vid in fresh else gb.axes(n.nid, pos)
         if not axes or vid in swap:
             continue
         t = arg(Ref(vid))

@@ -40,12 +40,13 @@ from ..sim_mesh.trace import current_trace
 from . import passes as _passes
 from .arguments import positional
 from .capture import Broken, CaptureError, capture
-from .graph import GraphBreak
+from .graph import GraphBreak, same_tuple
 from .guards import (Frozen, bind_attributes, check_hooks, check_no_mode, snapshot,
                      check_module_tree, check_parameter, check_training_flags, hook_keys,
                      module_tree, tensor_attributes, training_flags)
 from .lower import Reshard, execute_program, lower
 from .propagate import greedy, propagate
+from .reads import amp_state, autograd_state, describe_change
 
 __all__ = ["compile", "CompiledProgram", "LEVELS"]
 
@@ -94,8 +95,7 @@ def _fulls(tree):
     if isinstance(tree, DistTensor):
         return tree.full()
     if isinstance(tree, tuple):
-        vals = [_fulls(x) for x in tree]
-        return type(tree)(*vals) if hasattr(tree, "_fields") else tuple(vals)
+        return same_tuple(tree, [_fulls(x) for x in tree])
     if isinstance(tree, list):
         return [_fulls(x) for x in tree]
     if isinstance(tree, dict):
@@ -193,6 +193,24 @@ class CompiledProgram:
             self._tree = module_tree(self.module)
             self._attrs = tensor_attributes(self.module, graph.consts)
         self._frozen = Frozen(fn, graph.consts)
+        self._amp = amp_state()             # the caller's autocast at capture (reads.py)
+        # the code read autograd's state (reads.py): the capture's answer is a guard
+        # (its grad mode: on, as capture runs)
+        self._autograd = None
+        if graph.autograd_reads:
+            ins, params, _ = autograd_state(example_inputs, self.module)
+            self._autograd = (ins, params, True)
+        if self.module is not None and graph.stats_layers:
+            # what the program itself writes on each call (a MoE layer's last routing,
+            # ``record_stats``) is no value the graph read: its change is no reason to
+            # refuse the next call (it refused the second call of a compiled MoE model)
+            mine = {id(m) for m in graph.stats_layers}
+            for mname, mod in self.module.named_modules(remove_duplicate=False):
+                if id(mod) in mine:
+                    for a in getattr(mod, "STATS_WRITES", ()):
+                        label = f"module attribute {mname + '.' if mname else ''}{a}"
+                        self._frozen.scalars.pop(label, None)
+                        self._frozen.objects.pop(label, None)
         self._hooks = hook_keys(fn)
         if level != "O0":
             graph = _passes.run_graph_passes(self, graph)
@@ -280,6 +298,21 @@ class CompiledProgram:
             check_training_flags(self.module, self._modes)
         check_no_mode()
         check_hooks(self.fn, self._hooks)
+        if amp_state() != self._amp:
+            raise ValueError(
+                "compiled program called under another torch.autocast state than at "
+                f"capture (autocast dtype {self._amp} then, {amp_state()} now): the graph's "
+                "dtypes and placements were chosen for the capture's; compile it again "
+                "under this autocast (or call it as at capture)")
+        if self._autograd is not None:
+            now = autograd_state(args, self.module)
+            if now != self._autograd:
+                raise ValueError(
+                    "compiled program: its code read "
+                    f"{', '.join(sorted(self.graph.autograd_reads))} at capture (a Python "
+                    "branch may follow it), and this call answers otherwise: "
+                    f"{describe_change(self._autograd, now)}; compile it again for such "
+                    "calls (or call it as at capture)")
         g = self.graph
         bind = {}
         tensors = [a for a in args if isinstance(a, (torch.Tensor, DistTensor))]

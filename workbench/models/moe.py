@@ -137,6 +137,10 @@ class SharedMLP(nn.Module):
 class MoE(nn.Module):
     """Router, E routed experts, optional shared experts (module docstring)."""
 
+    # what record_stats writes (a compiled program calls it on each run: wb.compile's
+    # guards do not hold these as values the program read)
+    STATS_WRITES = ("_last", "_batch")
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         E, h, dt = cfg.moe_experts, cfg.d_model, cfg.torch_dtype

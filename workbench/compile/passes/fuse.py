@@ -240,13 +240,13 @@ def fuse(prog, graph):
                 if hit is None:
                     continue
                 func, args, kwargs, note, dead, *held = hit
-                if any(d.grad != n.grad for d in dead):   # a no_grad block's edge
-                    continue
+                if any(d.grad != n.grad or d.amp != n.amp for d in dead):
+                    continue            # a no_grad (or autocast) block's edge
                 # a constant whose value the fused op stands for (the causal mask, a
                 # module's buffer): each call checks it still holds it (program.py)
                 g.held.update(held[0] if held else {})
                 g.nodes[k] = _make(g, n.nid, func, args, kwargs, n.outs, note, n.source)
-                g.nodes[k].grad = n.grad
+                g.nodes[k].grad, g.nodes[k].amp = n.grad, n.amp
                 drop = {d.nid for d in dead}
                 g.nodes = [m for m in g.nodes if m.nid not in drop]
                 counts[name] = counts.get(name, 0) + 1

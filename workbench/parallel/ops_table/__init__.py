@@ -16,8 +16,8 @@ sample side by side (adding an op touches one of them and its test): ``pointwise
 ``casts``, ``select``, ``matmul``, ``reduction``, ``indexing``, ``shape``, ``reshape``,
 ``norm``, ``embedding``, ``cross_entropy``, ``dropout``, ``attention``, ``fused``, ``moe``,
 ``sampling``, ``reorder``, ``sort``, ``pointwise_math``, ``pad``, ``scans``,
-``accumulate``, ``diagonal``, ``complex``, ``datadep``, and for CNNs ``conv``, ``pool``,
-``batch_norm``, ``group_norm`` (group and instance norm).
+``accumulate``, ``diagonal``, ``complex``, ``datadep``, ``index_bounds``, and for CNNs
+``conv``, ``pool``, ``batch_norm``, ``group_norm`` (group and instance norm).
 :func:`load` imports them all.
 
 Adding an op is one ``register`` call in the module of its family, beside its rule::
@@ -49,6 +49,7 @@ FAMILIES += ("datadep",)            # masked_select / nonzero / unique / x[mask]
 FAMILIES += ("conv", "pool", "batch_norm", "group_norm")   # CNNs: conv, pooling, BN / GN / IN
 FAMILIES += ("take",)               # torch.take: the input whole, the index sharded
 FAMILIES += ("quantile", "searchsorted")    # order statistics; binary search in a sorted dim
+FAMILIES += ("index_bounds",)     # a computed index checked where its values are known
 
 
 def load():

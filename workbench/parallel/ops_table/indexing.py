@@ -16,6 +16,9 @@ Per mesh dim:
 """
 from __future__ import annotations
 
+import contextlib
+import re
+
 import torch
 
 from ..placement import Partial, Replicate, Shard
@@ -59,7 +62,23 @@ def _gather_local(nd, ctx, x, index, dim):
     index = index.expand(lead + tuple(index.shape[nd:]))
     if x.dim() == nd:                 # 0-d x and index along dim 0 (as torch)
         return torch.gather(x.unsqueeze(-1), nd, index.unsqueeze(-1)).squeeze(-1)
-    return torch.gather(x, dim + nd, index)
+    with _global_dims(nd):
+        return torch.gather(x, dim + nd, index)
+
+
+@contextlib.contextmanager
+def _global_dims(nd):
+    """torch's bound error of a stacked call ("index 8 is out of bounds for dimension 2
+    with size 6") names the global dim, as the user's call of torch does (dimension 1)."""
+    try:
+        yield
+    except RuntimeError as e:
+        m = re.fullmatch(r"index (-?\d+) is out of bounds for dimension (\d+) with size (\d+)",
+                         str(e))
+        if m is None or int(m[2]) < nd:
+            raise
+        raise RuntimeError(f"index {m[1]} is out of bounds for dimension {int(m[2]) - nd} "
+                           f"with size {m[3]}") from None
 
 
 register("gather", [torch.gather, T.gather], parse=_gather_parse, rule=gather_rule,
@@ -101,9 +120,10 @@ def _scatter_local(nd, ctx, x, index, src, dim, value):
         x, index = x.unsqueeze(-1), index.reshape(lead + (1,))
         src = None if src is None else src.reshape(tuple(src.shape[:nd]) + (1,))
         return _scatter_local(nd, ctx, x, index, src, 0, value).squeeze(-1)
-    if src is None:
-        return torch.scatter(x, dim + nd, index, value)
-    return torch.scatter(x, dim + nd, index, src.expand(lead + tuple(src.shape[nd:])))
+    with _global_dims(nd):
+        if src is None:
+            return torch.scatter(x, dim + nd, index, value)
+        return torch.scatter(x, dim + nd, index, src.expand(lead + tuple(src.shape[nd:])))
 
 
 register("scatter", [torch.scatter, T.scatter], parse=_scatter_parse, rule=scatter_rule,
@@ -129,6 +149,18 @@ def _index_select_parse(x, dim, index):
 
 def _index_select_local(nd, ctx, x, index, dim):
     idx = index[(0,) * nd].reshape(-1)        # replicated (the rule): every copy is the same
+    n = x.shape[dim + nd]
+    if idx.numel() and n and bool(((idx < 0) | (idx >= n)).any()):
+        # torch's error for the global call (the stacked one's dim is dim + nd, another
+        # kernel's): index_select_out_cpu_ (aten/src/ATen/native/TensorAdvancedIndexing.cpp)
+        # takes index_select_out_cpu_dim1_ for dim 1 of a tensor of more than one dim
+        # ("INDICES element is out of DATA bounds", a RuntimeError, the first bad one),
+        # else checks "index out of range in self" (an IndexError); measured on 2.13
+        if x.dim() - nd > 1 and dim == 1:
+            bad = int(idx[(idx < 0) | (idx >= n)][0])
+            raise RuntimeError(f"INDICES element is out of DATA bounds, id={bad} "
+                               f"axis_dim={n}")
+        raise IndexError("index out of range in self")
     return torch.index_select(x, dim + nd, idx)
 
 
@@ -253,20 +285,20 @@ def advanced_index(x, idx):
         raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
     if not 0 <= dim < x.ndim:
         raise IndexError(f"x[{idx!r:.60}]: too many indices for a {x.ndim}-d tensor")
-    if not isinstance(i, DistTensor):
-        n = x.shape[dim]
-        # a meta index (wb.compile's capture: values unknown) is checked when it runs
-        if i.numel() and i.device.type != "meta" and (int(i.min()) < -n or int(i.max()) >= n):
-            if x.numel() == 0 and n:
-                # torch's index kernel reads no element of an empty result, so it checks
-                # no bound (x (1, 0)[tensor([5])] is a (1, 0) tensor): nor do we
-                i = torch.zeros_like(i)
-            else:
-                bad = int(i.max()) if int(i.max()) >= n else int(i.min())
-                raise IndexError(f"index {bad} is out of bounds for dimension {dim} with "
-                                 f"size {n}")
-        i = torch.where(i < 0, i + n, i).long()
-    return dim, i
+    n = x.shape[dim]
+    if x.numel() == 0 and n:
+        # torch's index kernel reads no element of an empty result, so it checks no
+        # bound (x (1, 0)[tensor([5])] is a (1, 0) tensor): nor do we
+        return dim, torch.zeros_like(i).long()
+    from .index_bounds import first_out_of_bounds, wrap_indices
+    if isinstance(i, DistTensor) or i.device.type == "meta":
+        # values not known yet (a DistTensor's, or a meta one wb.compile's capture
+        # traces): checked where they are, in torch's order (index_bounds.py)
+        return dim, wrap_indices(i.unsqueeze(-1), (n,)).squeeze(-1)
+    msg = first_out_of_bounds(i.unsqueeze(-1), (n,))
+    if msg is not None:
+        raise IndexError(msg)
+    return dim, torch.where(i < 0, i + n, i).long()
 
 
 def index_with(x, dim, i):
@@ -411,9 +443,16 @@ def mixed_index(x, idx):
     for (d, i), n in zip(where, sizes):
         if y.numel() == 0 and n:        # torch's index kernel reads no element: no bound
             i = torch.zeros_like(i)     # checked (as advanced_index)
-        ts.append(torch.where(i < 0, i + n, i).long())
+        ts.append(i)
     B = tuple(torch.broadcast_shapes(*(t.shape for t in ts)))
     ts = [t.expand(B) for t in ts]            # broadcast_tensors, as table ops
+    if y.numel() and any(t.device.type == "meta" for t in ts):
+        # wb.compile's capture: the values are checked where they are known, in torch's
+        # order (index_bounds.py); plain ones were checked above, by torch itself
+        from .index_bounds import wrap_indices
+        ts = list(wrap_indices(torch.stack(ts, -1), tuple(sizes)).unbind(-1))
+    else:
+        ts = [torch.where(t < 0, t + n, t).long() for t, n in zip(ts, sizes)]
     lin = torch.zeros(B, dtype=torch.long)
     for t, n in zip(ts, sizes):
         lin = lin * n + t
