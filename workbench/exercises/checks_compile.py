@@ -110,9 +110,7 @@ def _break_feedback(brk) -> str:
                 "with tensor ops instead, torch.clamp(m, min=1) or torch.where(...)")
     fn = m["fn"].rsplit(".", 1)[-1]
     loc = _CELL.sub("<cell>", m["loc"])
-    instead = {"max": "x.abs().amax(), the largest |x| (.max() and torch.max are not in it)",
-               "min": "amin() for the smallest value (.min() and torch.min are not in it)"}.get(
-        fn, "torch.clamp, torch.maximum or torch.where")
+    instead = "torch.clamp, torch.maximum or torch.where"
     code = f" ({m['code'].strip()})" if m["code"].strip() else ""
     return (f"wb.compile still falls back to eager: capture takes only the ops of the op "
             f"table, and {fn}() at {loc}{code} is not one of them. Write it with ops the "
