@@ -364,26 +364,42 @@ def setitem(x: DistTensor, index, value) -> None:
     rank, zeros elsewhere: ``where`` is linear in (values, x) for a replicated mask)."""
     from .dispatch import dispatch
     from .placement import Replicate
-    idx = _full_args(index if isinstance(index, tuple) else (index,))
+    # the index as the user wrote it: torch reads ``x[True] = v`` (a copy, the value
+    # cast) unlike ``x[(True,)] = v`` (index_put_: dtypes must match), and a top-level
+    # list of lists as a tuple (``x[[[0, 1], [1, 2]]]``), not as one 2-d index
+    idx = _full_args(index)
     val = value.full() if isinstance(value, DistTensor) else value
     if isinstance(val, torch.Tensor) and val.requires_grad and \
             not (x.dtype.is_floating_point or x.dtype.is_complex):
         val = val.detach()      # an integer x holds no gradient: torch writes the values
         # (seed 941145: int_x[i] = tracked float raised "Autograd not support dtype: Long")
 
-    def judge():
+    # torch's checks, in torch's order (a number's conversion to x's dtype, the value's
+    # dtype, the index, the value's shape): the same setitem on zeros of x's shape and dtype
+    vals = torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
+    vals[idx] = val
+    mask = torch.zeros(tuple(x.shape), dtype=torch.bool, device=x.device)
+    mask[_bool_masks(idx)] = True       # (a uint8 mask is a bool one, as torch reads it:
+    # a number into it takes masked_fill_, which takes bool masks only)
+
+    def judge():        # ... and autograd's checks (a leaf that requires grad)
         m = _meta_self(x)
         m[_meta(idx)] = _meta(val) if isinstance(val, torch.Tensor) else val
     _judge(judge)
-    mask = torch.zeros(tuple(x.shape), dtype=torch.bool, device=x.device)
-    mask[idx] = True                                    # torch checks the index here
-    vals = torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
-    vals[idx] = val                                     # ... and the value's shape
     ps_mask = [Replicate() if p.is_partial() else p for p in x.placements]
     m = shard_tensor(mask, x.mesh, ps_mask, src_data_rank=None)
     v = shard_tensor(vals, x.mesh, x.placements, src_data_rank=None)
     y = dispatch(torch.where, (m, v, x), None)
     assign(x, y, "__setitem__", sources=(x,))
+
+
+def _bool_masks(index):
+    """``index`` with its uint8 tensors as bool ones (torch reads both as masks)."""
+    if isinstance(index, torch.Tensor) and index.dtype == torch.uint8:
+        return index.bool()
+    if isinstance(index, (list, tuple)) and not isinstance(index, torch.Size):
+        return type(index)(_bool_masks(i) for i in index)
+    return index
 
 
 def index_put_(x: DistTensor, indices, values, accumulate=False) -> DistTensor:
