@@ -163,3 +163,45 @@ def test_tracked_values_through_new_index_forms():
         torch.testing.assert_close(yd.full(), y.detach())
         torch.testing.assert_close(xd.grad.full(), xr.grad)
         torch.testing.assert_close(vd.grad.full(), vr.grad)
+
+
+# ---- item 1: the random sweep on seeds 1048000.. and 1051000.. ----------------------------
+def test_seed_1051387_logcumsumexp_of_a_0d_tensor_passes_its_gradient():
+    """torch's logcumsumexp_backward returns the gradient itself for a 0-d input; the 0-d
+    shard was scanned as a 1-element dim, whose formula gives 0 for a NaN gradient (the
+    seed: rsqrt of a negative sum downstream) and NaN for an infinite input."""
+    from tests.random_programs import run_program
+    import random
+    assert run_program(random.Random(1051387)).status == "ok"
+    mesh = wb.Mesh([0, 1])
+    for v, g in ((-1.25, float("nan")), (float("inf"), 1.0), (0.5, -2.0)):
+        x = torch.tensor(v, dtype=torch.float64, requires_grad=True)
+        d = wb.shard_tensor(x.detach(), mesh, [wb.Replicate()]).requires_grad_()
+        gt = torch.tensor(g, dtype=torch.float64)
+        y, yd = torch.logcumsumexp(x, 0), torch.logcumsumexp(d, -1)
+        y.backward(gt)
+        yd.backward(wb.shard_tensor(gt, mesh, [wb.Replicate()]))
+        torch.testing.assert_close(yd.full(), y.detach(), equal_nan=True)
+        torch.testing.assert_close(d.grad.full(), x.grad, equal_nan=True)
+
+
+def test_seed_1053778_expanded_shard_times_a_tensor_is_contiguous():
+    """``t1.expand_as(t2) * t2`` with t1 (1, 8) on S(0): the expanded dim (stride 0) was
+    ordered innermost, a transposed (3, 8), so ``floor(..).view(-1)`` raised torch's "view
+    size is not compatible" where torch's product is contiguous (TensorIterator skips a
+    stride-0 operand when it orders the dims)."""
+    from tests.random_programs import run_program
+    import random
+    assert run_program(random.Random(1053778)).status == "ok"
+    mesh = wb.Mesh([2, 0, 1])
+    a, b = _x()[0, :1, :].clone(), _x()[1, :3, :].clone()          # (1, 5), (3, 5)
+    t1 = distribute(a, mesh, parse_placements(["S(0)"]), seed=1)
+    t2 = distribute(b, mesh, parse_placements(["P(min)"]), seed=2)
+    e, r = t1.expand_as(t2), a.expand_as(b)
+    assert e.stride() == (5, 1) and r.contiguous().stride() == (5, 1)
+    y, ry = torch.floor(e * t2), torch.floor(r * t2.full())
+    assert y.stride() == ry.stride() and y.is_contiguous()
+    torch.testing.assert_close(y.view(-1).full(), ry.view(-1), rtol=0, atol=0)
+    # a transposed layout is still told apart where no dim is expanded
+    z = distribute(b.t().contiguous(), mesh, parse_placements(["S(1)"]), seed=3).t()
+    assert z.stride() == b.t().contiguous().t().stride()
