@@ -205,3 +205,33 @@ def test_seed_1053778_expanded_shard_times_a_tensor_is_contiguous():
     # a transposed layout is still told apart where no dim is expanded
     z = distribute(b.t().contiguous(), mesh, parse_placements(["S(1)"]), seed=3).t()
     assert z.stride() == b.t().contiguous().t().stride()
+
+
+# ---- item 2: a value that is a view of x ----------------------------------------------------
+@pytest.mark.parametrize("ps", [["R", "R"], ["S(0)", "S(1)"], ["P(sum)", "S(1)"]])
+def test_value_view_of_x_overlapping_in_part(ps):
+    """``x[1:] = x[:-1]``: torch's copy_ raises (both dense, partial overlap) where the
+    value was read first and written, silently; ``x[:, 1:] = x[:, :-1]`` (neither dense)
+    torch copies in its loop order (a result of that order): refused, naming clone().
+    Order-free overlaps and disjoint views are written as torch writes them."""
+    x = torch.arange(24.0, dtype=torch.float64).reshape(4, 6)
+    d = _d(x, ps)
+    before = d.full().clone()
+    r = before.clone()
+    with pytest.raises(RuntimeError) as want:
+        r[1:] = r[:-1]
+    with pytest.raises(RuntimeError, match=str(want.value)[:40]):
+        d[1:] = d[:-1]
+    with pytest.raises(NotImplementedError, match="clone"):
+        d[:, 1:] = d[:, :-1]
+    torch.testing.assert_close(d.full(), before, rtol=0, atol=0)
+    for di, si in (((slice(None), slice(0, 3)), (slice(None), slice(2, 3))),
+                   ((slice(None), slice(0, 3)), (slice(None), slice(3, 6))), (0, 1),
+                   (slice(1, 3), slice(1, 3))):
+        r = d.full().clone()
+        r[di] = r[si]
+        d[di] = d[si]
+        torch.testing.assert_close(d.full(), r, rtol=0, atol=0)
+    d[:, 1:] = d[:, :-1].clone()                    # the fix the message names
+    r[:, 1:] = r[:, :-1].clone()
+    torch.testing.assert_close(d.full(), r, rtol=0, atol=0)
