@@ -364,26 +364,82 @@ def setitem(x: DistTensor, index, value) -> None:
     rank, zeros elsewhere: ``where`` is linear in (values, x) for a replicated mask)."""
     from .dispatch import dispatch
     from .placement import Replicate
-    idx = _full_args(index if isinstance(index, tuple) else (index,))
+    # the index as the user wrote it: torch reads ``x[True] = v`` (a copy, the value
+    # cast) unlike ``x[(True,)] = v`` (index_put_: dtypes must match), and a top-level
+    # list of lists as a tuple (``x[[[0, 1], [1, 2]]]``), not as one 2-d index
+    idx = _full_args(index)
     val = value.full() if isinstance(value, DistTensor) else value
     if isinstance(val, torch.Tensor) and val.requires_grad and \
             not (x.dtype.is_floating_point or x.dtype.is_complex):
         val = val.detach()      # an integer x holds no gradient: torch writes the values
         # (seed 941145: int_x[i] = tracked float raised "Autograd not support dtype: Long")
 
-    def judge():
+    # torch's checks, in torch's order (a number's conversion to x's dtype, the value's
+    # dtype, the index, the value's shape): the same setitem on zeros of x's shape and dtype
+    vals = torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
+    vals[idx] = val
+    _partial_overlap(x, idx, value)
+    mask = torch.zeros(tuple(x.shape), dtype=torch.bool, device=x.device)
+    mask[_bool_masks(idx)] = True       # (a uint8 mask is a bool one, as torch reads it:
+    # a number into it takes masked_fill_, which takes bool masks only)
+
+    def judge():        # ... and autograd's checks (a leaf that requires grad)
         m = _meta_self(x)
         m[_meta(idx)] = _meta(val) if isinstance(val, torch.Tensor) else val
     _judge(judge)
-    mask = torch.zeros(tuple(x.shape), dtype=torch.bool, device=x.device)
-    mask[idx] = True                                    # torch checks the index here
-    vals = torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
-    vals[idx] = val                                     # ... and the value's shape
     ps_mask = [Replicate() if p.is_partial() else p for p in x.placements]
     m = shard_tensor(mask, x.mesh, ps_mask, src_data_rank=None)
     v = shard_tensor(vals, x.mesh, x.placements, src_data_rank=None)
     y = dispatch(torch.where, (m, v, x), None)
     assign(x, y, "__setitem__", sources=(x,))
+
+
+def _partial_overlap(x: DistTensor, idx, value) -> None:
+    """torch's copy_ refuses a value that is a view of ``x`` partly overlapping the
+    written region (``x[1:] = x[:-1]``: "some elements of the input tensor and the
+    written-to tensor refer to a single memory location", at::assert_no_partial_overlap),
+    where here the value is read first.  Decided by the same write on a stand-in of x's
+    global strides (one byte per element), for a value that is a getitem view of ``x``
+    and a basic index (ints, slices, None, ...): other aliasing is not told apart."""
+    from . import strides
+    if not isinstance(value, DistTensor) or value._view is None or value._view[0] is not x \
+            or not isinstance(value._view[1], tuple):
+        return
+    items = idx if isinstance(idx, tuple) else (idx,)
+    if not all(i is None or i is Ellipsis or type(i) in (int, slice) for i in items):
+        return
+    try:
+        st = strides.global_stride(x)
+    except (RuntimeError, NotImplementedError, ValueError):
+        return
+    p = torch.empty_strided(tuple(x.shape), st, dtype=torch.uint8).zero_()
+    p[idx] = p[value._view[1]]          # torch's RuntimeError (both dense: told apart)
+    # neither dense (x[:, 1:] = x[:, :-1]): torch copies in its own loop order, reading
+    # elements it wrote before (its result is that order's); refused where an element
+    # read is written another's value (x[:, :3] = x[:, 2:3] is order-free: taken)
+    pos = torch.arange(p.numel()).as_strided(tuple(x.shape), st)
+    dst, src = pos[idx], pos[value._view[1]]
+    if src.shape != dst.shape:
+        try:
+            src = src.expand(dst.shape)
+        except RuntimeError:
+            return                      # torch's shape error follows
+    dst, src = dst.reshape(-1), src.reshape(-1)
+    read = torch.isin(dst, src)                 # written elements that are also read
+    if bool((dst[read] != src[read]).any()):
+        raise NotImplementedError(
+            "x[index] = v where v is a view of x that overlaps the written elements in part: "
+            "torch copies them in its own memory order, reading elements it has already "
+            "written; write a copy (x[index] = v.clone()) for the values read before")
+
+
+def _bool_masks(index):
+    """``index`` with its uint8 tensors as bool ones (torch reads both as masks)."""
+    if isinstance(index, torch.Tensor) and index.dtype == torch.uint8:
+        return index.bool()
+    if isinstance(index, (list, tuple)) and not isinstance(index, torch.Size):
+        return type(index)(_bool_masks(i) for i in index)
+    return index
 
 
 def index_put_(x: DistTensor, indices, values, accumulate=False) -> DistTensor:

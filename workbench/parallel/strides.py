@@ -67,8 +67,8 @@ def shard_stride(d) -> tuple[int, ...]:
     if t is None:
         return dense_stride(shape, range(len(shape)))
     # outermost first; a tie: a size-1 dim inside
-    return dense_stride(shape, sorted(range(len(shape)),
-                                      key=lambda i: (-t.stride(i), t.size(i) == 1, i)))
+    return dense_stride(shape, _order(t.stride(), [t.size(i) == 1 for i in range(len(shape))],
+                                      shape))
 
 
 def dense_stride(shape, order) -> tuple[int, ...]:
@@ -84,8 +84,33 @@ def dense_stride(shape, order) -> tuple[int, ...]:
 def _dense_like(shape, stride) -> tuple[int, ...]:
     """The dense strides in the order of ``stride`` (torch's strides of a view that skips
     elements, or a size-1 dim's arbitrary one, put as global_stride puts them)."""
-    return dense_stride(shape, sorted(range(len(shape)),
-                                      key=lambda i: (-stride[i], shape[i] == 1, i)))
+    return dense_stride(shape, _order(stride, [n == 1 for n in shape], shape))
+
+
+def _order(stride, one, shape) -> list[int]:
+    """The dims outermost first by stride (a tie: a size-1 dim inside, then the logical
+    order).  A dim of stride 0 and more than one element (an expanded one: ``expand_as``
+    of a shard) tells no order: it keeps its logical place, as torch's TensorIterator
+    skips a stride-0 operand in ``reorder_dimensions`` (aten/src/ATen/TensorIterator.cpp):
+    ``x.expand(3, 8) * y`` is contiguous there, where ordering by stride alone put the
+    expanded dim innermost, a transposed (3, 8) whose ``.view(-1)`` raised (random sweep
+    seed 1053778).  Without such a dim this is the plain sort by that key."""
+    n = len(stride)
+    key = [(-stride[i], one[i], i) for i in range(n)]
+    free = [stride[i] == 0 and shape[i] > 1 for i in range(n)]
+    perm = list(reversed(range(n)))             # innermost first, as TensorIterator's perm_
+    for i in range(1, n):                       # its insertion sort
+        d1 = i
+        for d0 in range(i - 1, -1, -1):
+            a, b = perm[d0], perm[d1]
+            if free[a] or free[b]:
+                continue                        # ambiguous: compare with the next
+            if key[a] < key[b]:                 # a (inside) is the outer one: swap
+                perm[d0], perm[d1] = b, a
+                d1 = d0
+            else:
+                break
+    return perm[::-1]
 
 
 def lost_dims(d) -> tuple[int, ...]:

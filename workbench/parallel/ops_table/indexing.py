@@ -358,6 +358,12 @@ def sequence_as_tuple(index) -> bool:
     return False
 
 
+def _mask_nd(i) -> bool:
+    """A plain bool (or uint8) mask of two dims or more: its ``nonzero()`` indices, here
+    (``x[..., mask]``; :func:`advanced_index` takes one dim only)."""
+    return isinstance(i, torch.Tensor) and i.dim() > 1 and i.dtype in (torch.bool, torch.uint8)
+
+
 class _NewDim:
     """A bool index (:func:`bool_scalar`): a new dim, indexed by ``t`` ([0] or [])."""
     __slots__ = ("t",)
@@ -385,8 +391,9 @@ def mixed_index(x, idx):
     from ..dist_tensor import DistTensor
     items = idx if isinstance(idx, tuple) else (idx,)
     adv = [k for k, i in enumerate(items) if _is_advanced(i)]
-    if not adv or (len(adv) == 1 and not bool_scalar(items[adv[0]]) and all(
-            i == slice(None) or i is Ellipsis for k, i in enumerate(items) if k != adv[0])):
+    if not adv or (len(adv) == 1 and not bool_scalar(items[adv[0]]) and not _mask_nd(
+            items[adv[0]]) and all(i == slice(None) or i is Ellipsis
+                                   for k, i in enumerate(items) if k != adv[0])):
         return None
     plain = []                  # DistTensor indices gathered, lists as torch reads them
     for i in items:

@@ -38,10 +38,27 @@ def _parse(n_out):
     return parse
 
 
+class _GradThrough(torch.autograd.Function):
+    """``out`` (computed from ``x``) whose gradient is passed to ``x`` unchanged: torch's
+    logcumsumexp_backward returns ``grad`` itself for a 0-d input
+    (torch/csrc/autograd/FunctionsManual.cpp), where the formula of a 1-element dim gives
+    0 for a NaN gradient and NaN for an infinite input (random sweep seed 1051387)."""
+
+    @staticmethod
+    def forward(ctx, x, out):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 def _local(fn, n_out):
     def local(nd, ctx, x, dim, n_out=n_out):
         if x.dim() == nd:                 # a 0-d tensor: itself (index 0)
             out = fn(x.reshape(tuple(x.shape) + (1,)), nd)
+            if fn is torch.logcumsumexp:
+                return _GradThrough.apply(x, out.detach().reshape(x.shape))
             return tuple(o.reshape(x.shape) for o in out) if n_out > 1 else out.reshape(x.shape)
         out = fn(x, dim + nd)
         return tuple(out) if n_out > 1 else out

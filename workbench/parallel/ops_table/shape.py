@@ -265,12 +265,23 @@ def normalize_index(shape, idx) -> tuple:
             out.append(("int", i % shape[d]))
             d += 1
         else:
+            _torch_verdict(shape, idx)
             raise NotImplementedError(
                 f"x[{idx!r}]: DistTensor indexing takes ints, slices, None and Ellipsis; "
                 f"for {type(i).__name__} indices (advanced indexing) use torch.index_select "
                 "or torch.gather, or gather first with .full()")
     out += [("all",)] * (len(shape) - d)
     return tuple(out)
+
+
+def _torch_verdict(shape, idx) -> None:
+    """torch's own error for an index this table does not take (``x['a']``: a TypeError
+    or IndexError there), from the same index on a stand-in of x's shape (one byte
+    expanded); nothing where torch would take it."""
+    from ..dist_tensor import DistTensor
+    if any(isinstance(i, DistTensor) for i in idx):
+        return
+    torch.zeros((), dtype=torch.bool).expand(tuple(shape))[idx]
 
 
 def _normalized(index, ndim) -> bool:
