@@ -270,3 +270,260 @@ def test_keep_vars_of_the_module_inside_fsdp_over_tp_raises_naming_the_wrapper(k
     got = full_state(wr.m.state_dict())
     for k, v in ref.state_dict().items():
         close(got[k], v)
+
+
+# ---- 3. the optimizers and schedules a user writes ------------------------------------------
+O = torch.optim
+OPTIMIZERS = {
+    "sgd_momentum": (O.SGD, dict(lr=0.1, momentum=0.9)),
+    "sgd_nesterov": (O.SGD, dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "adam_amsgrad": (O.Adam, dict(lr=1e-2, amsgrad=True)),
+    "adagrad": (O.Adagrad, dict(lr=0.1)),
+    "rmsprop_centered": (O.RMSprop, dict(lr=1e-2, momentum=0.5, centered=True)),
+}
+
+
+def steps(wr, opt, ref, ro, n=3, each=None):
+    for i, (x, y) in enumerate(batches(n)):
+        if each is not None:
+            each(i)
+        opt.zero_grad()
+        ro.zero_grad()
+        wr.backward(x, y)
+        ref_backward(ref, x, y)
+        opt.step()
+        ro.step()
+
+
+def assert_one_device(wr, ref):
+    got, want = full_state(wr.m.state_dict()), ref.state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def eval_pair(kind):
+    ref, wr = mk(), Wrapped(kind)
+    ref.eval()
+    wr.w.eval()
+    return ref, wr
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_users_optimizer_trains_as_one_device(kind, name):
+    """A guard (passed before): momentum, nesterov + weight decay, amsgrad's max, Adagrad's
+    sum, centered RMSprop: three steps one device's."""
+    cls, kw = OPTIMIZERS[name]
+    ref, wr = eval_pair(kind)
+    steps(wr, wr.optimizer(cls=cls, **kw), ref, cls(ref.parameters(), **kw))
+    assert_one_device(wr, ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lbfgs_with_a_closure_raises_naming_the_fix_before_any_step(kind):
+    """LBFGS reads every parameter whole (one flat gradient): each wrapper refuses it
+    before its first step, naming an elementwise optimizer; the parameters untouched.
+    Before: DDP over tensor parallelism raised AttributeError ('ReplicaStorage' object
+    has no attribute '_wb_layout'), Zero3 over it torch's stride error."""
+    ref, wr = eval_pair(kind)
+    before = full_state(wr.m.state_dict())
+    x, y = batches(1)[0]
+    with pytest.raises((NotImplementedError, ValueError),
+                       match=r"(?i)elementwise|SGD, Adam"):
+        opt = wr.optimizer(cls=O.LBFGS, lr=0.5, max_iter=3)
+
+        def closure():
+            opt.zero_grad()
+            loss = ((wr.out(x) - y) ** 2).mean()
+            loss.backward()
+            return loss
+        opt.step(closure)
+    after = full_state(wr.m.state_dict())
+    for k in before:
+        assert torch.equal(after[k], before[k]), k
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_add_param_group_and_per_group_lr_are_one_devices_or_raise(kind):
+    """Groups with their own lr and weight decay, an lr halved by hand each step, a
+    group added after the first step: one device's; ZeRO-1/2 over tensor parallelism
+    (its buffers laid out over the parameters it was built with) refuse
+    ``add_param_group`` naming the fix (groups at construction)."""
+    ref, wr = eval_pair(kind)
+    rp, wp = list(ref.parameters()), wr.params()
+    ro = O.AdamW([{"params": rp[:2]}, {"params": rp[2:3], "lr": 1e-3, "weight_decay": 0.0}],
+                 lr=1e-2)
+    opt = wr.optimizer([{"params": wp[:2]}, {"params": wp[2:3], "lr": 1e-3,
+                                             "weight_decay": 0.0}])
+
+    if kind in ("zero_tp", "zero2_tp"):
+        with pytest.raises(NotImplementedError, match="build a new one"):
+            opt.add_param_group({"params": wp[3:], "lr": 5e-3})
+        return
+
+    def each(i):
+        for o in (opt, ro):
+            o.param_groups[0]["lr"] *= 0.5
+        if i == 1:
+            ro.add_param_group({"params": rp[3:], "lr": 5e-3})
+            opt.add_param_group({"params": wp[3:], "lr": 5e-3})
+    steps(wr, opt, ref, ro, each=each)
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ro.param_groups]
+    assert_one_device(wr, ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_reduce_lr_on_plateau_with_the_loss_read_on_each_rank(kind):
+    """``ReduceLROnPlateau.step(loss)`` (the tensor, or ``loss.item()``): the same lr
+    cuts as one device's (the loss is one device's on every rank)."""
+    ref, wr = eval_pair(kind)
+    ro, opt = O.SGD(ref.parameters(), lr=0.1), wr.optimizer(cls=O.SGD, lr=0.1)
+    # threshold 1: no loss counts as an improvement, so each step after the first cuts
+    rs = O.lr_scheduler.ReduceLROnPlateau(ro, patience=0, factor=0.5, threshold=1.0)
+    ws = O.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5, threshold=1.0)
+    x, y = batches(1)[0]
+    lrs = []
+    for i in range(4):
+        opt.zero_grad()
+        ro.zero_grad()
+        wl = ((wr.out(x) - y) ** 2).mean()
+        rl = ((ref(x) - y) ** 2).mean()
+        wl.backward()
+        rl.backward()
+        opt.step()
+        ro.step()
+        ws.step(wl.detach() if i % 2 else wl.item())
+        rs.step(rl.detach() if i % 2 else rl.item())
+        lrs.append(ro.param_groups[0]["lr"])
+        assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ro.param_groups]
+    assert lrs[-1] < 0.1        # the schedule did cut (a test that can fail)
+    assert_one_device(wr, ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_grad_scaler_fp16_autocast_skips_the_overflowing_step_as_one_device(kind):
+    """``torch.autocast('cpu', float16)`` + ``torch.amp.GradScaler``: a step whose loss
+    overflows (a target of 1e30) is skipped and the scale halved, as on one device; the
+    other steps' weights one device's to fp16's precision."""
+    ref, wr = eval_pair(kind)
+    ro, opt = O.SGD(ref.parameters(), lr=0.1), wr.optimizer(cls=O.SGD, lr=0.1)
+    rs, ws = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8), \
+        torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scales = []
+    for i, (x, y) in enumerate(batches(3)):
+        opt.zero_grad()
+        ro.zero_grad()
+        y = y * (1e30 if i == 1 else 1.0)
+        with torch.autocast("cpu", dtype=torch.float16):
+            wo, r = wr.out(x), ref(x)
+        ws.scale(((wo.float() - y) ** 2).mean()).backward()
+        rs.scale(((r.float() - y) ** 2).mean()).backward()
+        ws.step(opt)
+        rs.step(ro)
+        ws.update()
+        rs.update()
+        scales.append((ws.get_scale(), rs.get_scale()))
+    assert [a for a, _ in scales] == [b for _, b in scales]
+    assert scales[1][1] < scales[0][1]          # the overflow was skipped (scale halved)
+    got, want = full_state(wr.m.state_dict()), ref.state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-2, atol=1e-2, msg=k)
+
+
+class Counted(nn.Module):
+    """A forward that updates buffers in place (a call counter, a decaying scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.act, self.out = nn.Linear(3, 6), nn.GELU(), nn.Linear(6, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("scale", torch.ones(3))
+
+    def forward(self, x):
+        self.calls += 1
+        with torch.no_grad():
+            self.scale.mul_(0.5)
+        return self.out(self.act(self.lin(x))) * self.scale
+
+
+def counted(seed=0):
+    torch.manual_seed(seed)
+    return Counted()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_buffers_updated_in_forward_are_one_devices(kind):
+    """A guard: a call counter and a scale halved in each forward, three SGD steps: the
+    buffers and weights one device's."""
+    ref = counted()
+    m = counted()
+    if kind in OVER_TP:
+        mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
+        wb.parallelize_module(m, mesh, {"lin": wb.ColwiseParallel(),
+                                        "out": wb.RowwiseParallel()})
+        if kind != "fully_shard_tp":
+            wb.parallelize(m, mesh)
+    wr = Wrapped.__new__(Wrapped)
+    wr.kind, wr.m = kind, m
+    wr.mesh = mesh if kind in OVER_TP else wb.Mesh.grid(4, ["dp"])
+    from workbench.parallel.strategies.zero3 import Zero3
+    wr.w = {"ddp": lambda: wb.DistributedDataParallel(m, wr.mesh),
+            "zero": lambda: wb.DistributedDataParallel(m, wr.mesh),
+            "fsdp": lambda: wb.FullyShardedDataParallel(m, wr.mesh),
+            "fully_shard": lambda: wb.fully_shard(m, mesh=wr.mesh),
+            "ddp_tp": lambda: wb.DistributedDataParallel(m, wr.mesh, dim="dp"),
+            "fsdp_tp": lambda: wb.FullyShardedDataParallel(m, wr.mesh, "dp"),
+            "fully_shard_tp": lambda: wb.fully_shard(m, mesh=wr.mesh["dp"]),
+            "zero_tp": lambda: m, "zero2_tp": lambda: m,
+            "zero3_tp": lambda: Zero3(m, wr.mesh, "dp")}[kind]()
+    opt, ro = wr.optimizer(cls=O.SGD, lr=0.1), O.SGD(ref.parameters(), lr=0.1)
+    steps(wr, opt, ref, ro)
+    got = full_state(m.state_dict())
+    assert int(got["calls"]) == 3
+    assert_one_device(wr, ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_manual_seed_makes_two_training_runs_with_dropout_identical(kind):
+    """Dropout on (train mode), two runs from the same ``torch.manual_seed``: the same
+    losses and weights, bit for bit."""
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        wr = Wrapped(kind)
+        wr.w.train()
+        opt = wr.optimizer()
+        torch.manual_seed(7)
+        losses = []
+        for x, y in batches(3):
+            opt.zero_grad()
+            loss = ((wr.out(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        runs.append((losses, full_state(wr.m.state_dict())))
+    (l0, s0), (l1, s1) = runs
+    assert l0 == l1
+    for k in s0:
+        assert torch.equal(s0[k], s1[k]), k
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_freezing_a_submodule_mid_training_is_one_devices_or_raises(kind):
+    """``model[0].requires_grad_(False)`` after the first step: the frozen layer stays,
+    the rest trains as one device (SGD momentum); DDP (its reducer built over every
+    parameter) raises torch DDP's own error naming ``find_unused_parameters``, as torch's."""
+    ref, wr = eval_pair(kind)
+    opt = wr.optimizer(cls=O.SGD, lr=0.1, momentum=0.9)
+    ro = O.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    def each(i):
+        if i == 1:
+            ref[0].requires_grad_(False)
+            (wr.w.module if kind in ("ddp", "zero", "ddp_tp") else wr.m)[0].requires_grad_(False)
+    if kind in ("ddp", "zero", "ddp_tp"):
+        with pytest.raises(RuntimeError, match="find_unused_parameters"):
+            steps(wr, opt, ref, ro, each=each)
+        return
+    steps(wr, opt, ref, ro, each=each)
+    assert_one_device(wr, ref)
