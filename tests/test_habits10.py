@@ -527,3 +527,25 @@ def test_freezing_a_submodule_mid_training_is_one_devices_or_raises(kind):
         return
     steps(wr, opt, ref, ro, each=each)
     assert_one_device(wr, ref)
+
+
+NO_DEEPCOPY = ("fully_shard", "fsdp_tp", "fully_shard_tp", "zero3_tp")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_averaged_model_ema_of_the_module_is_one_devices_or_raises(kind):
+    """``AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))`` of the user's
+    module, updated after each step: one device's EMA; where the module's parameters live
+    in flat shards (deepcopy refuses, as FSDP2's) the error names the fix."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+    ref, wr = eval_pair(kind)
+    if kind in NO_DEEPCOPY:
+        with pytest.raises(NotImplementedError, match="deepcopy the module before"):
+            AveragedModel(wr.m, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        return
+    rema = AveragedModel(ref, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    wema = AveragedModel(wr.m, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    steps(wr, wr.optimizer(cls=O.SGD, lr=0.1), ref, O.SGD(ref.parameters(), lr=0.1),
+          each=lambda i: (wema.update_parameters(wr.m), rema.update_parameters(ref)))
+    for a, b in zip(wema.module.parameters(), rema.module.parameters()):
+        torch.testing.assert_close(plain(a).detach(), b.detach(), rtol=1e-5, atol=1e-6)

@@ -101,21 +101,18 @@ def _map(x, classes):
 
 
 def module_value_read(func, args, kwargs, classes, what="the gradient"):
-    """``(True, out)`` for a user's call (:func:`users_read`, checked here last) that
+    """``(True, out)`` for a user's call (:func:`users_read`, checked first) that
     reads a laid-out gradient (of ``classes``; ``what``: the gradient, or DDP's parameter
     over tensor parallelism, whose storage is laid out alike) as its module value (module
     docstring); else ``(False, None)``."""
-    if not args:
+    if not args or not users_read():       # the wrappers' and torch.optim's: the storage
         return False, None
     kwargs = kwargs or {}
     flat = list(_flat(args, kwargs))
-    grads = [t for t in flat if _laid_out(t, classes)]
-    if not grads:
+    if not any(_laid_out(t, classes) for t in flat):
         return False, None
     array = func in _ARRAYS and _laid_out(args[0], classes)
     if not array and not any(_plain(t) for t in flat):
-        return False, None
-    if not users_read():
         return False, None
     name = getattr(func, "__name__", "")
     target = args[0]
