@@ -19,7 +19,19 @@ Linear(6, 3)``):
    ``p.grad.add_(noise)``.  Now one device's (``laid_out_grad_reads``), or, where the module
    gradient is a gathered copy (over tensor parallelism), a view / a write into it raises
    naming ``p.grad.full_tensor()``; DDP's parameter over tensor parallelism (``p - w``,
-   ``p.data - w``, ``p.detach() - w``) the same.
+   ``p.data - w``, ``p.detach() - w``) the same.  ``vector_to_parameters(v, grads)`` set
+   nothing the step read (silently, every laid-out wrapper); ``p.grad = g`` of the
+   module's shape raised torch's size error naming the storage: now one device's.
+2. ``state_dict(keep_vars=True)`` over tensor parallelism gave DistTensors or gathered
+   copies, not the parameters: ``requires_grad`` False on FSDP / fully_shard / Zero3 (a
+   LoRA "save what trains" filter kept nothing, silently), ``.grad`` None.  Now the
+   ``named_parameters()`` objects (``parallel/keep_vars.py``); the module inside FSDP /
+   Zero3 over tensor parallelism (templates of the shards) raises naming the wrapper's;
+   such a dict loads into another wrapper and ``torch.save``s as module-shaped
+   parameters (it raised RecursionError / PicklingError).
+3. The optimizers and schedules a user writes: one device's (guards), except LBFGS, which
+   every wrapper refuses naming an elementwise optimizer (DDP over tensor parallelism
+   raised AttributeError, Zero3 over it torch's stride error, before).
 """
 import numpy as np
 import pytest
@@ -153,6 +165,57 @@ def test_a_write_of_a_users_tensor_into_the_gradient_steps_as_one_device(kind, h
         t = user_tensor(r.shape, seed=i)
         WRITES[how](p.grad, t)
         WRITES[how](r.grad, t)
+    wo.step()
+    ro.step()
+    got, want = full_state(wr.m.state_dict()), ref.state_dict()
+    for k in want:
+        close(got[k], want[k])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_vector_to_parameters_over_the_gradients_steps_as_one_device_or_raises(kind):
+    """``vector_to_parameters(v, [p.grad ...])`` (a flat gradient written back, as
+    meta-learning and hand-written second-order code do): one device's step.  Before:
+    silently wrong on every laid-out wrapper (``p.grad.data = t`` of the module's shape
+    set nothing the step read); over tensor parallelism (a gathered copy) it raises
+    naming the fix, as does ZeRO-1/2's DistTensor ``.data``."""
+    ref, wr = backward_pair(kind)
+    ro = torch.optim.SGD(ref.parameters(), lr=1.0)
+    wo = wr.optimizer(cls=torch.optim.SGD, lr=1.0)
+    vec = user_tensor((45,), seed=9)
+    if kind in GATHERED or kind in ("zero_tp", "zero2_tp"):
+        with pytest.raises((RuntimeError, TypeError), match=r"full_tensor\(\)|d\.copy_\(t\)"):
+            nn.utils.vector_to_parameters(vec, [p.grad for p in wr.params()])
+        return
+    nn.utils.vector_to_parameters(vec, [r.grad for r in ref.parameters()])
+    nn.utils.vector_to_parameters(vec, [p.grad for p in wr.params()])
+    wo.step()
+    ro.step()
+    got, want = full_state(wr.m.state_dict()), ref.state_dict()
+    for k in want:
+        close(got[k], want[k])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_assigning_a_gradient_of_the_modules_shape_steps_as_one_device_or_raises(kind):
+    """``p.grad = g`` (a gradient set by hand) with ``g`` of ``p``'s shape: one device's
+    step on DDP / FSDP / fully_shard (and FSDP / fully_shard over tensor parallelism).
+    Before: torch's "attempting to assign a gradient of size '[6, 3]' to a tensor of size
+    '[4, 6, 3]'", naming the storage's size; Zero3 over tensor parallelism now names the
+    fix; DDP over it keeps torch's refusal, ZeRO-1/2 their own."""
+    ref, wr = backward_pair(kind)
+    ro = torch.optim.SGD(ref.parameters(), lr=1.0)
+    wo = wr.optimizer(cls=torch.optim.SGD, lr=1.0)
+    pairs = list(zip(wr.params(), ref.parameters()))
+    if kind in ("ddp_tp", "zero_tp", "zero2_tp", "zero3_tp"):
+        with pytest.raises((RuntimeError, ValueError), match="grad"):
+            pairs[0][0].grad = user_tensor(pairs[0][1].shape)
+        return
+    for i, (p, r) in enumerate(pairs):
+        t = user_tensor(r.shape, seed=i)
+        p.grad = t.clone()
+        r.grad = t.clone()
+        close(plain(p.grad.full_tensor() if kind in GATHERED else p.grad), t)
     wo.step()
     ro.step()
     got, want = full_state(wr.m.state_dict()), ref.state_dict()

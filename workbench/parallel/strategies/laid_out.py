@@ -61,6 +61,7 @@ from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place, map_sharers
+from .laid_out_grad_reads import grad_assignment
 from .laid_out_hooks import HOOKS, register
 from .laid_out_reads import (LIKES, LaidOutValue, keep_layout, module_shaped_sources,
                              pointwise_reads)
@@ -135,6 +136,8 @@ class LaidOutParameter(nn.Parameter):
         kwargs = kwargs or {}
         if func is torch.autograd.grad:
             _check_autograd_grad(args, kwargs)
+        if grad_assignment(func, args, LaidOutParameter):
+            return None     # a user's p.grad = g of the module's shape (laid_out_grad_reads)
         if func in HOOKS and args and isinstance(args[0], LaidOutParameter) and users_call():
             # a user's p.register_hook(fn): fn sees one device's gradient (laid_out_hooks)
             return register(args[0], func, args[1] if len(args) > 1 else kwargs["hook"])

@@ -22,7 +22,9 @@ parallelism the shards gathered, a copy) where:
 * the call meets another tensor that is plain (``torch.Tensor`` / ``nn.Parameter``, not
   0-d): arithmetic, comparisons, ``torch.where``, ``@``, ``torch.cat`` / ``stack``, an
   in-place op into the user's tensor (``ema.copy_(p.grad)``, ``acc.add_(p.grad)``);
-* ``p.grad.numpy()`` / ``numpy.asarray(p.grad)``.
+* ``p.grad.numpy()`` / ``numpy.asarray(p.grad)``;
+* ``p.grad.data = t`` of the module's shape (``vector_to_parameters(v, grads)``): written
+  in as ``p.grad.copy_(t)`` below (it set nothing, or the storage's rows only, silently).
 
 An in-place op *into* the gradient with such a tensor (``p.grad.add_(noise)``) is one
 device's op written into every rank's row (DDP) or into the chunks' elements (FSDP, whose
@@ -53,6 +55,8 @@ _USERS_TORCH = (_TORCH + "overrides.py", _TORCH + "_tensor.py",
                 _TORCH + os.path.join("nn", "utils", "convert_parameters.py"),
                 _TORCH + "testing" + os.sep)
 _ARRAYS = {_T.numpy, _T.__array__}
+_DATA_SET = _T.data.__set__     # compared with ==: a fresh method-wrapper each time
+_AUTOGRAD = {torch.autograd.backward, torch.autograd.grad, _T.backward}
 
 
 def users_read() -> bool:
@@ -108,6 +112,14 @@ def module_value_read(func, args, kwargs, classes, what="the gradient"):
     if not args or not users_read():       # the wrappers' and torch.optim's: the storage
         return False, None
     kwargs = kwargs or {}
+    if func == _DATA_SET and len(args) > 1 and _laid_out(args[0], classes) and \
+            isinstance(args[1], torch.Tensor) and not _laid_out(args[1], classes) and \
+            tuple(args[1].shape) == tuple(args[0]._wb_shape):
+        # p.grad.data = t (vector_to_parameters over the gradients): written as copy_
+        _write_into(_T.copy_, args[0], args, {}, classes, what)
+        return True, None
+    if getattr(func, "__name__", "") == "__set__" or func in _AUTOGRAD:
+        return False, None     # p.grad = g, backward / autograd.grad: not reads of values
     flat = list(_flat(args, kwargs))
     if not any(_laid_out(t, classes) for t in flat):
         return False, None
@@ -150,3 +162,45 @@ def _write_into(func, g, args, kwargs, classes, what):
         "over tensor parallelism with a tensor of the module's shape: its storage holds "
         f"shards, and the module's {tuple(g._wb_shape)} value is gathered from them (a "
         f"copy), so the write would not reach the storage the optimizer steps.  {fix}")
+
+
+_GRAD_SET = _T.grad.__set__     # compared with ==
+
+
+def grad_assignment(func, args, laid_out) -> bool:
+    """A user's ``p.grad = g`` with ``g`` of the module's shape on a parameter of
+    ``laid_out`` stored otherwise (a gradient set by hand: federated averaging, a
+    gradient computed elsewhere).  torch refused it naming the storage's size ("attempting
+    to assign a gradient of size '[6, 3]' to a tensor of size '[4, 6, 3]'", habits10).
+    Here ``g`` is laid out as the parameter (``_wb_store``: every rank's row, or the
+    chunks) and set as the wrapper's own gradient would be (DDP's rows, FSDP's chunks,
+    over tensor parallelism the gathered-read gradient): True.  A parameter without a
+    way to lay it out raises naming the fix; anything else is torch's (False)."""
+    if not (func == _GRAD_SET) or len(args) < 2 or not isinstance(args[0], laid_out):
+        return False
+    p, g = args[0], args[1]
+    if not isinstance(g, torch.Tensor) or isinstance(g, laid_out) or \
+            type(g) not in (torch.Tensor, nn.Parameter) or not _laid_out(p, laid_out) or \
+            tuple(g.shape) != tuple(p._wb_shape) or not users_read():
+        return False
+    store = getattr(p, "_wb_store", None)
+    if store is None or not (getattr(p, "_wb_here", False) or
+                             getattr(p, "_wb_gathers", None) == "users"):
+        raise RuntimeError(
+            f"p.grad = g with g of the module's shape {tuple(g.shape)} on a parameter "
+            f"stored otherwise ({getattr(p, '_wb_layout', 'laid out by its wrapper')}), "
+            "which this wrapper cannot lay g out into.  Compute the gradient through "
+            "loss.backward() and change it in place (p.grad.mul_(c)), or set it before "
+            "wrapping")
+    from .rank_grads import as_chunk_rows, as_gathered_grad, as_rank_rows
+    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        laid = store(g.detach().to(p.dtype)).contiguous().clone()
+    if getattr(p, "_wb_rows", None):
+        laid = as_rank_rows(laid)
+    elif getattr(p, "_wb_gathers", None) == "users":
+        laid = as_gathered_grad(laid, p)
+    else:
+        laid = as_chunk_rows(laid, g.numel(), tuple(p._wb_shape))
+    with torch._C.DisableTorchFunctionSubclass():
+        _GRAD_SET(p, laid)
+    return True
