@@ -217,7 +217,9 @@ class ParallelModule(BackwardHookRefusal):
         if args or destination is not None:     # a sub-module's part of a parent's dict
             return sd
         from .dcp_interop import as_stateful
-        return as_stateful(sd)
+        from .keep_vars import as_parameters
+        # a user's keep_vars=True: the parameters themselves, as torch's (keep_vars)
+        return as_stateful(as_parameters(self, sd, prefix, keep_vars))
 
     # ---- named_parameters: a parameter moved into FSDP's flat shards is its shard -------
     def named_parameters(self, prefix: str = "", recurse: bool = True,
@@ -307,6 +309,8 @@ class ParallelModule(BackwardHookRefusal):
             raise NotImplementedError("load_state_dict(assign=True) on a parallelized module: "
                                       "its parameters are DistTensors laid out by the plan; "
                                       "load with assign=False (copies into them)")
+        from .keep_vars import module_values
+        state_dict = module_values(state_dict)      # a wrapper's keep_vars dict: values
         expected = {k: tuple(v.shape) if hasattr(v, "shape") else None   # None: extra state
                     for k, v in self.state_dict(keep_vars=True).items()}
         check_state_dict(self._get_name(), expected, state_dict, strict)

@@ -238,10 +238,13 @@ class DistTensorDDP(BackwardHookRefusal, DistributedDataParallel):
     def state_dict(self, destination=None, prefix="", keep_vars=False):
         """torch DDP's keys (``prefix + "module." +`` the module's own name); each value the
         module's DistTensor (its storage the replicas), buffers as they are."""
+        from ..keep_vars import as_parameters
         out = {} if destination is None else destination
         for name, t in self.module.state_dict(keep_vars=keep_vars).items():
             out[prefix + "module." + name] = t
-        return out
+        # a user's keep_vars=True: the parameters themselves (the replica storages), as
+        # torch DDP's (keep_vars)
+        return as_parameters(self, out, prefix, keep_vars)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """:meth:`state_dict`'s keys; DistTensors or full tensors, copied into every
@@ -251,6 +254,8 @@ class DistTensorDDP(BackwardHookRefusal, DistributedDataParallel):
             raise NotImplementedError("DistributedDataParallel.load_state_dict(assign=True): "
                                       "the replicas are the optimizer's tensors; load with "
                                       "assign=False (copies into them)")
+        from ..keep_vars import module_values
+        state_dict = module_values(state_dict)      # a wrapper's keep_vars dict: values
         mine = self.state_dict(keep_vars=True)
         missing, unexpected = state_dict_check("DistributedDataParallel", mine, state_dict,
                                                strict)

@@ -446,8 +446,11 @@ class DistTensorFSDP(BackwardHookRefusal, Zero3Clock, FullyShardedDataParallel):
     def state_dict(self, destination=None, prefix="", keep_vars=False):
         """The module's ``state_dict()``: its own names, each parameter a DistTensor of
         the template's placements gathered from the shards (:mod:`.fsdp_dist_habits`)."""
-        return self.module.state_dict(destination=destination, prefix=prefix,
-                                      keep_vars=keep_vars)
+        from ..keep_vars import as_parameters
+        sd = self.module.state_dict(destination=destination, prefix=prefix,
+                                    keep_vars=keep_vars)
+        # a user's keep_vars=True: the parameters themselves (the shards), as FSDP2's
+        return as_parameters(self, sd, prefix, keep_vars)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """The module's ``load_state_dict`` (DistTensors or full tensors): the loaded

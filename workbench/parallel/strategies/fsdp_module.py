@@ -154,8 +154,13 @@ class FSDPModule:
             destination, prefix, keep_vars = (list(args[:3]) +
                                               [destination, prefix, keep_vars][len(args):])
         if _RAW[0] or self._wb_fully_shard.tp is not None:   # tp: fsdp_dist_habits' hooks
-            return super().state_dict(destination=destination, prefix=prefix,
-                                      keep_vars=keep_vars)
+            from ..keep_vars import as_parameters
+            sd = super().state_dict(destination=destination, prefix=prefix,
+                                    keep_vars=keep_vars)
+            if _RAW[0] or destination is not None:
+                return sd
+            # a user's keep_vars=True: the parameters themselves (the shards), as FSDP2's
+            return as_parameters(self, sd, prefix, keep_vars)
         st = self._wb_fully_shard
         with _raw():
             if st.wrapper is not None:

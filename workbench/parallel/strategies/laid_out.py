@@ -61,6 +61,7 @@ from ..dist_tensor import DistTensor
 from ..load_back import mark
 from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place, map_sharers
+from .laid_out_grad_reads import grad_assignment
 from .laid_out_hooks import HOOKS, register
 from .laid_out_reads import (LIKES, LaidOutValue, keep_layout, module_shaped_sources,
                              pointwise_reads)
@@ -119,11 +120,24 @@ class LaidOutParameter(nn.Parameter):
         memo[id(self)] = out
         return out
 
+    def __reduce_ex__(self, proto):
+        """``torch.save`` / pickle of the parameter itself (a ``state_dict(keep_vars=True)``
+        value: LoRA's save of what trains): a plain ``nn.Parameter`` of the module's shape
+        holding its values, as one device's and torch DDP's save it (habits10: it raised
+        RecursionError, or a PicklingError naming the wrapper's module class).  Where this
+        process does not hold every rank's part, raises as ``copy.deepcopy``."""
+        if getattr(self, "_wb_gathers", None) == "users" and \
+                getattr(self, "_wb_full", None) is not None:    # simulated, over tp
+            return nn.Parameter(self.full_tensor(), self.requires_grad).__reduce_ex__(proto)
+        return self.__deepcopy__({}).__reduce_ex__(proto)
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.autograd.grad:
             _check_autograd_grad(args, kwargs)
+        if grad_assignment(func, args, LaidOutParameter):
+            return None     # a user's p.grad = g of the module's shape (laid_out_grad_reads)
         if func in HOOKS and args and isinstance(args[0], LaidOutParameter) and users_call():
             # a user's p.register_hook(fn): fn sees one device's gradient (laid_out_hooks)
             return register(args[0], func, args[1] if len(args) > 1 else kwargs["hook"])
@@ -554,6 +568,9 @@ _WHOLE = {"LBFGS": ("any", "its flat gradient, dot products and |g|_1 run over t
                    "shape, and here the storage's shape is the wrapper's layout")}
 
 
+_REPLICAS = "its storage holds every replica's tensor-parallel shards"
+
+
 def _check_whole_parameter_optimizer(optimizer) -> None:
     """Raise, before the step changes anything, for an optimizer of :data:`_WHOLE` over a
     storage it would read as the parameter."""
@@ -561,13 +578,21 @@ def _check_whole_parameter_optimizer(optimizer) -> None:
     if what is None or type(optimizer).__module__.split(".")[:2] != ["torch", "optim"]:
         return
     kind, why = what
-    for p in _laid_out_params(optimizer):
+    # every storage of another shape than its module's: Zero3's (no _wb_store) and DDP's
+    # replica storage over tensor parallelism too (habits10: torch's stride error, and an
+    # AttributeError for the message's _wb_layout)
+    for p in (p for g in optimizer.param_groups for p in g["params"]
+              if getattr(p, "_wb_shape", None) is not None):
+        with torch._C.DisableTorchFunctionSubclass():
+            if tuple(p.shape) == tuple(p._wb_shape):
+                continue
         rows = getattr(p, "_wb_rows", None)
         if (kind == "rows" and rows and rows > 1) or (kind == "chunks" and not rows) or \
                 kind == "any":
             raise NotImplementedError(
                 f"torch.optim.{type(optimizer).__name__} over a wrapped parameter of shape "
-                f"{p._wb_shape} ({p._wb_layout}): {why}, which is not one device's update. "
+                f"{tuple(p._wb_shape)} ({getattr(p, '_wb_layout', _REPLICAS)}): "
+                f"{why}, which is not one device's update. "
                 "Use an optimizer whose update is elementwise (SGD, Adam, AdamW, RMSprop...)"
                 + (", or DDP under torchrun (one replica per process)" if kind == "rows"
                    else ", or DDP under torchrun (one whole replica per process)"

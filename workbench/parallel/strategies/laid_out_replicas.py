@@ -32,6 +32,7 @@ import math
 
 import torch
 
+from .laid_out_grad_reads import module_value_read
 from .laid_out_hooks import HOOKS
 from .laid_out_shape import VIEWS, _PROPS
 from .laid_out_replica_init import INIT_CALLS, from_init, one_draw, refuse_init_index
@@ -116,6 +117,12 @@ class ReplicaStorage(torch.Tensor):
                 f"module's shape {shape}.  Write the values in: with torch.no_grad(): "
                 f"p.copy_(t.view({shape})) for each parameter (every replica's shards), or "
                 "load them with ddp.load_state_dict")
+        if not (func is _T.copy_ and isinstance(t, ReplicaStorage)):
+            # a user's p - w, w.copy_(p.detach()): the module's value (laid_out_grad_reads)
+            done, out = module_value_read(func, args, kwargs, (ReplicaStorage,),
+                                          "DistributedDataParallel's parameter")
+            if done:
+                return out
         if func in WHOLE and func not in NUMEL and users_call(depth=-1):
             done, out = _whole(func, args, kwargs)
             if done:
@@ -141,6 +148,27 @@ def _deepcopy(self, memo):
 
 
 ReplicaStorage.__deepcopy__ = _deepcopy
+
+
+def _reduce_ex(self, proto):
+    """``torch.save`` / pickle of the replica storage itself (a ``ddp.state_dict(
+    keep_vars=True)`` value, :mod:`..keep_vars`): a plain ``nn.Parameter`` of the module's
+    shape holding its values, as torch DDP's parameter saves (it raised "Can't pickle
+    local object", habits10).  Under torch.distributed (the module value is gathered, a
+    collective every process joins) it raises naming the fix."""
+    full = getattr(self, "_wb_full", None)
+    if full is None or getattr(self, "_wb_distributed", False):
+        raise NotImplementedError(
+            "torch.save / pickle of DistributedDataParallel's parameter over tensor-parallel "
+            "DistTensors under torch.distributed: its storage is this process's shards.  Save "
+            "ddp.state_dict() (DistTensors, e.g. with wb.checkpoint.save) or the "
+            "full_state_dict()")
+    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        value = full(self.detach()).clone()
+    return torch.nn.Parameter(value, self.requires_grad).__reduce_ex__(proto)
+
+
+ReplicaStorage.__reduce_ex__ = _reduce_ex
 
 
 def _module_shaped_source(t, src, shape):

@@ -47,6 +47,10 @@ _T = torch.Tensor
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _WORKBENCH = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _OVERRIDES = _TORCH + "overrides.py"
+# torch's helpers a user calls to read a tensor (torch.nn.utils.parameters_to_vector's
+# p.view(-1) of a user's p.grad, torch.testing.assert_close's shape): the user's reads
+_USERS_TORCH = (_TORCH + os.path.join("nn", "utils", "convert_parameters.py"),
+                _TORCH + "testing" + os.sep)
 _MODELS = _WORKBENCH + "models" + os.sep      # the course's models: a user's code
 # workbench's thin wrappers in torch's place (torch.nn.utils.get_total_norm /
 # clip_grad_norm_...: torch's own function for plain tensors), read as torch's frames
@@ -73,7 +77,8 @@ def users_call(direct: bool = False, depth: int = 0) -> bool:
         f = sys._getframe(3 + depth)
         # len(p), for row in p: torch's Tensor.__len__ (through handle_torch_function) /
         # __iter__ stand between the user and the call
-        while f is not None and (f.f_code.co_filename == _OVERRIDES or (
+        while f is not None and (f.f_code.co_filename == _OVERRIDES or
+                                 f.f_code.co_filename.startswith(_USERS_TORCH) or (
                 f.f_code.co_name in ("__iter__", "__len__") and
                 f.f_code.co_filename.startswith(_TORCH))):
             f = f.f_back

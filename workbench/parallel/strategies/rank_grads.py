@@ -49,6 +49,7 @@ from .laid_out_reads import LIKES, _is_pointwise
 from .laid_out_shape import module_ndim, module_shape_read, module_view
 from .laid_out_whole import WHOLE, storage_shape, whole_reads
 from .laid_out_views import users_call
+from .laid_out_grad_reads import module_value_read
 
 _NORMS = (torch.linalg.vector_norm, torch._foreach_norm, torch.norm, torch.Tensor.norm)
 
@@ -94,6 +95,10 @@ class _NormedGrad(torch.Tensor):
             if dims is not None:
                 return dims
             done, out = module_view(func, args, kwargs, _WHOLE_GRADS)
+            if done:
+                return out
+            # a user's p.grad - g, p.grad.numpy(): the module's gradient (laid_out_grad_reads)
+            done, out = module_value_read(func, args, kwargs, _MODULE_VALUED)
             if done:
                 return out
         parsed = _norm_args(func, args, kwargs) if func in _NORMS else None
@@ -352,6 +357,10 @@ class ReplicaStorageGrad(ReplicaGrad):
             if func in WHOLE and func not in _NORMS and not users_call():
                 return _plain(func, args, kwargs)       # the wrappers' reads: the storage's
             return super().__torch_function__(func, types, args, kwargs)
+        # a user's t - p.grad, ema.copy_(p.grad): the module's gradient (laid_out_grad_reads)
+        done, out = module_value_read(func, args, kwargs, _MODULE_VALUED)
+        if done:
+            return out
         return ReplicaGrad.__torch_function__.__func__(ReplicaGrad, func, types, args, kwargs)
 
     @property
@@ -489,6 +498,9 @@ def as_gathered_grad(t, param):
 
 
 _WHOLE_GRADS = (RankRows, ChunkRows, ShardGrad, ReplicaStorageGrad, GatheredGrad)
+# read as module values where a user's tensor meets them (laid_out_grad_reads); not
+# torch.distributed's shards (a gather every process would have to join)
+_MODULE_VALUED = (RankRows, ChunkRows, ReplicaStorageGrad, GatheredGrad)
 # ShardGrad: where _gathers
 
 
