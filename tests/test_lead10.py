@@ -5,7 +5,10 @@ sequences routed per rank (``plan.ep_cp._whole_sequences``).  Before, it priced 
 routed rows only (Megatron-Core's grouped GEMM): the dry run of a 4-layer Llama with 8
 experts, top-2, dropless on dp 4 took 1.57x the estimate's step and kept 2.58x its
 activations, so ``search(framework="workbench")`` ranked ep = 1 layouts too fast."""
+import copy
+
 import pytest
+import torch
 
 import workbench as wb
 from workbench.plan import Cluster, Layout, dry_run, estimate
@@ -156,3 +159,34 @@ def test_stage_crossing_priced_on_its_slowest_link():
     assert dry_run(cfg, lay, cl).step_time == pytest.approx(est.step_time, rel=0.01)
     one = Layout(dp=1, tp=4, pp=2, sp=True, micro_batch=1, global_batch=8)   # one node
     assert estimate(cfg, one, Cluster("a100", 8)).details["p2p"] == pytest.approx(intra)
+
+
+# ---- FSDP1's no_sync(): a held gradient's reads -------------------------------------------
+
+def test_fsdp_no_sync_grad_reads_raise_until_the_synced_backward():
+    """Inside ``no_sync()`` each rank holds its own unreduced gradient; the shard showed a
+    zero placeholder, so ``p.grad.norm()`` read 0.0 (one device: 12.7 after the synced
+    backward), silently.  Reads now raise naming the fix; zero_grad still works and the
+    synced backward gives one device's accumulated gradient."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    ref = copy.deepcopy(m)
+    f = wb.FullyShardedDataParallel(m, wb.Mesh.grid((4,), dim_names=["dp"]))
+    x = torch.randn(8, 6)
+    with f.no_sync():
+        f(x).pow(2).sum().backward()
+        g = next(f.parameters()).grad
+        assert g.shape == (5, 6)                          # metadata still answers
+        for read in (lambda: g.norm(), lambda: g.sum(), lambda: g.clone(),
+                     lambda: torch.nn.utils.clip_grad_norm_(f.parameters(), 1.0)):
+            with pytest.raises(RuntimeError, match=r"inside no_sync\(\).*after a backward"):
+                read()
+    f(x).pow(2).sum().backward()
+    for _ in range(2):
+        ref(x).pow(2).sum().backward()
+    want = next(ref.parameters()).grad.norm()
+    assert float(next(f.parameters()).grad.norm()) == pytest.approx(float(want), rel=1e-5)
+    with f.no_sync():                                     # zero_grad drops what is held
+        f(x).pow(2).sum().backward()
+    f.zero_grad(set_to_none=False)
+    assert float(next(f.parameters()).grad.norm()) == 0.0

@@ -150,7 +150,8 @@ def _index_select_parse(x, dim, index):
 def _index_select_local(nd, ctx, x, index, dim):
     idx = index[(0,) * nd].reshape(-1)        # replicated (the rule): every copy is the same
     n = x.shape[dim + nd]
-    if idx.numel() and n and bool(((idx < 0) | (idx >= n)).any()):
+    # (a meta index, the dry run's: values unknown, nothing to check)
+    if idx.numel() and n and not idx.is_meta and bool(((idx < 0) | (idx >= n)).any()):
         # torch's error for the global call (the stacked one's dim is dim + nd, another
         # kernel's): index_select_out_cpu_ (aten/src/ATen/native/TensorAdvancedIndexing.cpp)
         # takes index_select_out_cpu_dim1_ for dim 1 of a tensor of more than one dim

@@ -36,7 +36,13 @@ import torch
 
 from .laid_out_hooks import refuse_held_hooks
 
-__all__ = ["NoSync"]
+__all__ = ["NoSync", "HELD_READ"]
+
+HELD_READ = ("p.grad of FullyShardedDataParallel inside no_sync() (or after it, before the "
+             "next backward outside it): each rank holds its own unreduced gradient sum "
+             "(FSDP1 keeps it unsharded) and the shard's p.grad is not the gradient yet (a "
+             "zero, or the last reduced step's); read p.grad after a backward outside "
+             "no_sync(), which reduces what the block held, or zero_grad() to drop it")
 
 
 class NoSync:
@@ -96,6 +102,9 @@ class NoSync:
             return
         if shard.grad is None:
             shard.grad = self._zero_shard_grad(shard)
+        # its values are not the gradient now (a zero, or the last synced step's without
+        # what the block holds): reads of them raise, was a silent 0.0 norm (habits10)
+        shard.grad._wb_held = (HELD_READ, shard.grad._version)
         marks[id(shard)] = (unit.index, i, shard, shard.grad, shard.grad._version)
 
     def _zero_shard_grad(self, shard):
@@ -115,6 +124,7 @@ class NoSync:
             if shard.grad is g and g._version == version:
                 continue
             del marks[sid]
+            g.__dict__.pop("_wb_held", None)      # zeroed or replaced: one device's again
             for (ui, _), held in self._unsynced.items():
                 if ui == u:
                     held[i] = None
@@ -123,6 +133,7 @@ class NoSync:
         """``unit``'s held gradients went into a reduction: its marks go."""
         marks = self.__dict__.get("_held_marks")
         for sid in [sid for sid, m in (marks or {}).items() if m[0] == unit.index]:
+            marks[sid][3].__dict__.pop("_wb_held", None)
             del marks[sid]
 
     def unsynced_bytes(self) -> int:

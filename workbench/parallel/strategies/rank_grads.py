@@ -84,6 +84,8 @@ class _NormedGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if args and func not in _HELD_OK:
+            _refuse_held(func, args[0])
         # ShardGrad: per gradient, where it gathers (fully_shard's: _wb_gathers)
         whole = getattr(cls, "_wb_here", False) or cls is ShardGrad or \
             getattr(cls, "_wb_whole", False)
@@ -121,6 +123,26 @@ class _NormedGrad(torch.Tensor):
         if whole:
             out = _keep_grad(func, args, kwargs, out)
         return out
+
+
+# what a gradient held by FullyShardedDataParallel.no_sync() still answers (fsdp_no_sync:
+# its metadata, and the writes zero_grad makes)
+_HELD_OK = frozenset({torch.Tensor.zero_, torch._foreach_zero_, torch.Tensor.size,
+                      torch.Tensor.dim, torch.Tensor.requires_grad_, torch.Tensor.detach_})
+
+
+def _refuse_held(func, first) -> None:
+    """Raise the message a gradient of FSDP1's ``no_sync()`` carries (``_wb_held``: its unit
+    holds each rank's unreduced gradients, so the shard's own reads 0 or the last step's)
+    for any read of its values; attribute reads (``.shape``, ``._version``) pass."""
+    items = first if isinstance(first, (list, tuple)) else (first,)
+    for t in items:
+        held = getattr(t, "_wb_held", None) if isinstance(t, torch.Tensor) else None
+        # written since it was held (a zero_grad's zero_): the user's value, the held
+        # gradients dropped at the next forward (fsdp_no_sync._drop_cleared)
+        if held and getattr(func, "__name__", "") != "__get__" \
+                and t._version == held[1]:
+            raise RuntimeError(held[0])
 
 
 def _gathers(t) -> bool:
