@@ -428,6 +428,7 @@ class _Prepared:
     rep_axes: Any = None   # per output: the mesh dims it is Replicate on (even shards only;
                            # None: storage.keep_first_replica's general path)
     label: str = ""        # "<op> input", the label of the inputs' collectives
+    memos: tuple = ()      # per input: reshard_backward.gather's facts, by local lead shape
 
 
 def _is_even(cand, specs, out_shapes, mesh) -> bool:
@@ -454,7 +455,8 @@ def _prepare(opdef, dec, inputs, specs, attrs, mesh, cand=None) -> _Prepared:
     rep_axes = tuple(tuple(i for i, p in enumerate(ps) if isinstance(p, Replicate))
                      for ps in st.outputs) if even else None
     return _Prepared(dec, out_shapes, even, expand, cand, out_dtypes, keep=keep, lost=lost,
-                     moves=moves, rep_axes=rep_axes, label=f"{opdef.name} input")
+                     moves=moves, rep_axes=rep_axes, label=f"{opdef.name} input",
+                     memos=tuple({} for _ in expand))
 
 
 def _cost_of(opdef, prep, inputs, specs, attrs, mesh):
@@ -501,8 +503,10 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
     even = prep.even
     locs = []
     label = prep.label or f"{opdef.name} input"
-    for x, spec, plan, axes, moves in zip(inputs, specs, cand.plans, prep.expand,
-                                          prep.moves or _moves(cand, prep.expand)):
+    memos = prep.memos or (None,) * len(prep.expand)
+    for x, spec, plan, axes, moves, memo in zip(inputs, specs, cand.plans, prep.expand,
+                                                prep.moves or _moves(cand, prep.expand),
+                                                memos):
         if spec is None:
             locs.append(x)
             continue
@@ -534,7 +538,8 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
                 if own and _gbd.KEY in getattr(t._local, "__dict__", ()):
                     loc = _gbd.use_marked(t, plan, axes, mesh, even, label)
                 if loc is None:
-                    loc = (_gbd.gather if own else _rb.gather)(t, plan, axes, mesh, even, label)
+                    loc = _gbd.gather(t, plan, axes, mesh, even, label) if own else \
+                        _rb.gather(t, plan, axes, mesh, even, label, memo)
                 if loc is not None:
                     locs.append(loc)
                     continue
