@@ -273,8 +273,17 @@ def dispatch(func, args, kwargs):
     same = entry.extra.get("returns_self")        # x.to(x.dtype) is x (casts.py)
     if same is not None and isinstance(inputs[0], DistTensor) and same(inputs, attrs, kwargs):
         return inputs[0]
-    mesh = common_mesh(entry.name, inputs)
-    plain = any(not isinstance(x, DistTensor) for x in inputs)  # a plain tensor or constant
+    mesh = None
+    plain = False                  # a plain tensor or constant among the inputs
+    for x in inputs:
+        if type(x) is DistTensor:
+            m = x.mesh
+            if mesh is None:
+                mesh = m
+            elif m is not mesh and m != mesh:
+                common_mesh(entry.name, inputs)         # raises, naming the fix
+        else:
+            plain = True
     consts = ()                    # the types of constant inputs (type promotion differs)
     if entry.name in ("mul", "div") and (plain and _unsafe_scale(entry.name, inputs)
                                          or _unsafe_factor(entry.name, inputs)):
@@ -288,7 +297,7 @@ def dispatch(func, args, kwargs):
             specs.append(s)
         specs = tuple(specs)
     else:
-        specs = tuple([x.spec for x in inputs])
+        specs = tuple([x._spec or x.spec for x in inputs])
     tr = current_trace()
     key = (entry.name, specs, tuple(sorted(attrs.items())) if attrs else (),
            tr.profile.name if tr is not None else _DEFAULT_PROFILE, consts)
@@ -305,8 +314,13 @@ def dispatch(func, args, kwargs):
     out = run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
     # the global strides, where the outputs' shards cannot tell them (or an input's were
     # kept: its shards may tell others): torch's, from meta tensors (strides.track)
-    if prep.lost or any(getattr(x, "_gstride", None) is not None for x in inputs
-                        if type(x) is DistTensor):
+    track = prep.lost
+    if not track:
+        for x in inputs:
+            if type(x) is DistTensor and getattr(x, "_gstride", None) is not None:
+                track = True
+                break
+    if track:
         track_strides(func, args, kwargs, out)
     return out
 
@@ -447,6 +461,12 @@ class _Prepared:
     keep: bool = True      # keep_first_replica has work: an output replicated on some
                            # mesh dim, or uneven shards (cells to settle)
     lost: bool = False     # an output's shards cannot tell its strides (strides.lost_dims)
+    # per-call facts of the layout, computed once here (run_prepared's hot path):
+    moves: tuple = ()      # per input: its plan moves data or it is expanded per rank
+    rep_axes: Any = None   # per output: the mesh dims it is Replicate on (even shards only;
+                           # None: storage.keep_first_replica's general path)
+    label: str = ""        # "<op> input", the label of the inputs' collectives
+    memos: tuple = ()      # per input: reshard_backward.gather's facts, by local lead shape
 
 
 def _is_even(cand, specs, out_shapes, mesh) -> bool:
@@ -468,7 +488,13 @@ def _prepare(opdef, dec, inputs, specs, attrs, mesh, cand=None) -> _Prepared:
                    for req in st.inputs)
     keep = not even or any(p.is_replicate() for ps in st.outputs for p in ps)
     lost = any(lost_layout(tuple(s), mesh.shape, tuple(ps)) for s, ps in zip(out_shapes, st.outputs))
-    return _Prepared(dec, out_shapes, even, expand, cand, out_dtypes, keep=keep, lost=lost)
+    moves = tuple(bool(ax) or (plan is not None and bool(plan.steps))
+                  for ax, plan in zip(expand, cand.plans))
+    rep_axes = tuple(tuple(i for i, p in enumerate(ps) if isinstance(p, Replicate))
+                     for ps in st.outputs) if even else None
+    return _Prepared(dec, out_shapes, even, expand, cand, out_dtypes, keep=keep, lost=lost,
+                     moves=moves, rep_axes=rep_axes, label=f"{opdef.name} input",
+                     memos=tuple({} for _ in expand))
 
 
 def _cost_of(opdef, prep, inputs, specs, attrs, mesh):
@@ -503,40 +529,59 @@ def _stopped_after_kernel(opdef, prep, inputs, specs, attrs, mesh, tr) -> None:
                                pricing.pricing_dtype(specs, prep.out_dtypes))
 
 
+def _moves(cand, expand):
+    return tuple(bool(ax) or (plan is not None and bool(plan.steps))
+                 for ax, plan in zip(expand, cand.plans))
+
+
 def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
     dec = prep.dec
     cand = prep.cand or dec.chosen
     outs_ps = cand.strategy.outputs
     even = prep.even
     locs = []
-    for x, spec, plan, axes in zip(inputs, specs, cand.plans, prep.expand):
+    label = prep.label or f"{opdef.name} input"
+    memos = prep.memos or (None,) * len(prep.expand)
+    for x, spec, plan, axes, moves, memo in zip(inputs, specs, cand.plans, prep.expand,
+                                                prep.moves or _moves(cand, prep.expand),
+                                                memos):
         if spec is None:
             locs.append(x)
             continue
-        t = x if type(x) is DistTensor else _as_dist(x, mesh)
-        if type(x) is DistTensor and (axes or plan is not None and plan.steps) and \
-                _rb.KEY in getattr(t._local, "__dict__", ()):
-            # a reshard's gathered result: its gradient's way back recorded as one
-            # redistribution (reshard_backward.py)
-            loc = _rb.convert(t, plan, axes, mesh, even, f"{opdef.name} input")
-            if loc is not None:
+        if type(x) is not DistTensor:
+            t = _as_dist(x, mesh)
+        elif not moves:
+            t = x
+            loc = t._local
+            if even and type(loc) is torch.Tensor:  # as it is: _rb.local_for_op's answer
                 locs.append(loc)
                 continue
-        elif axes and type(x) is DistTensor:
-            # the op gives every rank a view of one copy (gathered by its own reshard, or
-            # replicated): the gradient's way back recorded once per input, as DTensor's
-            # (reshard_backward.gather; on torch.distributed gather_backward_dist.gather,
-            # and .use_marked for a wb.reshard result, as _rb.convert above)
-            loc = None
-            if storage.holds_own(mesh) and _gbd.KEY in getattr(t._local, "__dict__", ()):
-                loc = _gbd.use_marked(t, plan, axes, mesh, even, f"{opdef.name} input")
-            if loc is None:
-                loc = (_gbd.gather if storage.holds_own(mesh) else _rb.gather)(
-                    t, plan, axes, mesh, even, f"{opdef.name} input")
-            if loc is not None:
-                locs.append(loc)
-                continue
-        locs.append(_rb.local_for_op(t, plan, mesh, even, axes, f"{opdef.name} input"))
+        else:
+            t = x
+            if _rb.KEY in getattr(t._local, "__dict__", ()):
+                # a reshard's gathered result: its gradient's way back recorded as one
+                # redistribution (reshard_backward.py)
+                loc = _rb.convert(t, plan, axes, mesh, even, label)
+                if loc is not None:
+                    locs.append(loc)
+                    continue
+            elif axes:
+                # the op gives every rank a view of one copy (gathered by its own reshard,
+                # or replicated): the gradient's way back recorded once per input, as
+                # DTensor's (reshard_backward.gather; on torch.distributed
+                # gather_backward_dist.gather, and .use_marked for a wb.reshard result, as
+                # _rb.convert above)
+                loc = None
+                own = storage.holds_own(mesh)
+                if own and _gbd.KEY in getattr(t._local, "__dict__", ()):
+                    loc = _gbd.use_marked(t, plan, axes, mesh, even, label)
+                if loc is None:
+                    loc = _gbd.gather(t, plan, axes, mesh, even, label) if own else \
+                        _rb.gather(t, plan, axes, mesh, even, label, memo)
+                if loc is not None:
+                    locs.append(loc)
+                    continue
+        locs.append(_rb.local_for_op(t, plan, mesh, even, axes, label))
     out_shapes = prep.out_shapes
     ctx = prep.ctx
     if ctx is None:
@@ -574,8 +619,22 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
     # once (under VALIDATE, ranks that computed different copies raise).  Nothing to do
     # where every output is sharded or partial on every mesh dim and the shards are even.
     if prep.keep:
-        outs = storage.keep_first_replica(outs, outs_ps, out_shapes, locs, mesh,
-                                          check=VALIDATE[-1])
+        rep = prep.rep_axes
+        kept = None
+        if rep is not None and not VALIDATE[-1] and not _B.is_distributed(mesh):
+            # even shards, stacked: storage._first_copy of each output, unchecked
+            kept = []
+            for o, axes in zip(outs, rep):
+                if type(o) is not torch.Tensor:
+                    kept = None
+                    break
+                shape = o.shape
+                for i in axes:
+                    if shape[i] != 1:
+                        o = o.narrow(i, 0, 1)
+                kept.append(o)
+        outs = tuple(kept) if kept is not None else storage.keep_first_replica(
+            outs, outs_ps, out_shapes, locs, mesh, check=VALIDATE[-1])
     out_specs = prep.out_specs
     if out_specs is None:
         out_specs = tuple(TensorSpec(s, mesh, ps, dt, _trusted=True)

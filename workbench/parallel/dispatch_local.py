@@ -18,7 +18,7 @@ VALIDATE = [False]         # tests: check that "replicated" outputs really are i
 class Ctx:
     """What a local function may need beyond its tensors: the mesh, the layouts, and
     (for rank-dependent ops such as vocabulary-parallel embedding) shard offsets."""
-    __slots__ = ("mesh", "in_specs", "out_placements", "out_shape", "coord")
+    __slots__ = ("mesh", "in_specs", "out_placements", "out_shape", "coord", "memo")
 
     def __init__(self, mesh, in_specs, out_placements, out_shape, coord=None):
         self.mesh = mesh
@@ -26,6 +26,9 @@ class Ctx:
         self.out_placements = out_placements
         self.out_shape = out_shape
         self.coord = coord              # set when running per rank (uneven shards)
+        # a local implementation's facts of these layouts, computed on its first call (the
+        # dispatcher keeps one Ctx per prepared op: per op, input specs and attributes)
+        self.memo = {}
 
     def offsets(self, spec: TensorSpec, dim: int, like: torch.Tensor) -> torch.Tensor:
         """Per-rank start of ``spec``'s shard along ``dim``, shaped to broadcast against

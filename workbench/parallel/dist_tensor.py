@@ -53,8 +53,10 @@ class DistTensor:
 
     def __init__(self, local, mesh: Mesh, placements, shape, dtype=None, names=None):
         self.mesh = mesh
-        self.placements = tuple(placements)
-        self.shape = torch.Size(shape)
+        # (a tuple and a torch.Size kept as they are: both immutable; the dispatcher's
+        # outputs pass their prepared op's)
+        self.placements = placements if type(placements) is tuple else tuple(placements)
+        self.shape = shape if type(shape) is torch.Size else torch.Size(shape)
         self._local = local
         self.dtype = dtype if dtype is not None else local.dtype
         self.names = names

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
 from ..sim_mesh import cost as _cost
 from ..sim_mesh.mesh import Mesh
@@ -302,7 +303,6 @@ def _agree_unsummed(t, plan) -> None:
     step's reduce-scatter) and the job died in gloo's timeout ('Application timeout
     caused pair closure').  Only those gradients: the step's own collectives and every
     other reshard (all processes run them) pay no store round trip."""
-    from ..sim_mesh import backends as _B
     if not _B.is_distributed(t.mesh) or not any(s.kind in _REDUCING for s in plan.steps):
         return
     read = unsummed_read(t)

@@ -255,7 +255,7 @@ def _source(t, axes, back, label, grad=None):
     return y, way
 
 
-def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
+def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str, memo=None):
     """The local an op runs on, for input ``t`` that the op gives every rank a view of
     along mesh dims ``expand``, after its own reshard ``plan`` (None or no steps: as it
     is): where ``t`` is one copy along some of them (gathered by the plan, ``S(d) -> R``,
@@ -264,22 +264,59 @@ def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
     all-reduce per op reading it (and a local slice).  None where that is not the case
     (the caller runs the ordinary path): no such dim, no gradient, uneven shards or
     cells, a torch.distributed mesh."""
-    from .reshard import execute
     loc = t._local
     if type(loc) is not torch.Tensor or not even or not loc.requires_grad or \
             not torch.is_grad_enabled() or _B.is_distributed(mesh) or \
             not (t.mesh is mesh or t.mesh == mesh):
         return None
+    # ``memo`` (the dispatcher's, one per prepared op and input: plan, expand and t's
+    # layout fixed) keeps the facts below per lead shape of the local (compact or not)
+    lead = loc.shape[:mesh.ndim]
+    facts = memo.get(lead) if memo is not None else None
+    if facts is None:
+        facts = _gather_facts(plan, expand, tuple(t.placements), loc.shape)
+        if memo is not None:
+            memo[lead] = facts
+    if facts is False:
+        return None
+    src, axes, other, grad, way_label, muted = facts
+    y, _ = _source(t, axes, src, way_label, grad)
+    with C.mute_backward(mesh, muted):
+        out = y
+        if other is not None:                        # the plan's steps
+            from .reshard import execute
+            out = execute(plan, DistTensor(y, t.mesh, t.placements, t.shape, t.dtype,
+                                           t.names))._local
+        if type(out) is not torch.Tensor:
+            bad = True
+        else:
+            shape = out.shape
+            bad = False
+            for i in axes:
+                if shape[i] != 1:
+                    bad = True
+        if bad:
+            raise AssertionError(f"{label}: the gathered copy is not one compact copy "
+                                 "along the dims it is given per rank")
+        return C.expand_replicas(out, mesh, expand, label=label)
+
+
+def _gather_facts(plan, expand, placements, shape):
+    """What :func:`gather` does for an input laid out ``placements`` whose local has
+    ``shape``, given the op's ``plan`` and ``expand``: (source placements, the dims the
+    gradient comes back along, the other dims the plan moves (None: no steps), the
+    readers' gradient layout, the way's label, the dims muted meanwhile), or False where
+    the ordinary path runs."""
     steps = plan is not None and bool(plan.steps)
-    src = plan.src if steps else tuple(t.placements)
+    src = plan.src if steps else placements
     # the dims the gradient comes back along as partial sums: gathered ones, and
     # replicated ones held once (expand_replicas skips a dim already one copy per rank:
     # its gradient's sum is recorded where that copy was made); a Partial source keeps
     # its own all-reduce (see the module docstring)
     axes = tuple(i for i in expand if src[i].is_shard() or
-                 (src[i].is_replicate() and loc.shape[i] == 1))
+                 (src[i].is_replicate() and shape[i] == 1))
     if not axes:
-        return None
+        return False
     gathered = any(src[i].is_shard() for i in axes)
     # a plan that also moves other mesh dims (local_slice(dp) then all_gather(tp)): each
     # reader's gradient leaves it in the plan's layout there (S(k) on dp, Partial on tp);
@@ -292,17 +329,9 @@ def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
     # keeps each collective's own backward there (the ordinary path).
     other = sorted({s.mesh_dim for s in plan.steps} - set(axes)) if steps else []
     if any(src[i].is_partial() or i in expand for i in other):
-        return None
+        return False
     grad = tuple(Partial() if i in axes else plan.dst[i] if i in other else p
                  for i, p in enumerate(src))
-    y, _ = _source(t, axes, src, "grad of a gathered input" if gathered else
-                   "grad of a replicated input", grad)
-    with C.mute_backward(mesh, tuple(axes) + tuple(other)):
-        out = y
-        if steps:
-            out = execute(plan, DistTensor(y, t.mesh, t.placements, t.shape, t.dtype,
-                                           t.names))._local
-        if type(out) is not torch.Tensor or any(out.shape[i] != 1 for i in axes):
-            raise AssertionError(f"{label}: the gathered copy is not one compact copy "
-                                 "along the dims it is given per rank")
-        return C.expand_replicas(out, mesh, expand, label=label)
+    return (src, axes, tuple(other) if steps else None, grad,
+            "grad of a gathered input" if gathered else "grad of a replicated input",
+            tuple(axes) + tuple(other))

@@ -86,21 +86,33 @@ def install(cls):
     cls.__getitem__ = __getitem__
     habits.install(cls)
 
-    def __getattr__(self, name):
+    def method_of(name):
+        """torch.Tensor's method ``name`` on DistTensors (None: no such method)."""
         f = getattr(T, name, None)
         if f is None or name.startswith("_") or not callable(f):
-            raise AttributeError(f"'DistTensor' object has no attribute {name!r}")
+            return None
         if name.endswith("_"):                      # in place: written into self
-            return lambda *args, **kwargs: inplace.method(self, name, args, kwargs)
-
-        def method(*args, **kwargs):
-            hook = METHOD_HOOKS.get(name)
-            if hook is not None:
-                out = hook(self, args, kwargs)
-                if out is not NotImplemented:
-                    return out
-            return dispatch(f, (self,) + args, kwargs)
+            def method(self, *args, **kwargs):
+                return inplace.method(self, name, args, kwargs)
+        else:
+            def method(self, *args, **kwargs):
+                hook = METHOD_HOOKS.get(name)
+                if hook is not None:
+                    out = hook(self, args, kwargs)
+                    if out is not NotImplemented:
+                        return out
+                return dispatch(f, (self,) + args, kwargs)
+        method.__name__ = method.__qualname__ = name
         return method
+
+    def __getattr__(self, name):
+        m = method_of(name)
+        if m is None:
+            raise AttributeError(f"'DistTensor' object has no attribute {name!r}")
+        # kept on the class: the next ``d.name`` finds it there, without this lookup and
+        # a new closure per call (the method reads METHOD_HOOKS at each call, as before)
+        setattr(cls, name, m)
+        return m.__get__(self, cls)
     cls.__getattr__ = __getattr__
     cls.T = property(lambda self: dispatch(T.permute, (self, tuple(reversed(range(self.ndim)))),
                                            None))

@@ -365,7 +365,8 @@ def expand_replicas(x, mesh, axes: Sequence[int], *, label: str = ""):
         if (x.lead[a] if F is not Stacked else x.shape[a]) != 1:
             continue                      # already one copy per rank: nothing to expand
         y = F.expand(x, a, mesh.shape[a])
-        if F.requires_grad(x) and torch.is_grad_enabled():      # (the bytes only then)
+        if F.requires_grad(x) and torch.is_grad_enabled() and \
+                not (_gr.MUTED and _gr.muted(mesh, a)):          # (the bytes only then)
             y = _on_backward(y, "all_reduce", mesh, a, F.rank_bytes(x, nd),
                              label or "grad of a replicated tensor")
         x = y

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["wrap_dim", "wrap_dims", "shift", "align", "is_tensor", "check_number"]
+__all__ = ["wrap_dim", "wrap_dims", "shift", "align", "is_tensor", "check_number",
+           "broadcast_shapes"]
 
 
 def is_tensor(x) -> bool:
@@ -62,13 +63,63 @@ def align(nd, *xs):
     (broadcasting then lines up the local dims, not the device axes)."""
     if nd == 0:                    # plain tensors: broadcasting aligns them already
         return xs
-    ts = [x for x in xs if isinstance(x, torch.Tensor)]
-    if not ts:
+    target = -1
+    same = True                    # every tensor of one rank already: nothing to insert
+    for x in xs:
+        if isinstance(x, torch.Tensor):
+            d = x.dim()
+            if d != target:
+                same = target < 0
+                target = max(target, d)
+                if not same:
+                    break
+    if same:
         return xs
-    target = max(t.dim() for t in ts)
+    target = max(x.dim() for x in xs if isinstance(x, torch.Tensor))
     out = []
     for x in xs:                   # (a true 0-d tensor broadcasts as it is)
         if isinstance(x, torch.Tensor) and 0 < x.dim() < target:
             x = x.reshape(tuple(x.shape[:nd]) + (1,) * (target - x.dim()) + tuple(x.shape[nd:]))
         out.append(x)
     return out
+
+
+_BCAST: dict = {}           # shapes -> their broadcast shape (pure function of the sizes)
+
+
+def broadcast_shapes(*shapes) -> torch.Size:
+    """``torch.broadcast_shapes`` of int shapes (tuples or ``torch.Size``), memoized.
+
+    torch's goes through its symbolic-shape reference (torch/_refs/__init__.py,
+    ``_broadcast_shapes``: ``guard_or_false`` per size), ~86 us for two 5-d shapes and
+    ~10 us for two 2-d ones (torch 2.13 CPU; task perf10, /tmp timing loop), where the
+    stacked local ops call it once per op.  Same result; anything else (an int shape,
+    negative or symbolic sizes, shapes that do not broadcast) is handed to torch, which
+    answers or raises its own error."""
+    try:
+        hit = _BCAST.get(shapes)
+    except TypeError:                                   # an unhashable shape: torch's
+        return torch.broadcast_shapes(*shapes)
+    if hit is not None:
+        return hit
+    n = 0
+    for s in shapes:
+        if type(s) is not tuple and type(s) is not torch.Size or \
+                not all(type(k) is int and k >= 0 for k in s):
+            return torch.broadcast_shapes(*shapes)
+        n = max(n, len(s))
+    out = [1] * n
+    for s in shapes:
+        off = n - len(s)
+        for i, k in enumerate(s):
+            cur = out[off + i]
+            if k == cur or k == 1:
+                continue
+            if cur != 1:
+                return torch.broadcast_shapes(*shapes)  # torch's error
+            out[off + i] = k
+    res = torch.Size(out)
+    if len(_BCAST) > 4096:
+        _BCAST.clear()
+    _BCAST[shapes] = res
+    return res

@@ -27,7 +27,7 @@ import torch
 
 from ..placement import Partial, Replicate, Shard
 from . import costs
-from ._util import is_tensor, wrap_dim
+from ._util import is_tensor, wrap_dim, broadcast_shapes
 from .samples import Sample
 from .strategy import combine
 from .table import register
@@ -57,7 +57,7 @@ def _scatter_add_parse(x, dim, index, src):
 
 
 def _lead(nd, *ts):
-    lead = torch.broadcast_shapes(*(t.shape[:nd] for t in ts))
+    lead = broadcast_shapes(*(t.shape[:nd] for t in ts))
     return [t.expand(lead + tuple(t.shape[nd:])) for t in ts]
 
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from ..dist_tensor import DistTensor
 from ..placement import Replicate, Shard
 from . import costs
-from ._util import check_number
+from ._util import check_number, broadcast_shapes
 from .attention_pricing import with_shape
 from .samples import Sample
 from .strategy import combine
@@ -137,7 +137,7 @@ def _attention_local(nd, ctx, q, k, v, mask, *, kernel, causal=False, pattern=No
                      dropout_p=0.0, scale=None, tile_q=None, tile_k=None):
     if ctx is None:                                      # global output shape only
         return torch.empty(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype, device="meta")
-    lead = torch.broadcast_shapes(*(t.shape[:nd] for t in (q, k, v, mask) if t is not None))
+    lead = broadcast_shapes(*(t.shape[:nd] for t in (q, k, v, mask) if t is not None))
     B, hq, sq, _ = q.shape[nd:]
     sk = k.shape[-2]
     lb = math.prod(lead) * B                              # device axes and batch, flattened

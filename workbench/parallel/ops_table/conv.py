@@ -48,6 +48,7 @@ from . import costs
 from .samples import Sample
 from .strategy import combine
 from .table import register
+from ._util import broadcast_shapes
 
 __all__ = ["conv_rule", "conv_local"]
 
@@ -136,7 +137,7 @@ def conv_local(nd, ctx, x, w, b=None, *, k, stride, padding, dilation, groups):
         y = conv(xf, _first(w, nd), bias, stride, padding, dilation, g)
         y = y.reshape(lead + (x.shape[nd],) + tuple(y.shape[1:]))        # (lead, N, Co, *sp')
     else:
-        L = torch.broadcast_shapes(lead, tuple(w.shape[:nd]),
+        L = broadcast_shapes(lead, tuple(w.shape[:nd]),
                                    tuple(b.shape[:nd]) if b is not None else (1,) * nd)
         n = math.prod(L)
         xs = x.expand(L + tuple(x.shape[nd:])).reshape((n,) + tuple(x.shape[nd:]))

@@ -42,6 +42,7 @@ from .loss_pricing import cross_entropy_cost
 from .samples import Sample
 from .strategy import combine
 from .table import TABLE, register
+from ._util import broadcast_shapes
 
 R = Replicate()
 P = Partial("sum")
@@ -108,7 +109,7 @@ def cross_entropy_rule(x, t, *, reduction="mean", **_):
 
 
 def _bcast(nd, *xs):
-    lead = torch.broadcast_shapes(*[x.shape[:nd] for x in xs])
+    lead = broadcast_shapes(*[x.shape[:nd] for x in xs])
     return [x.expand(lead + tuple(x.shape[nd:])) for x in xs]
 
 

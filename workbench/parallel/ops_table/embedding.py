@@ -22,6 +22,7 @@ from . import costs
 from .samples import Sample
 from .strategy import combine
 from .table import register
+from ._util import broadcast_shapes
 
 R = Replicate()
 P = Partial("sum")
@@ -59,7 +60,7 @@ def _embedding_local(nd, ctx, ids, w, *, padding_idx=None):
     if ids.numel() and not ids.is_meta and bool(((ids < 0) | (ids >= v)).any()):
         raise IndexError(f"embedding: index out of range in self: ids must be in [0, {v}) "
                          f"for a table of {v} rows; got {int(ids[(ids < 0) | (ids >= v)][0])}")
-    out_lead = torch.broadcast_shapes(ids.shape[:nd], w.shape[:nd])
+    out_lead = broadcast_shapes(ids.shape[:nd], w.shape[:nd])
     if any(p.is_shard(0) for p in wspec.placements):                   # vocabulary parallel
         v_loc = w.shape[nd]
         if v_loc == 0:                                                  # an empty shard

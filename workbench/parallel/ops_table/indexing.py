@@ -23,7 +23,7 @@ import torch
 
 from ..placement import Partial, Replicate, Shard
 from . import costs
-from ._util import align, is_tensor, wrap_dim
+from ._util import align, is_tensor, wrap_dim, broadcast_shapes
 from .strategy import combine
 from .table import register
 
@@ -57,7 +57,7 @@ def _gather_parse(x, dim, index, *, sparse_grad=False):
 
 def _gather_local(nd, ctx, x, index, dim):
     x, index = align(nd, x, index)
-    lead = torch.broadcast_shapes(x.shape[:nd], index.shape[:nd])
+    lead = broadcast_shapes(x.shape[:nd], index.shape[:nd])
     x = x.expand(lead + tuple(x.shape[nd:]))
     index = index.expand(lead + tuple(index.shape[nd:]))
     if x.dim() == nd:                 # 0-d x and index along dim 0 (as torch)
@@ -114,7 +114,7 @@ def _scatter_parse(x, dim, index, src=None, *, value=None, reduce=None):
 
 def _scatter_local(nd, ctx, x, index, src, dim, value):
     ts = [t for t in (x, index, src) if t is not None]
-    lead = torch.broadcast_shapes(*(t.shape[:nd] for t in ts))
+    lead = broadcast_shapes(*(t.shape[:nd] for t in ts))
     x, index = (t.expand(lead + tuple(t.shape[nd:])) for t in (x, index))
     if x.dim() == nd:            # a 0-d x (dim 0 / -1): its one element, as torch's
         x, index = x.unsqueeze(-1), index.reshape(lead + (1,))
@@ -452,7 +452,7 @@ def mixed_index(x, idx):
         if y.numel() == 0 and n:        # torch's index kernel reads no element: no bound
             i = torch.zeros_like(i)     # checked (as advanced_index)
         ts.append(i)
-    B = tuple(torch.broadcast_shapes(*(t.shape for t in ts)))
+    B = tuple(broadcast_shapes(*(t.shape for t in ts)))
     ts = [t.expand(B) for t in ts]            # broadcast_tensors, as table ops
     if y.numel() and any(t.device.type == "meta" for t in ts):
         # wb.compile's capture: the values are checked where they are known, in torch's

@@ -45,6 +45,7 @@ from . import costs
 from .samples import Sample
 from .strategy import combine
 from .table import register
+from ._util import broadcast_shapes
 
 try:
     from ...ops import moe as _moe
@@ -106,7 +107,7 @@ def combine_rule(y, weights, experts, slots, **_):
 
 def _lead(nd, *xs):
     """The inputs with their device axes broadcast to one lead and folded into dim 0."""
-    lead = torch.broadcast_shapes(*(tuple(x.shape[:nd]) for x in xs))
+    lead = broadcast_shapes(*(tuple(x.shape[:nd]) for x in xs))
     n = math.prod(lead)                 # shapes spelled out: a shard may be empty
     return lead, [x.expand(*lead, *x.shape[nd:]).reshape(n * x.shape[nd], *x.shape[nd + 1:])
                   for x in xs]

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..placement import Replicate, Shard
 from . import costs
-from ._util import align as _align, check_number
+from ._util import align as _align, check_number, broadcast_shapes
 from .samples import Sample
 from .strategy import combine
 from .table import add_funcs, register
@@ -173,15 +173,37 @@ class _PerRankAffine(torch.autograd.Function):
 _LOW = (torch.bfloat16, torch.float16)
 
 
+_DTYPES_OK: set = set()     # (dtypes, normalized shape, eps, device, autocast) accepted
+
+
+def _autocast_state(kind: str):
+    """torch.autocast's state for a device type (it casts layer_norm's inputs), or None
+    where autocast knows no such type (meta)."""
+    try:
+        on = torch.is_autocast_enabled(kind)
+    except RuntimeError:
+        return None
+    return on, torch.get_autocast_dtype(kind) if on else None
+
+
 def _check_dtypes(x, w, b, ns, eps):
     """The per-rank views' path composes the norm from pieces that would accept any dtype
     mix; torch's kernel refuses some (CPU: a float32 x with bfloat16 weights, 'mixed dtype
     (CPU): expect parameter to have scalar type of Float'). Ask torch's own kernel on empty
     tensors of the same dtypes and device (no rows: no work) and raise as it does."""
+    dev = x.device
+    key = (x.dtype, None if w is None else w.dtype, None if b is None else b.dtype, ns, eps,
+           dev, _autocast_state(dev.type))
+    if key in _DTYPES_OK:                # torch's answer depends on these alone
+        return
+
     def empty(t, shape):
         return None if t is None else torch.empty(shape, dtype=t.dtype, device=x.device)
     try:
         F.layer_norm(empty(x, (0, *ns)), ns, empty(w, ns), empty(b, ns), eps)
+        if len(_DTYPES_OK) > 1024:
+            _DTYPES_OK.clear()
+        _DTYPES_OK.add(key)
     except RuntimeError as e:
         got = ", ".join(f"{n} {t.dtype}" for n, t in (("input", x), ("weight", w), ("bias", b))
                         if t is not None)
@@ -200,7 +222,7 @@ def _layer_norm_local(nd, ctx, x, w=None, b=None, *, normalized_shape, eps):
     _check_dtypes(x, w, b, ns, eps)
     wa = None if w is None else _align(nd, x, w)[1]
     ba = None if b is None else _align(nd, x, b)[1]
-    shape = torch.broadcast_shapes(x.shape, *(t.shape for t in (wa, ba) if t is not None))
+    shape = broadcast_shapes(x.shape, *(t.shape for t in (wa, ba) if t is not None))
     dts = {t.dtype for t in (wa, ba) if t is not None}
     if tuple(shape) == tuple(x.shape) and \
             (dts <= {x.dtype} or x.dtype in _LOW and dts == {torch.float32}):

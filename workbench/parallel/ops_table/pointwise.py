@@ -223,9 +223,19 @@ def _zero_dims(nd, ctx, xs):
     return out or xs
 
 
+def _promotes_zero_dims(ctx) -> bool:
+    """:func:`_zero_dims` has work: a 0-d input beside a dimensioned one (of the input
+    specs alone: memoized on the Ctx)."""
+    z = ctx.memo.get("zero_dims")
+    if z is None:
+        nds = [s.ndim for s in ctx.in_specs if s is not None]
+        z = ctx.memo["zero_dims"] = 0 in nds and any(n > 0 for n in nds)
+    return z
+
+
 def _local(fn):
     def local(nd, ctx, *xs, **kw):
-        if ctx is not None and len(xs) > 1:
+        if ctx is not None and len(xs) > 1 and _promotes_zero_dims(ctx):
             xs = _zero_dims(nd, ctx, xs)
         return fn(*align(nd, *xs), **kw)
     return local

@@ -40,6 +40,7 @@ from .attention_pricing import with_shape
 from .samples import Sample
 from .strategy import combine
 from .table import register
+from ._util import broadcast_shapes
 
 try:
     from ... import ops as _ops
@@ -207,7 +208,7 @@ def _local(nd, ctx, q, k, v, *, ring, step, causal, balanced, scale):
     if ctx is None:                                      # global output shapes only
         return (torch.empty(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype, device="meta"),
                 torch.empty(tuple(q.shape[:-1]), dtype=_lse_dtype(q.dtype), device="meta"))
-    lead = tuple(torch.broadcast_shapes(*(t.shape[:nd] for t in (q, k, v))))
+    lead = tuple(broadcast_shapes(*(t.shape[:nd] for t in (q, k, v))))
     if q.numel() == 0 or k.numel() == 0:                 # an empty shard: nothing to attend
         shape = lead + tuple(q.shape[nd:-1])
         return (q.new_zeros(shape + (v.shape[-1],)),

@@ -31,6 +31,7 @@ from . import costs
 from .samples import Sample
 from .strategy import combine
 from .table import register
+from ._util import broadcast_shapes
 
 __all__ = ["searchsorted_rule"]
 
@@ -92,7 +93,7 @@ def _local(nd, ctx, seq, values=None, sorter=None, *, right, out_int32, scalar=N
         values = torch.full(tuple(seq.shape[:nd]), scalar, device=seq.device,
                             dtype=torch.result_type(seq, scalar))
     ts = [seq, values] + ([sorter] if sorter is not None else [])
-    lead = torch.broadcast_shapes(*[tuple(t.shape[:nd]) for t in ts])
+    lead = broadcast_shapes(*[tuple(t.shape[:nd]) for t in ts])
     seq, values, *rest = [t.expand(lead + tuple(t.shape[nd:])).contiguous() for t in ts]
     srt = rest[0] if rest else None
     vshape = tuple(values.shape[nd:])

@@ -19,6 +19,7 @@ from . import costs
 from .samples import Sample
 from .strategy import combine
 from .table import register
+from ._util import broadcast_shapes
 
 __all__ = ["take_rule"]
 
@@ -55,7 +56,7 @@ def _local(nd, ctx, x, index):
         if bool(bad.any()):
             raise IndexError(f"out of range: tried to access index {int(index[bad][0])} on a "
                              f"tensor of {n} elements.")
-    lead = torch.broadcast_shapes(x.shape[:nd], index.shape[:nd])
+    lead = broadcast_shapes(x.shape[:nd], index.shape[:nd])
     flat = x.reshape(tuple(x.shape[:nd]) + (n,)).expand(lead + (n,))
     pos = index.expand(lead + tuple(index.shape[nd:])).reshape(lead + (-1,))
     out = torch.gather(flat, nd, torch.where(pos < 0, pos + n, pos))
