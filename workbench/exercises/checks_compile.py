@@ -78,8 +78,8 @@ def check_no_graph_break(fn) -> None:
                         "divides the whole tensor by one number, max(1, the largest |x| of "
                         "all its entries): amax() with no dim")
             elif like(_scaled(x, x.amax())):
-                hint = ("m is the largest ABSOLUTE value, x.abs().amax(): x.amax() misses a "
-                        "large negative entry")
+                hint = ("m is the largest ABSOLUTE value, x.abs().amax(): x.amax() (or x.max()) "
+                        "misses a large negative entry")
             elif (got < 0).any():
                 hint = "it has negative entries: scale_rows ends with torch.relu"
             else:
@@ -101,7 +101,11 @@ def _break_feedback(brk) -> str:
     """What to tell a student whose function still runs eagerly: Python read a tensor's
     value (a break at a source line), or capture met an op the op table lacks."""
     m = _NO_ENTRY.match(brk.reason)
-    if m is None and not brk.line:        # capture stopped for another reason: its words
+    # capture stopped for another reason (a global written, a reseed, a random draw, an
+    # autograd.Function: capture.py's refusals, some with a line): its own words, no advice
+    # about reading values; a value read says "data-dependent" (capture.py's own break and
+    # torch.export's "Could not guard on data-dependent expression")
+    if m is None and (not brk.line or "data-dependent" not in brk.reason):
         return f"wb.compile still falls back to eager: {_CELL.sub('<cell>', brk.reason)}"
     if m is None:
         return (f"wb.compile still falls back to eager: {brk.reason} at line {brk.line} "
