@@ -190,3 +190,14 @@ def test_fsdp_no_sync_grad_reads_raise_until_the_synced_backward():
         f(x).pow(2).sum().backward()
     f.zero_grad(set_to_none=False)
     assert float(next(f.parameters()).grad.norm()) == 0.0
+
+
+def test_runtime_moe_with_sp_over_tp_is_refused_not_priced_as_megatron():
+    """framework='workbench', a MoE, tp 2, sp=True: the estimate priced Megatron-Core's
+    experts split over tp, which this runtime does not run (its dry run refuses the
+    layout); it now refuses naming sp=False or framework='megatron'."""
+    lay = Layout(dp=2, tp=2, sp=True, global_batch=4, framework="workbench")
+    with pytest.raises(ValueError, match=r"tp=2 and sp=True is not priced.*sp=False.*megatron"):
+        estimate(BASE, lay, Cluster("a100", 4))
+    estimate(BASE, lay.replace(sp=False), Cluster("a100", 4))
+    estimate(BASE, lay.replace(framework=None), Cluster("a100", 4))

@@ -166,6 +166,16 @@ def check_estimate(model, lay, attention, fp8, overlap_grad_reduce) -> None:
         if overlap_grad_reduce:
             raise ValueError("overlap_grad_reduce=True with a MoE model is not modeled (its "
                              "expert gradients reduce over their own group); use False")
+        if lay.tp > 1 and lay.sp and lay.engine == "workbench":
+            # the runtime's MoE block on tp ranks' sequence shards (Hybrid runs it with ep =
+            # 1): neither its dispatch over shards nor its reshards are priced, and the dry
+            # run refuses it (dryrun_ep_cp.check); was priced as Megatron-Core's experts
+            # split over tp, which this runtime does not run
+            raise ValueError(f"estimate: framework='workbench' with a MoE model, tp={lay.tp} "
+                             f"and sp=True is not priced (this library's runtime keeps the "
+                             f"MoE MLP whole on every tp rank; the dry run refuses it too); "
+                             f"use sp=False, or framework='megatron' (Megatron-Core's experts "
+                             f"split over tp with sequence parallelism)")
 
 
 def applies(model, lay) -> bool:
