@@ -504,11 +504,7 @@ def layer_for(cfg, lay: Layout, prof, attention: str, fp8: bool = False,
                              f"for Megatron-LM's dense GPT layer (layer_cost.TE_SOURCES), "
                              f"not with expert / context parallelism: give "
                              f"transformer_engine=False")
-        if not async_allreduce and lay.tp > 1:
-            raise ValueError(f"layout {lay.short()}: expert / context parallelism is priced "
-                             f"with Megatron-LM's asynchronous TP all-reduce (2021-09 on); "
-                             f"async_tensor_model_parallel_allreduce=False is not modeled there: "
-                             f"leave it None, or use tp=1")
+        _check_ep_cp_async(lay, async_allreduce)
         return EC.layer_cost(cfg, lay, prof, attention, fp8)
     return C.layer_cost(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute, prof, attention,
                         fp8, tp_comm_overlap and lay.tp > 1, async_allreduce or lay.tp == 1,
@@ -532,9 +528,18 @@ def check_runs(model, layout, cluster, attention: str, fp8: bool = False,
                        EC.applies(model, layout))
     if layout.engine == "deepspeed" and layout.pp > 1:
         DS.check(model, layout, overlap_grad_reduce)    # its pipeline engine: deepspeed_step
-    if EC.applies(model, layout) and layout.tp > 1 and not M21.resolve(layout, None, None)[0]:
-        # what layer_for refuses: DeepSpeed's layers run no async TP all-reduce
-        layer_for(model, layout, cluster.profile, attention, async_allreduce=False)
+    if EC.applies(model, layout):
+        # DeepSpeed's layers run no async TP all-reduce (megatron_2021.resolve)
+        _check_ep_cp_async(layout, M21.resolve(layout, None, None)[0])
+
+
+def _check_ep_cp_async(lay: Layout, async_allreduce: bool) -> None:
+    """Expert / context parallelism is priced with the asynchronous TP all-reduce only."""
+    if not async_allreduce and lay.tp > 1:
+        raise ValueError(f"layout {lay.short()}: expert / context parallelism is priced "
+                         f"with Megatron-LM's asynchronous TP all-reduce (2021-09 on); "
+                         f"async_tensor_model_parallel_allreduce=False is not modeled there: "
+                         f"leave it None, or use tp=1")
 
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
