@@ -201,3 +201,11 @@ def test_runtime_moe_with_sp_over_tp_is_refused_not_priced_as_megatron():
         estimate(BASE, lay, Cluster("a100", 4))
     estimate(BASE, lay.replace(sp=False), Cluster("a100", 4))
     estimate(BASE, lay.replace(framework=None), Cluster("a100", 4))
+
+
+def test_plan_cli_names_an_empty_profile_as_typed(capsys):
+    """``plan --profile ''`` said "--profile  is not known" (the quotes dropped with
+    nothing between): now "--profile '' is not known" (found by plan10)."""
+    from workbench.cli import main
+    assert main(["plan", "--profile", ""]) == 2
+    assert "--profile '' is not known" in capsys.readouterr().err

@@ -38,12 +38,14 @@ def dry_run_flags(ep: int = 1) -> dict:
 
 def as_flags(message: str, flags: dict) -> str:
     """``message`` with each ``name=value`` of ``flags`` written ``--flag value`` (quotes
-    dropped; ``sp=True`` as ``--sp``) and each bare argument name that has an underscore
+    dropped, but for an empty value: ``--flag ''``; ``sp=True`` as ``--sp``) and each bare argument name that has an underscore
     (``global_batch``: a Python name in prose) as its flag."""
     names = "|".join(sorted(map(re.escape, flags), key=len, reverse=True))
 
     def one(m):
         flag, value = flags[m.group(1)], m.group(2).strip("'\"")
+        if not value:                     # an empty string given: shown as typed ('')
+            return f"{flag} ''"
         if value in ("True", "False") and flag == "--sp":
             return "--sp" if value == "True" else "no --sp"
         return f"{flag} {_VALUES.get((flag, value), value)}"
