@@ -43,6 +43,13 @@ import workbench as wb
 from .test_habits11 import close
 from .test_habits15 import (KINDS, OVER_TP, Wrapped, batches, full_state, mk, ref_backward)
 
+def same_model(wr, ref):
+    """The wrapper's model (gathered) equals one device's, entry by entry (``close``)."""
+    got, want = full_state(wr.m.state_dict()), ref.state_dict()
+    for k in want:
+        close(got[k], want[k])
+
+
 # over tensor parallelism the module gradient is gathered from the shards: no view of it
 GATHERED = ("ddp_tp", "fsdp_tp", "fully_shard_tp", "zero3_tp")
 
@@ -167,9 +174,7 @@ def test_a_write_of_a_users_tensor_into_the_gradient_steps_as_one_device(kind, h
         WRITES[how](r.grad, t)
     wo.step()
     ro.step()
-    got, want = full_state(wr.m.state_dict()), ref.state_dict()
-    for k in want:
-        close(got[k], want[k])
+    same_model(wr, ref)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -191,9 +196,7 @@ def test_vector_to_parameters_over_the_gradients_steps_as_one_device_or_raises(k
     nn.utils.vector_to_parameters(vec, [p.grad for p in wr.params()])
     wo.step()
     ro.step()
-    got, want = full_state(wr.m.state_dict()), ref.state_dict()
-    for k in want:
-        close(got[k], want[k])
+    same_model(wr, ref)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -218,9 +221,7 @@ def test_assigning_a_gradient_of_the_modules_shape_steps_as_one_device_or_raises
         close(plain(p.grad.full_tensor() if kind in GATHERED else p.grad), t)
     wo.step()
     ro.step()
-    got, want = full_state(wr.m.state_dict()), ref.state_dict()
-    for k in want:
-        close(got[k], want[k])
+    same_model(wr, ref)
 
 
 PARAM_MEETS = {"sub": lambda p, t: p - t, "data_sub": lambda p, t: p.data - t,
@@ -303,9 +304,8 @@ def test_an_in_place_write_into_keep_vars_values_trains_as_one_device(kind):
         ref_backward(ref, x, y)
         opt.step()
         ro.step()
-    got, want = full_state(wr.m.state_dict()), ref.state_dict()
-    for k in want:
-        close(got[k], want[k])
+    same_model(wr, ref)
+    want = ref.state_dict()
     if kind not in ("zero_tp", "zero2_tp"):
         # (left: ZeRO-1/2's DistTensor parameters carry the optimizer's local hook, which
         # pickle refuses: "Can't pickle local object ..._zero_shard_hook.<locals>.hook")
