@@ -31,6 +31,14 @@ each bound.  Bounds are read from the profiles' own citations, never fitted:
   double it"): the fast end doubles it; ``efficiency.matmul`` (ASSUMPTION 0.8, between
   the A100's and H100's best-shape bursts, MAMF 0.86 / 0.80): 0.80 .. 0.86.
 
+- ``h100``, ``a100`` and the profiles built on them: ``topology.collective_hbm_factor``,
+  the HBM bytes an NCCL collective moves per byte on its link, which the kernels beside
+  it lose (``sim_mesh.kernel_cost.hbm_share``): 3 at the slow end (NCCL's maintainer: "it
+  can be 3x", NVIDIA/nccl #1428) .. 0, the point and the fast end (the SMs NCCL holds
+  alone): the component measurements found need factors from about 0 (Korthikanti et al.
+  Table 4's tensor-parallel backward on the A100) to 2.6 (#1428's A100 kernels), so none
+  is the point (the profiles' citation; tests/test_i21c11.py).
+
 The A100 profiles' slow end also paces the job's device work by the slowest of its
 devices (``plan.variability``: the expected maximum of a per-device slowdown measured on
 219 A100 40GB GPUs, an ASSUMPTION for the 80GB SXM parts, never in the point estimate).
@@ -62,18 +70,23 @@ _MEASURED_40GB = ("measured on the A100 40GB and scaled to 2,039 GB/s (ASSUMPTIO
 _LN_GA100 = ("apex's LayerNorm rate measured on a GA100, kept on the 80GB part (ASSUMPTION); "
              "fast end: scaled by 2,039 / 1,555 GB/s as if measured on the 40GB part")
 
+_HBM = ("HBM bytes an NCCL collective moves per link byte, taken from the kernels beside it "
+        "(kernel_cost.hbm_share): 3, its maintainer's 'it can be 3x' (NVIDIA/nccl #1428) .. "
+        "0, the point: the SMs NCCL holds alone; component measurements need 0 .. 2.6")
+_HBM_BOUND = (("topology.collective_hbm_factor", 3.0, 0.0, "value", _HBM),)
+
 # profile name -> ((field, slow value or factor, fast value or factor, kind, why), ...);
 # kind "value": absolute figures; "scale": factors of the profile's own figure
 BOUNDS = {
     "h100": (("measured.attention_backend", "flash", "cudnn", "value",
               "FlashAttention-2 as PyTorch ships it .. cuDNN's fused attention, both measured "
               "on an H100 (sim_mesh/measurements/h100-sxm-80gb.json: 170-241 .. 320-455 "
-              "TFLOP/s forward + backward, causal, sequence 4096)"),),
+              "TFLOP/s forward + backward, causal, sequence 4096)"),) + _HBM_BOUND,
     "a100": tuple((f"kernel_bandwidth.{k}", _A100_40GB, 1.0, "scale", _MEASURED_40GB)
                   for k in ("attention_core_forward", "attention_core_backward",
                             "dropout_forward", "dropout_backward"))
     + tuple((f"kernel_bandwidth.{k}", 1.0, 1 / _A100_40GB, "scale", _LN_GA100)
-            for k in ("layer_norm_forward", "layer_norm_backward")),
+            for k in ("layer_norm_forward", "layer_norm_backward")) + _HBM_BOUND,
     "a100-jeanzay": (("inter_node.efficiency", 0.405, 0.846, "value",
                       "NCCL 2.10.3 over one Jean Zay Omni-Path adapter as the cluster's own "
                       "all-reduce benchmarks measured it in January 2022: 5.07 of 12.5 GB/s "

@@ -7,28 +7,53 @@ place for prices is that module, this file holds its compute half.
 A kernel beside a collective: what is modeled is NCCL's SM share (``collective_sms``:
 one SM per channel, 24 channels inside an NVSwitch node of 8 A100 or H100, 16 across
 nodes of 8 NICs, 2 across Jean Zay's Omni-Path nodes, each from NCCL's own logs) and a
-GEMM's extra waves on the SMs left (``overlap``).  UNCERTAIN, not modeled, what the
-component measurements found say beyond that:
+GEMM's extra waves on the SMs left (``overlap``).  The memory bandwidth the collective's
+traffic takes (``hbm_share``) is a component with no point: the profiles give it factor
+0 (their ``topology.collective_hbm_factor``), the estimate's range 3 at its slow end
+(``plan.ranges``).  UNCERTAIN, what the component measurements found say:
 
-- HBM contention.  NVIDIA/nccl issue #1428 (2024-09, A100-SXM4-80GB, a GPT training
-  under Nsight Systems, kernels beside an NCCL AllGather against the same kernels
-  alone): attention 0.18 -> 0.33 ms (1.83x), a GEMM 1.18 -> 2.08 ms (1.76x), an
-  elementwise kernel 0.02 -> 0.05 ms (2.5x); the maintainer (S. Jeaugey): "Very likely,
-  they're competing for memory bandwidth", NCCL's NVLink rate "needs to be multiplied by
-  at least 2x for memory bandwidth ... it can be 3x".  Message sizes, the group and the
-  GEMM's shape are not given.  The SM share at 24 SMs gives 1.29x; 2-3x the A100's
-  235 GB/s NVLink bus rate taken from its 2,039 GB/s HBM slows a memory-bound kernel
-  1.30-1.53x and a compute-bound GEMM not at all: neither reproduces those figures.
+- HBM contention.  The mechanism, NCCL's maintainer (S. Jeaugey, NVIDIA/nccl #1428,
+  2024-09): the kernels beside a collective are "Very likely ... competing for memory
+  bandwidth"; the NVLink rate "needs to be multiplied by at least 2x for memory bandwidth,
+  as we need to store to memory, then read back from it. If you add reading from or
+  writing to user data, it can be 3x".  ``hbm_share``: that factor x the group's link
+  rate over the HBM bandwidth, every kernel beside the collective slowed by that share on
+  top of the SMs (an ASSUMPTION: a compute-bound GEMM need not lose the whole share).
+  The figures (tests/test_i21c11.py holds each inside the range, factor 0 .. 3):
+  pytorch/pytorch PR #172714 (2026-01, 8 x H100 on NVLink, benchmarks/distributed/
+  bench_overlapped_matmul_allgather.py): an fp16 8192^3 matmul and an all-gather of 64 MiB
+  per rank, 2.96 ms one after the other, 2.02 ms overlapped, 1.77 ms with NCCL's
+  copy-engine all-gather (NCCL_CTA_POLICY_ZERO: no SMs; the copy engine's own rate
+  unknown, so that figure isolates nothing); the clock: 2.90 ms, 1.81 ms with the SMs
+  alone, 2.05 at factor 2 (1.5-1.9 fits).  #1428 (A100-SXM4-80GB, a GPT training under
+  Nsight Systems, beside an AllGather, sizes not given): attention 0.18 -> 0.33 ms
+  (1.83x), a GEMM 1.18 -> 2.08 ms (1.76x), an elementwise kernel 0.02 -> 0.05 ms (2.5x,
+  at 10 us resolution); the SM share 1.29x, factor 2 .. 3 at the link's full rate 1.67 ..
+  1.97x (2.3-2.6 fits).  Korthikanti et al. 2022 Table 4 (A100, one layer, tensor
+  parallelism 8; tests/test_table4.py): the backward 11.88 ms at factor 0 against the
+  published 11.9, 12.16 at factor 2 (above it by 2.2%; the sequence-parallel rows, 2% low
+  at 0, fit 1.5-2).  pytorch/pytorch PR #179937 (2026-04, 8 x H100, FSDP): "NCCL
+  collectives use SMs, which makes matmuls that are overlapped by them 30-40% slower" (a
+  statement: the SM share 1.22x, factor 2 1.57x; 0.6-1.2 fits).  So the figures need
+  factors from about 0 to 2.6: none is the point.  Not testable: Lee et al.,
+  "Characterizing Compute-Communication Overlap in GPU-Accelerated Distributed Deep
+  Learning" (arXiv:2507.03114, 2025), GPT and LLaMA on 4 A100, H100, MI250 or MI210:
+  compute 18.9% slower on average beside communication, 40.0% at most (its per-kernel,
+  per-GPU tables not in any stored copy: only the abstract and introduction were found);
+  Hetu-Galvatron's galvatron/profile_hardware/profile_overlap.py (an fp32 1024 x 4096 x
+  4096 Linear beside a 64 MB fp32 all-reduce, the larger of the two slowdowns): the
+  committed hardware_configs/overlap_coefficient.json (AFDWang/Hetu-Galvatron, 3318a0b3)
+  says 1.146, its GPU and group not given;
   NVIDIA/nccl #338 (2020, V100, Horovod): batch-norm backward kernels 2 ms alone, 4-8 ms
-  beside a 25M-element fp16 all-reduce.  Lee et al., "Characterizing Compute-Communication
-  Overlap in GPU-Accelerated Distributed Deep Learning" (arXiv:2507.03114, 2025), GPT and
-  LLaMA on 4 A100, H100, MI250 or MI210: compute 18.9% slower on average beside
-  communication, 40.0% at most (over all four GPUs; per kernel not in its abstract).
-  pytorch/pytorch PR #179937 (2026-04, 8 x H100 on NVLink, FSDP): "NCCL collectives use
-  SMs, which makes matmuls that are overlapped by them 30-40% slower" (a statement, no
-  table; 24 of 132 SMs give 1.22x).  Across nodes (the rows' data-parallel groups) the
-  collective's HBM traffic runs at the NICs' rate, 2-3 x 25-50 GB/s per GPU, 2-7% of HBM
-  by the same mechanism; inside a node it is 5-10 times that.
+  beside a 25M-element fp16 all-reduce; parasailteam/coconet #6 (8 V100, a CUTLASS GEMM
+  beside a 24-channel all-reduce): the pair slower than the two in sequence; AMD's
+  characterizations on MI-series GPUs (Agrawal et al., arXiv:2412.14335: concurrent
+  computation and communication reach 21% of the ideal speedup on average; FiCCO,
+  arXiv:2512.10236; Cui & Pericas, arXiv:2606.09200 on A40 / A100 / H100 / MI250X) and
+  Echo (arXiv:2412.12487, which models the slowdown) give no per-kernel figure in what was
+  found; openxla/xla PR #33613: NCCL 2.28's fewer-SM policy, 7% faster Llama 3.1 8B on 8
+  H100 (end to end).  Across nodes (the rows' data-parallel groups) the collective's HBM
+  traffic runs at the NICs' rate: 2-3% of HBM at factor 2.
 - The collective slowed by the kernel beside it.  NVIDIA/nccl #1433 (2024-09): a
   128-CTA CUTLASS GEMM on a 142-SM GPU beside ncclSend / ncclRecv (one CTA each): both
   slower, the communication up to 2x; the maintainer: "You may not compete for SMs but
@@ -50,7 +75,7 @@ from typing import NamedTuple
 from .profiles import OP_CLASSES, dtype_name, get_profile, profile_memo
 
 __all__ = ["compute_time", "explain_compute", "gemm_efficiency", "overlap", "overlap_rate",
-           "collective_sms", "finish_beside", "AttentionShape"]
+           "collective_sms", "hbm_share", "finish_beside", "AttentionShape"]
 
 
 class AttentionShape(NamedTuple):
@@ -313,17 +338,52 @@ def collective_sms(profile, ranks=None) -> int:
     return t.collective_sms
 
 
+def hbm_share(profile, ranks=None) -> float:
+    """The share of the device's memory bandwidth a collective over ``ranks`` takes from
+    the kernels beside it: ``topology.collective_hbm_factor`` x its link's rate / the
+    profile's ``memory_bandwidth``.  The link: the intra-node one for a group inside one
+    node (every rank r has the same r // devices_per_node), else (or ``ranks=None``) the
+    inter-node one, at bandwidth x efficiency (the collective at its full rate: an upper
+    bound for small messages).  The factor is the HBM bytes NCCL moves per link byte (its
+    maintainer: "at least 2x ... it can be 3x", NVIDIA/nccl #1428; the profiles' citation
+    says what is ASSUMED).  0 for a group of one rank or a profile without the factor."""
+    prof = get_profile(profile)
+    collective_sms(prof, ranks)                   # bad ranks raise, as there
+    k = prof.topology.collective_hbm_factor
+    if not k or _one_rank(ranks):
+        return 0.0
+    link = prof.inter_node
+    if ranks is not None:
+        d = prof.devices_per_node
+        if min(ranks) // d == max(ranks) // d:
+            link = prof.intra_node
+    share = k * link.effective_bandwidth / prof.memory_bandwidth
+    if not share < 1:
+        raise ValueError(f"profile {prof.name!r}: topology.collective_hbm_factor={k} x "
+                         f"{link.effective_bandwidth / 1e9:.0f} GB/s on {link.name!r} "
+                         f"is {share:.2f} of the memory bandwidth; it must stay below 1")
+    return share
+
+
+def _one_rank(ranks) -> bool:
+    """A group of one rank (ranks already checked by ``collective_sms``)."""
+    return ranks is not None and min(ranks) == max(ranks)
+
+
 def overlap_rate(profile, ranks=None) -> float:
     """The rate (1 = alone) at which compute kernels progress while a collective over
     ``ranks`` runs beside them: (sm_count - sms) / sm_count with sms =
     ``collective_sms(profile, ranks)`` (NCCL's CTAs hold their SMs, NVIDIA/nccl #689;
-    ``overlap``); ``ranks=None``: the profile's ``topology.collective_sms`` (a group
-    across nodes); 1 for a profile without SM figures."""
+    ``overlap``), times 1 - ``hbm_share(profile, ranks)`` (the memory bandwidth the
+    collective's traffic takes: the module docstring); ``ranks=None``: the profile's
+    ``topology.collective_sms`` and inter-node link (a group across nodes); 1 for a
+    profile without SM or HBM figures, and for a group of one rank."""
     t = get_profile(profile).topology
     sms = collective_sms(profile, ranks)
-    if not t.sm_count or not sms:
+    if _one_rank(ranks):                      # NCCL launches no kernel for one rank
         return 1.0
-    return (t.sm_count - sms) / t.sm_count
+    rate = (t.sm_count - sms) / t.sm_count if t.sm_count and sms else 1.0
+    return rate * (1.0 - hbm_share(profile, ranks))
 
 
 def finish_beside(t: float, work: float, rate: "float | None", busy) -> float:
@@ -410,8 +470,9 @@ def overlap(compute_seconds: float, comm_seconds: float, profile,
     Forums, "Compute-Communication Overlap Causes Severe GEMM Performance
     Degradation because of Tail Effect", 2025: a 132-tile GEMM beside an all-gather of
     24 CTAs on an H100, 80% MFU alone and 47% beside it, 1.70x; this model: 2 waves,
-    2.0x). What else a collective costs the kernel beside it (HBM contention) is not
-    modeled: UNCERTAIN, the module docstring.
+    2.0x). Both rates are then multiplied by 1 - ``hbm_share(profile, ranks)``: the
+    memory bandwidth the collective's traffic takes (0 at the profiles' point; the
+    range's slow end: the module docstring).
     """
     for name, v in (("compute_seconds", compute_seconds), ("comm_seconds", comm_seconds)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) \
@@ -420,12 +481,13 @@ def overlap(compute_seconds: float, comm_seconds: float, profile,
     prof = get_profile(profile)
     t = prof.topology
     sms = collective_sms(prof, ranks)
-    if not t.sm_count or not sms or comm_seconds == 0:
+    if comm_seconds == 0 or _one_rank(ranks):
         r = 1.0
-    elif _gemm_shape(gemm) is None:
+    elif _gemm_shape(gemm) is None or not t.sm_count or not sms:
         r = overlap_rate(prof, ranks)
     else:
-        r = gemm_efficiency(gemm, prof, t.sm_count - sms) / gemm_efficiency(gemm, prof)
+        r = gemm_efficiency(gemm, prof, t.sm_count - sms) / gemm_efficiency(gemm, prof) \
+            * (1.0 - hbm_share(prof, ranks))
     g, c = float(compute_seconds), float(comm_seconds)
     if r * c >= g:
         return g / r, c - g / r

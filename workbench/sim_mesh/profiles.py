@@ -163,6 +163,11 @@ class Topology:
     # SMs it holds for a group inside one node (NCCL's channels on NVSwitch outnumber those
     # across nodes; ``kernel_cost.collective_sms``); 0: collective_sms for every group
     collective_sms_intra: int = 0
+    # HBM bytes a collective moves per byte on its link (NCCL: a received byte is stored,
+    # then read back, 2; with the user buffer read or written too, 3): the share of the
+    # memory bandwidth it takes from the kernels beside it (``kernel_cost.hbm_share``);
+    # 0: that contention not modeled
+    collective_hbm_factor: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.nccl_version, str):
@@ -220,6 +225,11 @@ class Topology:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"Topology: {k}={v!r} must be an int >= 0")
+        v = self.collective_hbm_factor
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or v < 0:
+            raise ValueError(f"Topology: collective_hbm_factor={v!r} must be a number >= 0 "
+                             f"(HBM bytes per link byte; 0: not modeled)")
         for k in ("collective_sms", "collective_sms_intra"):
             v = getattr(self, k)
             if v and not v < self.sm_count:
@@ -376,7 +386,7 @@ class Profile:
             object.__setattr__(self, "topology", Topology(
                 t.library, t.intra_fabric, t.intra_links, self.devices_per_node,
                 t.protocols, t.sm_count, t.collective_sms, t.net_protocols, t.ring_nics,
-                t.nccl_version, t.collective_sms_intra))
+                t.nccl_version, t.collective_sms_intra, t.collective_hbm_factor))
         object.__setattr__(self, "peak_flops", MappingProxyType(flops))
         object.__setattr__(self, "efficiency", MappingProxyType(eff))
         object.__setattr__(self, "slow_paths", MappingProxyType(
@@ -442,6 +452,8 @@ class Profile:
                              "sm_count": t.sm_count, "collective_sms": t.collective_sms,
                              **({"collective_sms_intra": t.collective_sms_intra}
                                 if t.collective_sms_intra else {}),
+                             **({"collective_hbm_factor": t.collective_hbm_factor}
+                                if t.collective_hbm_factor else {}),
                              "net_protocols": {k: dict(v)
                                                for k, v in t.net_protocols.items()},
                              **({} if t.ring_nics is None else {"ring_nics": t.ring_nics}),
