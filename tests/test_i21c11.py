@@ -58,8 +58,11 @@ def test_hbm_share_is_the_factor_times_the_groups_link_over_hbm():
     assert kc.hbm_share(p, [5]) == 0.0 and kc.overlap_rate(p, [5]) == 1.0
     assert kc.hbm_share(H100, NODE) == 0.0                    # the point: not priced
     assert kc.overlap_rate(p, NODE) == pytest.approx(108 / 132 * (1 - 2 * 450 * 0.822 / 3350))
-    with pytest.raises(ValueError, match="ranks"):
-        kc.hbm_share(p, [0, -1])
+    assert kc.hbm_share(p, iter(NODE)) == kc.hbm_share(p, NODE)   # an iterator, read once
+    assert kc.overlap_rate(p, iter(NODE)) == kc.overlap_rate(p, NODE)
+    for bad in ([0, -1], 8, [True, 1]):
+        with pytest.raises(ValueError, match="ranks"):
+            kc.hbm_share(p, bad)
     with pytest.raises(ValueError, match="below 1"):          # 5 x 370 of 3350 GB/s: fine;
         kc.hbm_share(_with(H100, 10.0), NODE)                 # 10 x: more than HBM has
 

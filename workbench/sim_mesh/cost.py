@@ -48,13 +48,14 @@ import math
 
 from . import topology as _topo
 from .kernel_cost import AttentionShape, compute_time, explain_compute, finish_beside, \
-    gemm_efficiency, overlap, overlap_rate
+    gemm_efficiency, hbm_share, overlap, overlap_rate
 from .profiles import Link, Profile, get_profile
 from .profiles import profile_memo as _profile_memo
 
 __all__ = ["AttentionShape", "KINDS", "ALGORITHMS", "wire_bytes", "collective_time", "send_link",
            "hierarchical_time", "link_for", "choose", "price", "compute_time", "explain_compute", "alg_bandwidth",
-           "bus_bandwidth", "overlap", "overlap_rate", "finish_beside", "gemm_efficiency"]
+           "bus_bandwidth", "overlap", "overlap_rate", "hbm_share", "finish_beside",
+           "gemm_efficiency"]
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 ALGORITHMS = ("ring", "tree")

@@ -348,6 +348,7 @@ def hbm_share(profile, ranks=None) -> float:
     maintainer: "at least 2x ... it can be 3x", NVIDIA/nccl #1428; the profiles' citation
     says what is ASSUMED).  0 for a group of one rank or a profile without the factor."""
     prof = get_profile(profile)
+    ranks = _ranks(ranks)
     collective_sms(prof, ranks)                   # bad ranks raise, as there
     k = prof.topology.collective_hbm_factor
     if not k or _one_rank(ranks):
@@ -365,6 +366,17 @@ def hbm_share(profile, ranks=None) -> float:
     return share
 
 
+def _ranks(ranks):
+    """``ranks`` read once (an iterator is read twice below); None and what is not
+    iterable pass through for ``collective_sms`` to name."""
+    if ranks is None or isinstance(ranks, (list, tuple, range)):
+        return ranks
+    try:
+        return tuple(ranks)
+    except TypeError:
+        return ranks
+
+
 def _one_rank(ranks) -> bool:
     """A group of one rank (ranks already checked by ``collective_sms``)."""
     return ranks is not None and min(ranks) == max(ranks)
@@ -379,6 +391,7 @@ def overlap_rate(profile, ranks=None) -> float:
     ``topology.collective_sms`` and inter-node link (a group across nodes); 1 for a
     profile without SM or HBM figures, and for a group of one rank."""
     t = get_profile(profile).topology
+    ranks = _ranks(ranks)
     sms = collective_sms(profile, ranks)
     if _one_rank(ranks):                      # NCCL launches no kernel for one rank
         return 1.0
@@ -480,6 +493,7 @@ def overlap(compute_seconds: float, comm_seconds: float, profile,
             raise ValueError(f"{name}={v!r} must be seconds >= 0")
     prof = get_profile(profile)
     t = prof.topology
+    ranks = _ranks(ranks)
     sms = collective_sms(prof, ranks)
     if comm_seconds == 0 or _one_rank(ranks):
         r = 1.0
