@@ -350,6 +350,11 @@ def hbm_share(profile, ranks=None) -> float:
     prof = get_profile(profile)
     ranks = _ranks(ranks)
     collective_sms(prof, ranks)                   # bad ranks raise, as there
+    return _share(prof, ranks)
+
+
+def _share(prof, ranks) -> float:
+    """``hbm_share`` of checked ``ranks`` (a sequence or None) on a loaded profile."""
     k = prof.topology.collective_hbm_factor
     if not k or _one_rank(ranks):
         return 0.0
@@ -390,13 +395,14 @@ def overlap_rate(profile, ranks=None) -> float:
     collective's traffic takes: the module docstring); ``ranks=None``: the profile's
     ``topology.collective_sms`` and inter-node link (a group across nodes); 1 for a
     profile without SM or HBM figures, and for a group of one rank."""
-    t = get_profile(profile).topology
+    prof = get_profile(profile)
+    t = prof.topology
     ranks = _ranks(ranks)
-    sms = collective_sms(profile, ranks)
-    if _one_rank(ranks):                      # NCCL launches no kernel for one rank
+    sms = collective_sms(prof, ranks)
+    if not sms and _one_rank(ranks):          # NCCL launches no kernel for one rank
         return 1.0
     rate = (t.sm_count - sms) / t.sm_count if t.sm_count and sms else 1.0
-    return rate * (1.0 - hbm_share(profile, ranks))
+    return rate * (1.0 - _share(prof, ranks)) if t.collective_hbm_factor else rate
 
 
 def finish_beside(t: float, work: float, rate: "float | None", busy) -> float:
@@ -495,13 +501,13 @@ def overlap(compute_seconds: float, comm_seconds: float, profile,
     t = prof.topology
     ranks = _ranks(ranks)
     sms = collective_sms(prof, ranks)
-    if comm_seconds == 0 or _one_rank(ranks):
+    if comm_seconds == 0 or not sms and _one_rank(ranks):
         r = 1.0
     elif _gemm_shape(gemm) is None or not t.sm_count or not sms:
         r = overlap_rate(prof, ranks)
     else:
         r = gemm_efficiency(gemm, prof, t.sm_count - sms) / gemm_efficiency(gemm, prof) \
-            * (1.0 - hbm_share(prof, ranks))
+            * (1.0 - _share(prof, ranks))
     g, c = float(compute_seconds), float(comm_seconds)
     if r * c >= g:
         return g / r, c - g / r
