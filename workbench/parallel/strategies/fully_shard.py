@@ -28,6 +28,11 @@ is found when its call comes (FSDP2 finds it at the first forward), so a call on
 parent after a block ran raises; what cannot be honoured raises (:func:`check_arguments`).
 A model whose parameters are DistTensors (tensor parallelism first, as torchtitan) is
 sharded over dp by the DistTensor mode (:mod:`.fully_shard_tp`).
+
+A user's hooks (the root's own too: the wrapper is the module) fire once per simulated
+rank with that rank's tensors, as each FSDP2 process's fire once with its own
+(``wb.simulated_rank()`` names the rank); over DistTensors once with the global tensors:
+:mod:`.rank_hooks`.
 """
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ from torch.nn import init
 
 from .laid_out_views import users_call
 
-__all__ = ["INIT_CALLS", "one_draw", "from_init", "refuse_init_index"]
+__all__ = ["INIT_CALLS", "one_draw", "from_init", "refuse_init_index",
+           "refuse_laid_out_init"]
 
 _T = torch.Tensor
 RANDOM_FILLS = (_T.uniform_, _T.normal_, _T.bernoulli_, _T.exponential_, _T.cauchy_,
@@ -96,17 +97,48 @@ def one_draw(func, args, kwargs, cls):
 
 
 _BY_INDEX = ("sparse_", "dirac_", "orthogonal_")
+# torch 2.13 ``nn.init.trunc_normal_`` (``_no_grad_trunc_normal_``, rejection sampling):
+# after the first draw (one device's, :func:`one_draw`) it draws again for the rejected
+# elements with ``torch.empty_like(result).normal_()``, a tensor of the storage's shape:
+# each replica's shards their own redraw, the generator advanced past one device's
+# (habits11: 0.weight 1.23 off one device's, read back before the next forward refused it)
+_REDRAWS = ("_no_grad_trunc_normal_",)
 
 
 def refuse_init_index(t) -> None:
     """``nn.init`` functions that write by index or through a view (``sparse_``,
-    ``dirac_``, ``orthogonal_``): their indices are the module's, the storage's dims are
-    not; raise at their first touch (a shape read), before anything is written."""
+    ``dirac_``, ``orthogonal_``) or draw again in the tensor's shape (``trunc_normal_``):
+    their indices and draws are the module's, the storage's dims are not; raise at their
+    first touch (a shape read), before anything is written."""
     name = _init_frame()
-    if name in _BY_INDEX:
+    if name in _BY_INDEX or name in _REDRAWS:
+        how = ("draws again for the values it rejects in the shape of the tensor it is given"
+               if name in _REDRAWS else "writes by index or through a view")
         raise RuntimeError(
-            f"nn.init.{name} on DistributedDataParallel's parameter over tensor-parallel "
-            f"DistTensors: it writes by index or through a view, and the storage (shape "
+            f"nn.init.{name.removeprefix('_no_grad_')} on DistributedDataParallel's "
+            f"parameter over tensor-parallel DistTensors: it {how}, and the storage (shape "
             f"{tuple(t.as_subclass(_T).shape)}) holds every replica's shards, not the "
             f"module's {tuple(t._wb_shape)} tensor.  Initialize the module before wrapping "
             "it, or write through its DistTensor parameters (ddp.module.<name>.weight)")
+
+
+# on a row or chunk storage (.laid_out): by index or through a view, or the identity of
+# the storage's shape (eye_: ``torch.eye(*tensor.shape, out=tensor)``, the shape read
+# inside nn.init being the storage's)
+_LAID_OUT_REFUSED = _BY_INDEX + ("eye_",)
+
+
+def refuse_laid_out_init(t) -> None:
+    """``nn.init.eye_`` / ``orthogonal_`` / ``dirac_`` / ``sparse_`` of a row or chunk
+    storage (:class:`.laid_out.LaidOutParameter`, its ``.data`` and views): raise at the
+    first touch, naming the fix, before any draw or write.  Before (habits11): torch's own
+    errors from the storage's shape ("shape '[4, 4]' is invalid for input of size 72",
+    "eye() received an invalid combination of arguments"), after orthogonal_ had drawn."""
+    name = _init_frame()
+    if name in _LAID_OUT_REFUSED:
+        raise RuntimeError(
+            f"in-place init of a parameter after wrapping: {t._wb_layout}, so "
+            f"nn.init.{name} would not give one device's values (it reads the storage's "
+            f"shape {tuple(t.as_subclass(_T).shape)}, not the module's).  Initialize the "
+            "module before wrapping it (the wrapper starts every rank from its values), or "
+            "load full tensors with the wrapper's load_state_dict")
