@@ -23,9 +23,15 @@ Found and fixed (each test failed before):
    before any draw;
 2. ``nn.init.trunc_normal_`` on DDP over tensor parallelism's ``ddp.parameters()`` (replica
    storages): its rejection redraw (``torch.empty_like(result).normal_()``, torch 2.13) drew
-   in the storage's shape, each replica its own: ``0.weight`` 1.23 off one device's draw,
-   silently until the next forward refused the unequal replicas.  Now it raises at its
-   first touch naming the fix (the module's DistTensor parameter gives one device's draw).
+   in the storage's shape, each replica its own: ``0.weight`` 1.23 off one device's draw
+   (std=1; with std=0.02 nothing is rejected and it was exact), silently until the next
+   forward refused the unequal replicas.  Now one device's draw, the generator as far;
+3. a weight tied across a ``fully_shard`` block's boundary (``m[2].weight = m[0].weight``,
+   ``fully_shard(m[0])`` then ``fully_shard(m)``): the root's call sharded the plain weight
+   again, two parameters trained apart (0.0685 off one device's after two SGD steps),
+   silently.  Now the root's call raises naming the fix (one call holding every use);
+4. a tie made after wrapping DDP over tensor parallelism: torch's reducer error one step
+   later, naming ``find_unused_parameters``; now the next forward raises naming the tie.
 """
 import copy
 
@@ -145,7 +151,14 @@ def test_a_module_backward_hook_fires_per_rank_with_its_gradient_rows(kind):
     wr.m[2].register_full_backward_hook(
         lambda m, gi, go: got.append((wb.simulated_rank(), go[0].detach())))
     ((ref(x) - y) ** 2).mean().backward()
-    dp_step(wr, x, y)
+    glob = []
+    h = nn.modules.module.register_module_full_backward_hook(
+        lambda m, gi, go: glob.append(wb.simulated_rank()) if m is wr.m[2] else None)
+    try:
+        dp_step(wr, x, y)
+    finally:
+        h.remove()
+    assert sorted(glob) == list(range(N))          # a global one too
     assert len(want) == 1 and sorted(r for r, _ in got) == list(range(N))
     rows = len(x) // N
     for k, g in got:
@@ -276,28 +289,32 @@ def test_index_and_identity_inits_after_wrapping_raise_naming_the_fix(kind, name
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
-def test_trunc_normal_of_ddp_over_tp_parameters_raises_and_the_modules_draws_as_one_device():
+@pytest.mark.parametrize("kw", [{}, {"std": 1.0, "a": -1.0, "b": 1.0},
+                                {"std": 1.0, "a": -0.1, "b": 0.1}], ids=["std1", "wide", "narrow"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_trunc_normal_of_ddp_over_tp_parameters_is_one_devices_draw(kw, seed):
     """``nn.init.trunc_normal_`` of ``ddp.parameters()`` over tensor parallelism (replica
-    storages) raises naming the fix, nothing written; of the module's DistTensor parameter
-    it is one device's draw (seeded), and the step after it one device's."""
+    storages), seeded: one device's values, its generator advanced as far, the replicas
+    equal (the forward runs), and a step one device's.  Before: a rejected element's redraw
+    drew in the storage's shape (0.weight 1.23 off one device's with std=1)."""
     ref, wr, ro, opt = sgd_pair("ddp_tp")
-    before = full_state(wr.m.state_dict())
-    with pytest.raises(RuntimeError, match=r"trunc_normal_ on DistributedDataParallel.*draws "
-                                           r"again.*Initialize the module before wrapping"):
-        with torch.no_grad():
-            nn.init.trunc_normal_(wr.params()[0], std=0.5)
-    after = full_state(wr.m.state_dict())
-    assert all(torch.equal(before[k], after[k]) for k in before)
-    for m in (ref, wr.m):
-        torch.manual_seed(7)
-        with torch.no_grad():
-            nn.init.trunc_normal_(m[0].weight, std=0.5)
-            nn.init.trunc_normal_(m[2].weight, std=0.5, a=-0.3, b=0.3)
-    close(full_state(wr.m.state_dict())["0.weight"], ref[0].weight.detach())
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for q in ref.parameters():
+            nn.init.trunc_normal_(q, **kw)
+    want_rng = torch.get_rng_state()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in wr.params():
+            nn.init.trunc_normal_(p, **kw)
+    assert torch.equal(torch.get_rng_state(), want_rng)
+    got = full_state(wr.m.state_dict())
+    for k, v in ref.state_dict().items():
+        close(got[k], v)
     train_step(wr, opt, ref, ro, *batches(1)[0])
-    got, want = full_state(wr.m.state_dict()), ref.state_dict()
-    for k in want:
-        close(got[k], want[k])
+    got = full_state(wr.m.state_dict())
+    for k, v in ref.state_dict().items():
+        close(got[k], v)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -392,3 +409,99 @@ def test_deepcopy_of_a_module_under_old_weight_norm_is_torchs_refusal():
     m = mk()
     torch.nn.utils.parametrizations.weight_norm(m[0])
     copy.deepcopy(m)
+
+
+# ---- 4. weight tying before and after wrapping ---------------------------------------------
+def mk_tied(tie=True, seed=0):
+    """4 -> 4 -> 4 with the second layer's weight the first's (``head.weight =
+    emb.weight``'s shape of habit); both Colwise over tensor parallelism (one layout)."""
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.Dropout(0.5))
+    if tie:
+        m[2].weight = m[0].weight
+    return m
+
+
+def batches4(n):
+    return [(torch.cat([x, x[:, :1]], 1), torch.cat([y, y[:, :1]], 1)) for x, y in batches(n)]
+
+
+def tied_steps(wr, ref, tie_after=False):
+    ref.eval()
+    wr.w.eval()
+    ro, opt = torch.optim.SGD(ref.parameters(), lr=0.5), wr.optimizer(cls=torch.optim.SGD,
+                                                                      lr=0.5)
+    if tie_after:               # after the optimizers too: torch's optimizer keeps the old one
+        ref[2].weight = ref[0].weight
+        wr.m[2].weight = wr.m[0].weight
+    for x, y in batches4(2):
+        train_step(wr, opt, ref, ro, x, y)
+    x = batches4(3)[2][0]
+    with torch.no_grad():
+        close(wr.out(x), ref(x))
+
+
+@pytest.fixture
+def colwise_both(monkeypatch):
+    from . import test_habits15
+    monkeypatch.setattr(test_habits15, "TP_PLAN", {"0": wb.ColwiseParallel(),
+                                                   "2": wb.ColwiseParallel()})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_tie_before_wrapping_trains_as_one_device_or_raises(kind, colwise_both):
+    """``m[2].weight = m[0].weight`` before wrapping: two SGD steps as one device's (the
+    tied weight one parameter, its gradient both uses'), on every kind but fully_shard
+    applied to the first block alone: that call shards the weight for the block's uses
+    only, and the root's call raised nothing, sharded the plain one again and trained the
+    two apart (0.0685 off one device's, silently); now the root's call raises naming the
+    fix, the module as it was."""
+    ref, m = mk_tied(), mk_tied()
+    if kind == "fully_shard":
+        mesh = wb.Mesh.grid(N, ["dp"])
+        wb.fully_shard(m[0], mesh=mesh)
+        with pytest.raises(ValueError, match=r"'2\.weight' is tied to a parameter of '0'.*"
+                                             r"do not call fully_shard on '0'"):
+            wb.fully_shard(m, mesh=mesh)
+        assert not isinstance(m, wb.FSDPModule) and type(m[2].weight) is nn.Parameter
+        return
+    tied_steps(Wrapped(kind, m), ref)
+
+
+def test_a_tie_under_one_fully_shard_call_trains_as_one_device():
+    """The fix: fully_shard on the module that holds both uses (the root) alone."""
+    ref, m = mk_tied(), mk_tied()
+    wb.fully_shard(m, mesh=wb.Mesh.grid(N, ["dp"]))
+
+    class _Root:
+        kind, w = "fully_shard", m
+
+        def __init__(self):
+            self.m = m
+
+        def optimizer(self, cls, **kw):
+            return cls(m.parameters(), **kw)
+
+        def out(self, x):
+            return plain(m(x))
+
+        def backward(self, x, y):
+            ((self.out(x) - y) ** 2).mean().backward()
+    tied_steps(_Root(), ref)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_tie_after_wrapping_raises_naming_the_fix_or_is_one_devices(kind, colwise_both):
+    """The tie made after wrapping (and after building the optimizer): the wrappers that
+    replace or hook the module's parameters refuse the next forward naming the fix; DDP
+    over tensor parallelism now does too (before: torch's reducer error one step later,
+    naming find_unused_parameters).  ZeRO-1/2 over DistTensors (the module's own
+    parameters) is one device's: torch's optimizer keeps stepping the untied old one."""
+    ref, m = mk_tied(tie=False), mk_tied(tie=False)
+    wr = Wrapped(kind, m)
+    if kind in ("zero_tp", "zero2_tp"):
+        tied_steps(wr, ref, tie_after=True)
+        return
+    with pytest.raises(RuntimeError, match=r"'2\.weight' was assigned after wrapping.*"
+                                           r"weight tying"):
+        tied_steps(wr, ref, tie_after=True)

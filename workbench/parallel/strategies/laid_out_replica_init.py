@@ -30,7 +30,7 @@ from torch.nn import init
 from .laid_out_views import users_call
 
 __all__ = ["INIT_CALLS", "one_draw", "from_init", "refuse_init_index",
-           "refuse_laid_out_init"]
+           "refuse_laid_out_init", "trunc_layout"]
 
 _T = torch.Tensor
 RANDOM_FILLS = (_T.uniform_, _T.normal_, _T.bernoulli_, _T.exponential_, _T.cauchy_,
@@ -99,24 +99,43 @@ def one_draw(func, args, kwargs, cls):
 _BY_INDEX = ("sparse_", "dirac_", "orthogonal_")
 # torch 2.13 ``nn.init.trunc_normal_`` (``_no_grad_trunc_normal_``, rejection sampling):
 # after the first draw (one device's, :func:`one_draw`) it draws again for the rejected
-# elements with ``torch.empty_like(result).normal_()``, a tensor of the storage's shape:
-# each replica's shards their own redraw, the generator advanced past one device's
-# (habits11: 0.weight 1.23 off one device's, read back before the next forward refused it)
-_REDRAWS = ("_no_grad_trunc_normal_",)
+# elements, ``torch.where(mask, torch.empty_like(result).normal_(), result)``: a tensor of
+# the storage's shape, which drew each replica's shards on their own, the generator
+# advanced past one device's (habits11: std=1, 0.weight 1.23 off one device's draw, read
+# back before the next forward refused the unequal replicas).  :func:`trunc_layout` keeps
+# the storage's layout on those tensors, so the redraw is one device's too.
+_TRUNC = "_no_grad_trunc_normal_"
+
+
+def trunc_layout(args, kwargs, out, cls):
+    """``out`` (a result computed over a storage of class ``cls`` inside
+    ``nn.init.trunc_normal_``: its rejection mask, ``torch.empty_like(result)``,
+    ``torch.where``) as a ``cls`` of the storage's layout (``_wb_shape``, ``_wb_store``),
+    so its ``normal_`` is one device's draw (:func:`one_draw`) and the loop runs over every
+    replica alike; else ``out``."""
+    if not isinstance(out, torch.Tensor) or _init_frame() != _TRUNC:
+        return out
+    src = next((a for a in (*args, *kwargs.values()) if isinstance(a, cls) and
+                getattr(a, "_wb_store", None) is not None), None)
+    if src is None or out.as_subclass(_T).shape != src.as_subclass(_T).shape or \
+            getattr(out, "_wb_store", None) is not None:
+        return out
+    with torch._C.DisableTorchFunctionSubclass():
+        v = out.as_subclass(cls)
+    v._wb_shape, v._wb_full, v._wb_store = src._wb_shape, src._wb_full, src._wb_store
+    v._wb_distributed = getattr(src, "_wb_distributed", False)
+    return v
 
 
 def refuse_init_index(t) -> None:
     """``nn.init`` functions that write by index or through a view (``sparse_``,
-    ``dirac_``, ``orthogonal_``) or draw again in the tensor's shape (``trunc_normal_``):
-    their indices and draws are the module's, the storage's dims are not; raise at their
-    first touch (a shape read), before anything is written."""
+    ``dirac_``, ``orthogonal_``): their indices are the module's, the storage's dims are
+    not; raise at their first touch (a shape read), before anything is written."""
     name = _init_frame()
-    if name in _BY_INDEX or name in _REDRAWS:
-        how = ("draws again for the values it rejects in the shape of the tensor it is given"
-               if name in _REDRAWS else "writes by index or through a view")
+    if name in _BY_INDEX:
         raise RuntimeError(
-            f"nn.init.{name.removeprefix('_no_grad_')} on DistributedDataParallel's "
-            f"parameter over tensor-parallel DistTensors: it {how}, and the storage (shape "
+            f"nn.init.{name} on DistributedDataParallel's parameter over tensor-parallel "
+            f"DistTensors: it writes by index or through a view, and the storage (shape "
             f"{tuple(t.as_subclass(_T).shape)}) holds every replica's shards, not the "
             f"module's {tuple(t._wb_shape)} tensor.  Initialize the module before wrapping "
             "it, or write through its DistTensor parameters (ddp.module.<name>.weight)")

@@ -15,7 +15,8 @@ invoked ``len(device_ids)`` times, each with inputs located on a particular devi
   forward, each with rank k's inputs and output; a returned value (or an in-place change)
   is rank k's, exactly as that process's hook changes its own forward, so the step stays
   one device's;
-* ``register_full_backward_hook`` / ``_pre_hook``: N calls a backward, each with rank k's
+* ``register_full_backward_hook`` / ``_pre_hook`` (and the global
+  ``register_module_full_backward_hook`` / ``_pre_hook``): N calls a backward, each with rank k's
   gradients (over the global batch's loss: one device's gradient rows of rank k's shard);
 * ``Tensor.register_hook`` on an activation inside ``forward``: registered, and so
   called, once per rank, each with its rank's gradient;
@@ -36,6 +37,7 @@ import contextlib
 import functools
 
 from torch import nn
+from torch.nn.modules import module as _module
 
 __all__ = ["simulated_rank", "as_rank"]
 
@@ -68,8 +70,11 @@ def as_rank(module: nn.Module, k: int):
     ``_backward_hooks`` / ``_backward_pre_hooks`` when the module is called) answer ``k``
     too when backward calls them.  The hook dicts hold the user's own hooks again after."""
     swapped = []
-    for m in module.modules():
-        for d in (m._backward_hooks, m._backward_pre_hooks):
+    dicts = [d for m in module.modules() for d in (m._backward_hooks, m._backward_pre_hooks)]
+    # register_module_full_backward_hook / _pre_hook's (torch.nn.modules.module globals)
+    dicts += [_module._global_backward_hooks, _module._global_backward_pre_hooks]
+    for d in dicts:
+        if d:
             for key, hook in list(d.items()):
                 d[key] = _tagged(hook, k)
                 swapped.append((d, key, hook))
