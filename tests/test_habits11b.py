@@ -505,3 +505,22 @@ def test_a_tie_after_wrapping_raises_naming_the_fix_or_is_one_devices(kind, colw
     with pytest.raises(RuntimeError, match=r"'2\.weight' was assigned after wrapping.*"
                                            r"weight tying"):
         tied_steps(wr, ref, tie_after=True)
+
+
+# ---- 5. names ----------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", KINDS)
+def test_named_parameters_and_modules_are_the_modules_with_torchs_prefix(kind):
+    """``named_parameters()`` / ``named_modules()`` / ``state_dict()`` keys: the plain
+    module's names, with ``module.`` where torch's DDP puts it (its module is a child);
+    fully_shard / FSDP2 keeps the module's own names (torch's FSDP1 hides its
+    ``_fsdp_wrapped_module.`` prefix in named_parameters and state_dict, as here; its
+    named_modules would show it, ours does not: FullyShardedDataParallel holds no nested
+    wrapper modules).  A guard: it passed before."""
+    ref, wr = mk(), Wrapped(kind)
+    pre = "module." if kind in ("ddp", "zero", "ddp_tp") else ""
+    want = [pre + n for n, _ in ref.named_parameters()]
+    assert [n for n, _ in wr.w.named_parameters()] == want
+    assert list(wr.w.state_dict()) == [pre + k for k in ref.state_dict()]
+    mods = [n for n, _ in wr.w.named_modules()]
+    assert mods == [""] + ([pre.rstrip(".")] if pre else []) + \
+        [pre + n for n, _ in ref.named_modules() if n]
