@@ -32,6 +32,7 @@ from .parallel.strategies.fsdp import FullyShardedDataParallel  # noqa: E402
 from .parallel.strategies.fully_shard import (fully_shard, MixedPrecisionPolicy,  # noqa: E402
                                               FSDPModule)
 from .parallel.strategies.zero_optimizer import ZeroRedundancyOptimizer  # noqa: E402
+from .parallel.strategies.rank_hooks import simulated_rank  # noqa: E402  a hook's rank
 # a wrapped parameter's simulated storage (every rank's row or chunk): p.shape is the module's
 from .parallel.strategies.laid_out_whole import storage as simulated_storage  # noqa: E402
 from .parallel import rules as spmd  # noqa: E402  wb.spmd.infer(op, *specs, **attrs)
@@ -62,7 +63,8 @@ __all__ = ["Mesh", "Trace", "Event", "trace", "current_trace", "get_profile", "l
            "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput",
            "parallelize_module", "loss_parallel", "fully_shard", "MixedPrecisionPolicy",
-           "FSDPModule", "init_device_mesh", "distribute_module", "simulated_storage"]
+           "FSDPModule", "init_device_mesh", "distribute_module", "simulated_storage",
+           "simulated_rank"]
 
 
 def __getattr__(name):

@@ -84,6 +84,16 @@ first draw of its shard's shape.  Compare the two with dropout off (``model.eval
 
 On torch.distributed the all-reduce sums and divides by N (gloo has no AVG op).
 
+A user's hooks (:mod:`.rank_hooks`): on simulated ranks the module runs once per rank, so a
+forward (pre-)hook, a full backward hook or a ``Tensor.register_hook`` inside ``forward``
+on the module or a submodule fires N times a step, each time with that rank's tensors, as
+each torchrun process's hook fires once with its own (torch.nn.DataParallel documents the
+same N calls); a hook that changes the forward changes each rank's, so the step is one
+device's.  ``wb.simulated_rank()`` names the rank (None outside a simulated rank's
+forward): ``if wb.simulated_rank() in (None, 0)`` logs rank 0's view, as a torchrun
+script's ``if dist.get_rank() == 0``.  A hook on the wrapper itself, and every hook in
+DistTensor mode, fires once with the global tensors.
+
 State dicts follow torch DDP: ``state_dict()`` keys are ``"module." +`` the module's own
 names (on simulated ranks each value is rank ``broadcast_from``'s copy, of the module's
 own shape; ``keep_vars=True``: the parameters themselves, as torch's), ``load_state_dict``

@@ -72,6 +72,7 @@ from .ddp_buckets import torch_policy
 from .ddp_dist_habits import check_written_replicas, install as install_habits, replicas_equal
 from .grad_replicas import GradReplicas
 from .ranks import bucket_order, check_module
+from .replaced_params import check_named, snapshot
 from .torch_kwargs import ddp_torch_kwargs
 
 __all__ = ["GradReplicas", "DistTensorDDP"]
@@ -127,6 +128,7 @@ class DistTensorDDP(BackwardHookRefusal, DistributedDataParallel):
             raise NotImplementedError(f"broadcast_from={broadcast_from!r} over DistTensor "
                                       "parameters: the replicas start from dp rank 0's copy")
         object.__setattr__(self, "module", module)
+        self._places = snapshot(module)     # a tie after wrapping: raise (.replaced_params)
         static = bool(torch_kwargs.get("static_graph", False))
         self.replicas = GradReplicas(params, mesh, dim, bucket_bytes, partial_grads,
                                      partial_dim, "DistributedDataParallel", policy,
@@ -149,6 +151,10 @@ class DistTensorDDP(BackwardHookRefusal, DistributedDataParallel):
         install_habits(self)            # the replicas as one device's parameters
 
     def forward(self, *args, **kwargs):
+        # a parameter assigned after wrapping (head.weight = emb.weight): its replica is not
+        # the one hooked and bucketed; torch's reducer raised "Expected to have finished
+        # reduction" only at the forward after the step that used it (habits11)
+        check_named(self.module, self._places, "DistributedDataParallel")
         check_written_replicas(self)    # a write that left the replicas different: raise
         # a backward that raised after queueing its reduction never ran the callback: a new
         # iteration queues afresh (else no later backward would reduce, silently)

@@ -70,12 +70,18 @@ chunks all-gathered, so every process calls them, as FSDP's own ``state_dict()``
 forward writes change once a step (rank 0's), a BatchNorm on batch statistics raises
 (:func:`.ranks.check_batch_stats`).
 
+A user's hooks on the module or its submodules fire once per simulated rank with that
+rank's tensors (each torchrun process's once with its own; ``wb.simulated_rank()`` names
+the rank), in the DistTensor mode once with the global tensors: :mod:`.rank_hooks`.
+
 ``no_sync()`` is FSDP1's (:mod:`.fsdp_no_sync`): unsharded gradients held, their sum
 reduce-scattered by the first backward after it.  So are the static context managers
 ``FullyShardedDataParallel.summon_full_params(module, writeback=True, ...)`` and
 ``state_dict_type(module, StateDictType.FULL_STATE_DICT)`` (:mod:`.fsdp_summon`).
 """
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -93,6 +99,7 @@ from .fsdp_state import FSDPStateDict
 from .fsdp_summon import SummonFullParams
 from .rank_grads import as_chunk_rows, as_shard_grad
 from .laid_out_whole import storage_numel
+from .rank_hooks import as_rank
 from .rank_recompute import refuse_checkpoint, seq_mark
 from .laid_out_hooks import check_hooks
 from .replaced_params import check_places, check_read_through
@@ -236,7 +243,8 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
                     # gradient takes each rank's share too (ops/moe.py: loss_share)
                     since = seq_mark() + 1
                     with rank_buffers(self.module, snap if k != ks[0] else None), \
-                            loss_share(1.0 if g.distributed else 1 / g.n):
+                            loss_share(1.0 if g.distributed else 1 / g.n), \
+                            as_rank(self.module, k) if not g.distributed else nullcontext():
                         outs.append(self.module(*a, **kw))
                     self._exit(self.units[0])
                     if not g.distributed:

@@ -28,6 +28,11 @@ is found when its call comes (FSDP2 finds it at the first forward), so a call on
 parent after a block ran raises; what cannot be honoured raises (:func:`check_arguments`).
 A model whose parameters are DistTensors (tensor parallelism first, as torchtitan) is
 sharded over dp by the DistTensor mode (:mod:`.fully_shard_tp`).
+
+A user's hooks (the root's own too: the wrapper is the module) fire once per simulated
+rank with that rank's tensors, as each FSDP2 process's fire once with its own
+(``wb.simulated_rank()`` names the rank); over DistTensors once with the global tensors:
+:mod:`.rank_hooks`.
 """
 from __future__ import annotations
 
@@ -184,6 +189,7 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
         mark(module)
         return module
     inside = {id(m) for m in module.modules()}
+    check_split_ties(module, name, inside)
     roots, adopt = [], {}
     for p in module.parameters():
         if not isinstance(p, LaidOutParameter):
@@ -229,6 +235,32 @@ def fully_shard(module, *, mesh=None, reshard_after_forward=None, shard_placemen
     module.__class__ = fsdp_class(type(module))
     mark(module)
     return module
+
+
+def check_split_ties(module, name: str, inside: set) -> None:
+    """A weight tied across a block's boundary (``head.weight = emb.weight`` with
+    ``fully_shard(emb)`` first): the block's call sharded the weight for the block's own
+    uses only, so the other module still holds the plain parameter, which this call would
+    shard again as a second parameter: the tie broken, the two trained apart (habits11:
+    the output 0.0685 off one device's after two SGD steps, silently).  Raise naming the
+    fix, before anything changes."""
+    for pname, p in module.named_parameters(remove_duplicate=False):
+        if isinstance(p, LaidOutParameter):
+            continue
+        new = getattr(p, "_wb_successor", None)
+        while getattr(new, "_wb_successor", None) is not None:
+            new = new._wb_successor
+        owner = getattr(new, "_wb_fs_owner", None)
+        if owner is not None and id(owner.module) in inside:
+            block = next(n for n, m in module.named_modules() if m is owner.module)
+            raise ValueError(
+                f"fully_shard({name}): {pname!r} is tied to a parameter of {block!r}, which "
+                f"fully_shard({type(owner.module).__name__}) already sharded for that "
+                "block's own uses; sharding it again here would make two parameters and "
+                "break the tie.  Keep every use of a tied weight in one fully_shard call: "
+                f"do not call fully_shard on {block!r} (its parent's call shards the tied "
+                "weight once, as torchtitan keeps tied embeddings in the root), or tie "
+                "the weights inside the block")
 
 
 def _check_joinable(w, name, mesh, dim, mp):

@@ -33,8 +33,9 @@ module's shape written into every row or chunk (:func:`_one_draw`).
 ``torch.autograd.grad`` over DDP's rows raises (:func:`_check_autograd_grad`: each row
 would be its own rank's gradient, never averaged; torch DDP does not support it).
 
-Not caught: ``nn.init.orthogonal_`` (it draws into a fresh tensor and copies it in) and
-``nn.init.dirac_`` (indexing): initialize before wrapping.
+``nn.init.eye_`` / ``orthogonal_`` / ``dirac_`` / ``sparse_`` (the storage's shape read
+inside ``nn.init``, a write by index or through a view) raise at their first touch, before
+any draw (:func:`.laid_out_replica_init.refuse_laid_out_init`): initialize before wrapping.
 
 Where the wrapper says how (``full`` / ``store``: the module's tensor from the storage
 and back), a value of the module's own shape goes in and out as on one device:
@@ -63,6 +64,7 @@ from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place, map_sharers
 from .laid_out_grad_reads import grad_assignment
 from .laid_out_hooks import HOOKS, register
+from .laid_out_replica_init import refuse_laid_out_init
 from .laid_out_reads import (LIKES, LaidOutValue, keep_layout, module_shaped_sources,
                              pointwise_reads)
 from .laid_out_whole import check_view_as, module_dims, module_flat_view, whole_reads
@@ -134,6 +136,10 @@ class LaidOutParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if args and isinstance(args[0], _LAID_OUT):
+            # nn.init.eye_ / orthogonal_ / dirac_ / sparse_: raise at their first touch
+            # (laid_out_replica_init)
+            refuse_laid_out_init(args[0])
         if func is torch.autograd.grad:
             _check_autograd_grad(args, kwargs)
         if grad_assignment(func, args, LaidOutParameter):

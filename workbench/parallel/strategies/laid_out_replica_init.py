@@ -29,7 +29,8 @@ from torch.nn import init
 
 from .laid_out_views import users_call
 
-__all__ = ["INIT_CALLS", "one_draw", "from_init", "refuse_init_index"]
+__all__ = ["INIT_CALLS", "one_draw", "from_init", "refuse_init_index",
+           "refuse_laid_out_init", "trunc_layout"]
 
 _T = torch.Tensor
 RANDOM_FILLS = (_T.uniform_, _T.normal_, _T.bernoulli_, _T.exponential_, _T.cauchy_,
@@ -96,6 +97,34 @@ def one_draw(func, args, kwargs, cls):
 
 
 _BY_INDEX = ("sparse_", "dirac_", "orthogonal_")
+# torch 2.13 ``nn.init.trunc_normal_`` (``_no_grad_trunc_normal_``, rejection sampling):
+# after the first draw (one device's, :func:`one_draw`) it draws again for the rejected
+# elements, ``torch.where(mask, torch.empty_like(result).normal_(), result)``: a tensor of
+# the storage's shape, which drew each replica's shards on their own, the generator
+# advanced past one device's (habits11: std=1, 0.weight 1.23 off one device's draw, read
+# back before the next forward refused the unequal replicas).  :func:`trunc_layout` keeps
+# the storage's layout on those tensors, so the redraw is one device's too.
+_TRUNC = "_no_grad_trunc_normal_"
+
+
+def trunc_layout(args, kwargs, out, cls):
+    """``out`` (a result computed over a storage of class ``cls`` inside
+    ``nn.init.trunc_normal_``: its rejection mask, ``torch.empty_like(result)``,
+    ``torch.where``) as a ``cls`` of the storage's layout (``_wb_shape``, ``_wb_store``),
+    so its ``normal_`` is one device's draw (:func:`one_draw`) and the loop runs over every
+    replica alike; else ``out``."""
+    if not isinstance(out, torch.Tensor) or _init_frame() != _TRUNC:
+        return out
+    src = next((a for a in (*args, *kwargs.values()) if isinstance(a, cls) and
+                getattr(a, "_wb_store", None) is not None), None)
+    if src is None or out.as_subclass(_T).shape != src.as_subclass(_T).shape or \
+            getattr(out, "_wb_store", None) is not None:
+        return out
+    with torch._C.DisableTorchFunctionSubclass():
+        v = out.as_subclass(cls)
+    v._wb_shape, v._wb_full, v._wb_store = src._wb_shape, src._wb_full, src._wb_store
+    v._wb_distributed = getattr(src, "_wb_distributed", False)
+    return v
 
 
 def refuse_init_index(t) -> None:
@@ -110,3 +139,25 @@ def refuse_init_index(t) -> None:
             f"{tuple(t.as_subclass(_T).shape)}) holds every replica's shards, not the "
             f"module's {tuple(t._wb_shape)} tensor.  Initialize the module before wrapping "
             "it, or write through its DistTensor parameters (ddp.module.<name>.weight)")
+
+
+# on a row or chunk storage (.laid_out): by index or through a view, or the identity of
+# the storage's shape (eye_: ``torch.eye(*tensor.shape, out=tensor)``, the shape read
+# inside nn.init being the storage's)
+_LAID_OUT_REFUSED = _BY_INDEX + ("eye_",)
+
+
+def refuse_laid_out_init(t) -> None:
+    """``nn.init.eye_`` / ``orthogonal_`` / ``dirac_`` / ``sparse_`` of a row or chunk
+    storage (:class:`.laid_out.LaidOutParameter`, its ``.data`` and views): raise at the
+    first touch, naming the fix, before any draw or write.  Before (habits11): torch's own
+    errors from the storage's shape ("shape '[4, 4]' is invalid for input of size 72",
+    "eye() received an invalid combination of arguments"), after orthogonal_ had drawn."""
+    name = _init_frame()
+    if name in _LAID_OUT_REFUSED:
+        raise RuntimeError(
+            f"in-place init of a parameter after wrapping: {t._wb_layout}, so "
+            f"nn.init.{name} would not give one device's values (it reads the storage's "
+            f"shape {tuple(t.as_subclass(_T).shape)}, not the module's).  Initialize the "
+            "module before wrapping it (the wrapper starts every rank from its values), or "
+            "load full tensors with the wrapper's load_state_dict")

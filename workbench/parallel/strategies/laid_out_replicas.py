@@ -35,7 +35,8 @@ import torch
 from .laid_out_grad_reads import module_value_read
 from .laid_out_hooks import HOOKS
 from .laid_out_shape import VIEWS, _PROPS
-from .laid_out_replica_init import INIT_CALLS, from_init, one_draw, refuse_init_index
+from .laid_out_replica_init import (INIT_CALLS, from_init, one_draw, refuse_init_index,
+                                    trunc_layout)
 from .laid_out_views import users_call
 from .laid_out_reads import _CASTS, LIKES, _is_pointwise
 from .laid_out_whole import NUMEL, WHOLE, storage_shape
@@ -129,7 +130,8 @@ class ReplicaStorage(torch.Tensor):
                 return out
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
-        return _keep(func, args, kwargs, out)
+        # nn.init.trunc_normal_'s redraws: one device's too (laid_out_replica_init)
+        return trunc_layout(args, kwargs, _keep(func, args, kwargs, out), ReplicaStorage)
 
 
 def _deepcopy(self, memo):

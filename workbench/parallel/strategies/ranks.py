@@ -35,6 +35,7 @@ from ...sim_mesh.trace import current_trace
 from ...ops.moe import loss_share, one_batch
 from ..dist_tensor import DistTensor
 from ..placement import Partial, Replicate, Shard
+from .rank_hooks import as_rank
 from .rank_recompute import (RankScope, checkpoint_nodes, close_open_scopes, hook_nodes,
                              reentrant_error, seq_mark)
 
@@ -209,7 +210,7 @@ def run_per_rank(group, module, params, args, kwargs, owner: int = 0):
             # each rank's share too (ops/moe.py: loss_share)
             since = seq_mark() + 1
             with rank_buffers(module, snap if k != owner else None), \
-                    loss_share(1 / group.n):
+                    loss_share(1 / group.n), as_rank(module, k):    # a hook's rank (rank_hooks)
                 bufs = [(m, n, b) for m in module.modules() for n, b in m._buffers.items()
                         if b is not None] if k != owner else []
                 try:
@@ -224,9 +225,17 @@ def run_per_rank(group, module, params, args, kwargs, owner: int = 0):
                 raise reentrant_error("DistributedDataParallel", group.n)
             if reentrant or plain:
                 rows = {id(p): params[k][n] for n, p in stacked.items() if n in params[k]}
-                hook_nodes(reentrant + plain,
-                           RankScope(module, rows, bufs, lambda: loss_share(1 / group.n)))
+                hook_nodes(reentrant + plain,      # the recompute's hooks: this rank's too
+                           RankScope(module, rows, bufs,
+                                     lambda k=k: _share_as_rank(module, group.n, k)))
     return group.join(outs, dim)
+
+
+@contextlib.contextmanager
+def _share_as_rank(module, n: int, k: int):
+    """Rank ``k``'s loss share and hook rank (:mod:`.rank_hooks`), for its recompute."""
+    with loss_share(1 / n), as_rank(module, k):
+        yield
 
 
 def _restore_places(places) -> None:
