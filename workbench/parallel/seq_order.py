@@ -17,6 +17,11 @@ tensor as a :class:`RingOrder` (``x._ring_order``), and kept exactly where it is
   in the input's order.  Everything else (an op whose rule gathers the sequence, an
   ``index_select`` along it, a view that merges it with another dim, an input sharded
   there whose order is not recorded) gives an output with no recorded order.
+  A plain tensor in such an op (RoPE's cos/sin tables, a bias) is taken as it is given:
+  tables along the sequence must come in the same order (the recipe reorders them,
+  ``recipes/context_parallel.py`` ``_ring_positions``; PyTorch's ``buffers=`` shards
+  them), which no record can check; a DistTensor that the op would slice along the
+  ordered dim counts as an input sharded there.
 
 A tensor with no recorded order may still be in ring order (laid out by hand,
 ``shard_tensor(ring_order(t, p, 2), ...)``): "not recorded" means "not known", and
