@@ -26,8 +26,8 @@ def checkpointed_attention_case(p, n):
     def attn(a, b, c):
         return F.scaled_dot_product_attention(a * 2, b, c, is_causal=True)
 
-    def ring(t):
-        return wb.shard_tensor(cp.ring_order(t, p, 2), mesh, [S(2)])
+    def ring(t):            # to_ring_layout records the order (seq_order.py, test_cp11.py)
+        return cp.to_ring_layout(wb.shard_tensor(t, mesh, [R]), "cp", 2)
     return mesh, (q, k, v), go, attn, ring, torch.argsort(cp.slot_positions(n, p))
 
 
@@ -49,8 +49,8 @@ def test_ring_attention_in_float64_is_float64_sdpa(p, balanced, causal, hkv, via
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*ref_in, is_causal=causal, enable_gqa=hkv != 4)
     (ref * go).sum().backward()
-    dist = [wb.shard_tensor(cp.ring_order(t, p, 2, balanced), mesh, [S(2)]).requires_grad_()
-            for t in (q, k, v)]
+    dist = [cp.to_ring_layout(wb.shard_tensor(t, mesh, [R]), "cp", 2, balanced)
+            .requires_grad_() for t in (q, k, v)]      # to_ring_layout records the order (seq_order.py, test_cp11.py)
     if via == "ring":
         out = cp.ring_attention(*dist, "cp", causal=causal, balanced=balanced)
     else:

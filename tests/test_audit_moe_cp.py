@@ -215,7 +215,8 @@ def _ring_qkv():
     mesh = wb.Mesh([0, 1], ["cp"])
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 8, 4, generator=g) for _ in range(3))
-    qkv = [wb.shard_tensor(cp.ring_order(t, 2, 2), mesh, [S(2)]) for t in (q, k, v)]
+    # laid out by to_ring_layout, which records the order (seq_order.py, tests/test_cp11.py)
+    qkv = [cp.to_ring_layout(wb.shard_tensor(t, mesh, [R]), "cp", 2) for t in (q, k, v)]
     ref = cp.ring_order(F.scaled_dot_product_attention(q, k, v, is_causal=True), 2, 2)
     return mesh, qkv, ref
 

@@ -136,7 +136,8 @@ def test_context_parallel_routes_model_attention_to_the_ring():
     mesh = wb.Mesh.grid((2, 2), ["dp", "cp"])
     q, k, v = _qkv(3, 2, 4, 4, 8, 8)
     ps = _layout(mesh)
-    dist = [wb.shard_tensor(cp.ring_order(t, 2, 2), mesh, ps) for t in (q, k, v)]
+    ps[mesh.dim("cp")] = wb.Replicate()     # to_ring_layout records the order (seq_order.py)
+    dist = [cp.to_ring_layout(wb.shard_tensor(t, mesh, ps), "cp", 2) for t in (q, k, v)]
     ref = cp.ring_order(wb.ops.flash_attention(q, k, v, causal=True), 2, 2)
     with cp.context_parallel(mesh, "cp"), wb.trace() as tr:
         a = wb.ops.flash_attention(*dist, causal=True)

@@ -112,8 +112,8 @@ def test_a_backward_from_a_local_tensor_recomputes_on_the_ring(how):
     ref = wb.ops.flash_attention(q, k, v, causal=True)
     want = torch.autograd.grad(ref.square().sum(), (q, k, v))
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    dist = [wb.shard_tensor(cp.ring_order(t, 2, 2, True), mesh, [wb.Shard(2)])
-            for t in leaves]
+    dist = [cp.to_ring_layout(wb.shard_tensor(t, mesh, [wb.Replicate()]), "cp", 2, True)
+            for t in leaves]     # the order recorded (seq_order.py, tests/test_cp11.py)
     with cp.context_parallel(mesh, "cp"):
         out = checkpoint(lambda a, b, c: wb.ops.flash_attention(a, b, c, causal=True),
                          *dist, use_reentrant=False)

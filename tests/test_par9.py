@@ -173,8 +173,8 @@ def test_ring_attention_under_autocast_runs_in_bfloat16_as_one_device(via):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = run(*ref_in)
     (want.float() * go).sum().backward()
-    dist = [wb.shard_tensor(cp.ring_order(t, p, 2), mesh, [wb.Shard(2)]).requires_grad_()
-            for t in (q, k, v)]
+    dist = [cp.to_ring_layout(wb.shard_tensor(t, mesh, [wb.Replicate()]), "cp", 2)
+            .requires_grad_() for t in (q, k, v)]     # to_ring_layout records the order (seq_order.py, test_cp11.py)
     with cp.context_parallel(mesh, "cp"):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             got = run(*dist)

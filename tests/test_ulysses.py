@@ -36,8 +36,10 @@ def _qkv(seed, Hq, Hkv, S=16, B=2, D=8, dtype=torch.float64):
 
 def _dist(mesh, ts, balanced):
     p = mesh.shape[mesh.dim("cp")]
-    return [wb.shard_tensor(cp.ring_order(t.detach() if not t.requires_grad else t, p, 2,
-                                          balanced), mesh, _layout(mesh)) for t in ts]
+    whole = [wb.Replicate() if i == mesh.dim("cp") else pl
+             for i, pl in enumerate(_layout(mesh))]       # to_ring_layout records the order (seq_order.py, test_cp11.py)
+    return [cp.to_ring_layout(wb.shard_tensor(t.detach() if not t.requires_grad else t, mesh,
+                                              whole), "cp", 2, balanced) for t in ts]
 
 
 @pytest.mark.parametrize("shape,names,Hq,Hkv,causal,balanced", [

@@ -149,7 +149,8 @@ def _cast(x, to):
             out = src.to(to)
             out._wb_replica_axes = tags
         linear_regather.carry_cast(src, out)
-        return y if out is y._local else DistTensor(out, y.mesh, y.placements, y.shape, y.dtype)
+        return y if out is y._local else _same_order(
+            DistTensor(out, y.mesh, y.placements, y.shape, y.dtype), y)
     nd = x.mesh.ndim
     copies = tuple(a for a in range(nd) if x.placements[a].is_replicate()
                    and src.shape[a] > 1 and out.shape[a] == 1)
@@ -158,7 +159,13 @@ def _cast(x, to):
     linear_regather.carry_cast(src, out, copies)
     if out is y._local:
         return y
-    return DistTensor(out, y.mesh, y.placements, y.shape, y.dtype)
+    return _same_order(DistTensor(out, y.mesh, y.placements, y.shape, y.dtype), y)
+
+
+def _same_order(out, y):
+    """``out`` (y's values) with y's recorded sequence order (seq_order.py)."""
+    out._ring_order = getattr(y, "_ring_order", None)
+    return out
 
 
 def cast_args(kind: str, args, kwargs):

@@ -58,6 +58,7 @@ from .dispatch_local import (VALIDATE, Ctx, as_dist, fallback as _fallback,  # n
                              run_cells as _run_cells, wrap as _wrap)
 from .placement import Replicate
 from . import reshard_backward as _rb
+from . import seq_order as _seq_order
 from . import gather_backward_dist as _gbd
 from .ops_table.strategy import NoRuleError, infer
 
@@ -651,6 +652,10 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
             w._spec = sp          # the spec DistTensor.spec would build, shared
     if opdef.op_class == "view" and isinstance(inputs[0], DistTensor):
         note_views(opdef.name, inputs[0], wrapped, attrs)    # x[0].zero_() reaches x
+    for x in inputs:               # a sequence in ring order stays so (seq_order.py)
+        if type(x) is DistTensor and getattr(x, "_ring_order", None) is not None:
+            _seq_order.propagate(inputs, specs, cand.plans, outs_ps, out_shapes, wrapped)
+            break
     for h in _HOOKS:
         h(dec, specs, wrapped, cost)
     if not many:

@@ -47,9 +47,10 @@ class DistTensor:
     through the SPMD rules (:mod:`workbench.parallel.dispatch`).
     """
     __slots__ = ("mesh", "placements", "shape", "dtype", "_local", "names", "_spec",
-                 "_view", "_is_param", "_gstride", "__weakref__")
+                 "_view", "_is_param", "_gstride", "_ring_order", "__weakref__")
     # _is_param: set by nn.Parameter(d); _gstride: the global strides where the shards
-    # cannot tell them (strides.py), else None
+    # cannot tell them (strides.py), else None; _ring_order: the order its sequence is
+    # in, where context parallelism laid it out (seq_order.py), else None
 
     def __init__(self, local, mesh: Mesh, placements, shape, dtype=None, names=None):
         self.mesh = mesh
@@ -63,6 +64,7 @@ class DistTensor:
         self._spec = None
         self._view = None       # (base, index or None, aliased): see parallel/inplace.py
         self._gstride = None    # strides.py
+        self._ring_order = None  # seq_order.py
 
     # ---- facts -----------------------------------------------------------------------
     @property
@@ -319,6 +321,7 @@ class DistTensor:
         loc = storage.map_tensors(self._local, det)
         out = DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
         out._gstride = getattr(self, "_gstride", None)      # torch's detach keeps strides
+        out._ring_order = getattr(self, "_ring_order", None)  # and the values' order
         return out
 
     def backward(self, gradient=None, retain_graph=None, create_graph=False,

@@ -283,6 +283,8 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
         out._local = storage.map_tensors(out._local, torch.clone)
     if out is not t and out.mesh is t.mesh:
         _rb.mark(out, plan.src, t)   # its gradient's way back: reshard_backward.py
+        # the global tensor is unchanged, so is the order of its sequence (seq_order.py)
+        out._ring_order = getattr(t, "_ring_order", None)
     if out is not t and (getattr(t, "_gstride", None) is not None or strides.lost_dims(out)) \
             and strides.known(t):
         strides.keep(out, strides.global_stride(t))    # DTensor.redistribute keeps them

@@ -67,6 +67,7 @@ from ..parallel.strategies.context_parallel import (check_ring, context_parallel
 from ..parallel.strategies.context_parallel_a2a import CP_COMMS, check_ulysses_heads
 from ..parallel.strategies.data_parallel import DataParallel
 from ..parallel.reshard import reshard
+from ..parallel.seq_order import ring_order_of, set_ring_order
 from ..parallel.strategies.tensor_parallel import (megatron_f, sequence_parallel_norms,
                                                    sequence_parallel_params,
                                                    tensor_parallel_region)
@@ -272,8 +273,10 @@ class ContextParallel(Hybrid):
             if not hasattr(model, "pos_emb"):          # the Llama: RoPE, no position table
                 return super()._stage(model, s, ids)
             perm = slot_positions(S, self.cp, self.balanced)
+            # the positions laid out as the ids, in their order (recorded: seq_order.py)
+            pos = set_ring_order(self._positions(ids, perm), ring_order_of(ids))
             return model.stage_forward(self.stages[s], ids, True, len(self.stages) == 1,
-                                       self._layout, positions=self._positions(ids, perm))
+                                       self._layout, positions=pos)
 
     def _loss(self, logits, targets):
         """The mean cross-entropy of every token where it lies: the targets laid out on

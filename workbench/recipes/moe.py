@@ -216,13 +216,13 @@ def keep_sequence_order(model, mesh_dim: str, balanced: bool) -> None:
         x = args[0]
         if not hasattr(x, "placements"):
             return None
-        laid[id(mod)] = list(x.placements)
+        laid[id(mod)] = list(x.placements), getattr(x, "_ring_order", None)
         ps = sequences(x)
         x = reshard(x, x.mesh, ps) if ps != list(x.placements) else x
         return (order(mod, x, True),) + tuple(args[1:])
 
     def post(mod, args, out):
-        ps = laid.pop(id(mod), None)
+        ps, seq = laid.pop(id(mod), (None, None))
         if ps is None or not hasattr(out, "placements"):
             return out
         whole = sequences(out)
@@ -231,6 +231,8 @@ def keep_sequence_order(model, mesh_dim: str, balanced: bool) -> None:
         out = order(mod, out, False)
         if list(out.placements) != ps:
             out = reshard(out, out.mesh, ps)
+        # token by token, in the input's order: the input's recorded order (seq_order.py)
+        out._ring_order = seq
         return out
     for layer in moe_layers(model):
         layer.register_forward_pre_hook(pre)

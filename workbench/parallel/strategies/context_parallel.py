@@ -39,6 +39,31 @@ sequence-sharded on that mesh dim (``wb.ops.flash_attention``, ``F.scaled_dot_pr
 attention``) runs as :func:`ring_attention`; every other op runs as usual. With
 ``cp_comm="a2a"`` (Megatron-LM's ``--cp-comm-type a2a``) it runs as DeepSpeed-Ulysses'
 all-to-all attention instead (:mod:`.context_parallel_a2a`).
+
+The order of the sequence. ``Shard(2)`` of a sequence in ring order and of one in its own
+order look alike, and a load-balanced causal ring on the latter is wrong (0.9 to 1.9 off
+one device's output at cp 2 and 4, with no error, before this was checked). PyTorch keeps
+the order on the context (its ``context_parallel(mesh, buffers=, buffer_seq_dims=)``
+reorders the buffers it is handed, its attention assumes that order of every input, and
+``context_parallel_unshard`` undoes it), so a DTensor sharded another way gets the same
+wrong answer there; DTensor's ``_StridedShard`` carries an interleaving in the placement.
+Two designs were weighed. (a) The order in the placement (a ``Shard`` that carries it):
+``full()`` and every reshard would then be in the sequence's own order, but every rule of
+the op table reads ``Shard(d)`` and would have to learn the new placement or refuse it,
+and a rule that treated it as a plain ``Shard`` would silently lose the order: the whole
+table is the surface. (b), built here: ``to_ring_layout`` records the order on the
+tensor (:mod:`workbench.parallel.seq_order`), the dispatcher keeps it exactly where an
+op's rule keeps the ordered dim sharded over the ring with its length (elementwise ops,
+linear layers, norms, views, transposes, RoPE's products, embedding lookups), reshards
+and ``detach`` keep it, and everywhere else it is lost; causal attention in the
+load-balanced context requires it and refuses a sequence without it, naming
+``to_ring_layout`` (reordering such a sequence "exactly" would assume it is in its own
+order, and a sequence laid out in ring order by hand, ``ring_order``, looks the same).
+Safe by default: an op nobody taught gives no record, so a refusal, never a wrong
+attention. ``full()`` of a ring-ordered tensor stays in ring order, as before
+(:func:`from_ring_layout` undoes it). Direct calls of :func:`ring_attention` and
+``ulysses_attention`` say the order themselves (``balanced``): a recorded order that is
+another one is refused, an unrecorded one is taken as they say.
 """
 from __future__ import annotations
 
@@ -50,6 +75,7 @@ from .. import autocast as _autocast
 from ..dist_tensor import DistTensor
 from ..placement import Replicate, Shard
 from ..reshard import reshard
+from ..seq_order import RingOrder, check_order, ring_order_of, set_ring_order
 from ..ops_table.ring_attention import (block_pairs, check_ring, ring_attention_step,
                                         slot_chunks, slot_positions)
 from .. import storage
@@ -102,18 +128,21 @@ def ring_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: boo
                         "1/sqrt(head_dim) when None) or None")
     p = mesh.shape[axis]
     check_ring(q.shape[2], p, balanced, "ring_attention")
+    check_order((q, k, v), axis, p, balanced, causal, "ring_attention")
     label = f"ring attention K/V on {mesh.dim_names[axis]}"
 
     def forward(q, k, v):
         return _ring_forward(q, k, v, axis, p, causal, balanced, scale, label)
+    order = ring_order_of(q)                # the output's rows are q's: its order too
     if not torch.is_grad_enabled() or not any(storage.requires_grad(t._local)
                                               for t in (q, k, v)):
         _check_even(q, k, v)
-        return forward(q, k, v)[0]
+        return set_ring_order(forward(q, k, v)[0], order)
     q, k, v, expand = _aligned(q, k, v, axis)
     _check_even(q, k, v)
-    return ring_attention_function(forward, q, k, v, axis=axis, ring=p, causal=causal,
-                                   balanced=balanced, scale=scale, label=label, expand=expand)
+    return set_ring_order(ring_attention_function(
+        forward, q, k, v, axis=axis, ring=p, causal=causal, balanced=balanced, scale=scale,
+        label=label, expand=expand), order)
 
 
 def _check_even(*ts):
@@ -209,11 +238,15 @@ def to_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool = 
     if not x.placements[axis].is_replicate():
         raise ValueError(f"to_ring_layout: x is {x.placements[axis]} on mesh dim "
                          f"{x.mesh.dim_names[axis]!r}; give it whole (Replicate) there")
+    if (got := ring_order_of(x)) is not None and got.dim == dim:
+        raise ValueError(f"to_ring_layout: x's {got} already (laid out by to_ring_layout); "
+                         "a second reordering would scramble it. Fix: use x as it is, or "
+                         "undo the first with from_ring_layout")
     perm = slot_positions(x.shape[dim], p, balanced).to(x.device)
     y = torch.index_select(x, dim, perm)
     ps = list(y.placements)
     ps[axis] = Shard(dim)
-    return reshard(y, y.mesh, ps)
+    return set_ring_order(reshard(y, y.mesh, ps), RingOrder(axis, p, dim, balanced))
 
 
 def from_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool = True):
@@ -222,11 +255,16 @@ def from_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool 
     axis = x.mesh.dim(mesh_dim)
     p = x.mesh.shape[axis]
     dim = _seq_dim(x, dim, "from_ring_layout")
+    got, want = ring_order_of(x), RingOrder(axis, p, dim, balanced)
+    if got is not None and got != want and p > 1:
+        raise ValueError(f"from_ring_layout: x's {got} (mesh dim {got.mesh_dim}), not "
+                         f"{want} (mesh dim {axis}): undoing that would scramble it. Fix: "
+                         f"pass the mesh_dim, dim and balanced that to_ring_layout was given")
     ps = list(x.placements)
     ps[axis] = Replicate()
     y = reshard(x, x.mesh, ps)
     inv = torch.argsort(slot_positions(x.shape[dim], p, balanced)).to(x.device)
-    return torch.index_select(y, dim, inv)
+    return set_ring_order(torch.index_select(y, dim, inv), None)
 
 
 # ---- the context manager ----------------------------------------------------------------------
@@ -280,8 +318,22 @@ class context_parallel(TorchFunctionMode):
         """A mixture-of-experts router with a capacity on tokens in ring order: tokens
         claim their experts' slots in sequence order (GShard's priority, ``ops/moe.py``),
         so the router runs on the sequence in its own order and its per-token outputs go
-        back to ring order (the per-sequence aux loss does not depend on the order)."""
-        pos = slot_positions(logits.shape[1], self.mesh.shape[self.axis], True)
+        back to ring order (the per-sequence aux loss does not depend on the order).
+        Tokens whose order is not recorded as the ring's (seq_order.py) are refused: in
+        their own order they would be put "back" into a scrambled one."""
+        p = self.mesh.shape[self.axis]
+        got = ring_order_of(logits)
+        if p > 1 and got != RingOrder(self.axis, p, 1, True):
+            how = "with no record of their order" if got is None else f"recorded as {got}"
+            raise ValueError(
+                f"context_parallel({self.name!r}): router_topk(..., capacity=...) on logits "
+                f"(shape {tuple(logits.shape)}) sharded Shard(1) on mesh dim {self.name!r} "
+                f"{how}: tokens claim their experts' slots in sequence order, and the "
+                f"load-balanced context takes them in its ring order. Fix: lay the model's "
+                f"input out with to_ring_layout(x, {self.name!r}, 1) (the order is kept to "
+                f"the router), or run context_parallel(..., balanced=False) for tokens in "
+                f"their own order")
+        pos = slot_positions(logits.shape[1], p, True)
         pos = pos.to(logits.device)                     # ring slot -> original position
         z = torch.index_select(logits, 1, torch.argsort(pos))
         kwargs = {n: v for n, v in kwargs.items() if n != "logits"}
@@ -350,6 +402,11 @@ class context_parallel(TorchFunctionMode):
         if not self._mine(k) or not self._mine(v):
             raise ValueError(f"{where}: q is sequence-sharded on {self.name!r} but k or v is "
                              "not; shard all three the same way")
+        # the order of the sequence is checked against the context's (seq_order.py): a
+        # sequence sharded in its own order is indistinguishable from the ring's by
+        # placements alone, so only a recorded order (to_ring_layout's) is load-balanced
+        check_order((q, k, v), self.axis, self.mesh.shape[self.axis], self.balanced, causal,
+                    where, known=True)
         if self.cp_comm == "a2a":
             return ulysses_attention(q, k, v, self.axis, causal=causal,
                                      balanced=self.balanced, scale=a.get("scale"))

@@ -74,6 +74,7 @@ from .. import storage
 from ..dist_tensor import DistTensor
 from ..placement import Shard
 from ..reshard import reshard
+from ..seq_order import check_order, ring_order_of, set_ring_order
 from ..ops_table.ring_attention import slot_positions
 
 __all__ = ["ulysses_attention", "check_ulysses_heads", "ulysses_bytes", "CP_COMMS"]
@@ -229,6 +230,7 @@ def ulysses_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: 
                              f"which does not divide by {2 * p}; pass balanced=False if q, k, v "
                              f"are in contiguous slots, or use a sequence length that is a "
                              f"multiple of {2 * p}")
+    check_order((q, k, v), axis, p, balanced, causal, where)
     mesh = q.mesh
 
     def to(t, dim):
@@ -254,4 +256,5 @@ def ulysses_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: 
         o = torch.index_select(o, 2, pos)
     if heads and o.placements != hq.placements:     # the swap back reads q's head layout
         o = reshard(o, mesh, hq.placements)
-    return to(o, 2)                 # the heads gathered, the sequence scattered back
+    # the heads gathered, the sequence scattered back, in q's order (seq_order.py)
+    return set_ring_order(to(o, 2), ring_order_of(q))

@@ -50,6 +50,7 @@ from ...sim_mesh.mesh import Mesh
 from ...sim_mesh.trace import current_trace
 from .. import storage
 from ..dist_tensor import DistTensor
+from ..seq_order import same_order
 from ..module import parallelize
 from ..placement import Replicate, Shard
 from ..reshard import reshard
@@ -257,7 +258,7 @@ class ExpertParallel:
             y = self._record_backward(y, on_backward)
         # the dtype the experts computed in: x's, or under torch.autocast the GEMMs'
         # (bfloat16), as one device's combine gives (was x's float32 over bfloat16 rows)
-        return DistTensor(y, x.mesh, x.placements, x.shape, ys[0].dtype)
+        return same_order(DistTensor(y, x.mesh, x.placements, x.shape, ys[0].dtype), x)
 
     def _distributed(self, x, w, e, s, module, params, E):
         """One process: its tokens out and back by torch.distributed's all_to_all_single

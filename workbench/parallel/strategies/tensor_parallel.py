@@ -107,7 +107,9 @@ def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1,
         loc = _expand_async(loc, mesh, mesh.dim(tp_axis), "all_reduce", "f: grad all-reduce")
     ps = list(x.placements)
     ps[tp_axis] = Replicate()
-    return DistTensor(loc, mesh, ps, x.shape, x.dtype)
+    out = DistTensor(loc, mesh, ps, x.shape, x.dtype)
+    out._ring_order = getattr(x, "_ring_order", None)     # x's values: its order (seq_order)
+    return out
 
 
 def _uneven_regather(x, tp_axis: int, seq_dim: int, origin: str) -> ValueError:

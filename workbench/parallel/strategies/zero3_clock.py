@@ -26,6 +26,7 @@ import math
 import torch
 
 from ..dist_tensor import DistTensor
+from ..seq_order import same_order
 from ..load_back import flush
 from .zero_optimizer_dist import defer_reduce_scatter
 
@@ -197,8 +198,8 @@ class Zero3Clock:
                     zero3._prefetch_backward()              # the forward's last module
             if torch.is_grad_enabled() and isinstance(out, DistTensor) \
                     and isinstance(out._local, torch.Tensor) and out._local.requires_grad:
-                return DistTensor(_BeforeBackward.apply(out._local), out.mesh,
-                                  out.placements, out.shape, out.dtype)
+                return same_order(DistTensor(_BeforeBackward.apply(out._local), out.mesh,
+                                             out.placements, out.shape, out.dtype), out)
             return out
         return hook
 
