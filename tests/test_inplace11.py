@@ -10,6 +10,9 @@ checkpoint / save habits, each held to torch on one device.
    its own memory order).  Now torch's error, or (torch's result depends on its loop order:
    ``x[:, 1:].mul_(x[:, :-1])``, ``x.addmm_(x, x)``) a NotImplementedError naming
    ``clone()``; order-free overlaps computed as torch (``parallel/inplace_overlap.py``).
+2. ``torch.save(model.state_dict(keep_vars=True))`` of ZeRO-1/2 over tensor parallelism
+   raised once the optimizer was built (its zero_grad hook, a closure on each parameter's
+   local tensor): now saved as torch saves a Parameter (values and requires_grad).
 """
 import pytest
 import torch
@@ -181,3 +184,50 @@ def test_overlap_order_free_as_torch(mesh, ps):
         f(r)
         f(d)
         torch.testing.assert_close(d.full(), r, rtol=0, atol=0, msg=name)
+
+
+# ---- item 2: torch.save(state_dict(keep_vars=True)) of ZeRO-1/2 over tensor parallelism ----
+@pytest.mark.parametrize("kind", ["zero_tp", "zero2_tp"])
+def test_keep_vars_dict_of_zero_over_tp_saves_and_loads_back(kind):
+    """Once the optimizer is built, each DistTensor parameter's local tensor carries its
+    zero_grad hook (a closure): pickling raised "Can't pickle local object
+    '..._zero_shard_hook.<locals>.hook'" where torch saves its parameters (values and
+    requires_grad, no hooks: ``Parameter.__reduce_ex__``).  Now the dict saves, loads
+    (weights_only too) with the values and requires_grad, loads into another wrapper, and
+    the saved-from wrapper trains on as one device."""
+    import io
+
+    from .test_habits10 import same_model
+    from .test_habits15 import Wrapped, batches, full_state, mk, ref_backward
+    ref, wr = mk(), Wrapped(kind)
+    ref.eval()
+    wr.w.eval()
+    ro, opt = torch.optim.SGD(ref.parameters(), lr=0.5), wr.optimizer(cls=torch.optim.SGD,
+                                                                     lr=0.5)
+    data = batches(2)
+
+    def step(x, y):
+        opt.zero_grad()
+        ro.zero_grad()
+        wr.backward(x, y)
+        ref_backward(ref, x, y)
+        opt.step()
+        ro.step()
+    step(*data[0])
+    want = ref.state_dict()
+    buf = io.BytesIO()
+    torch.save(wr.w.state_dict(keep_vars=True), buf)
+    for weights_only in (False, True):
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=weights_only)
+        assert list(saved) == list(want)
+        for k, v in saved.items():
+            assert isinstance(v, wb.DistTensor) and v.requires_grad, k
+            torch.testing.assert_close(v.full().detach(), want[k], rtol=1e-6, atol=1e-6)
+    other = Wrapped(kind, mk(seed=3))
+    other.w.load_state_dict(saved)
+    got = full_state(other.m.state_dict())
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
+    step(*data[1])                      # the live parameters kept their wiring
+    same_model(wr, ref)
