@@ -13,6 +13,8 @@ checkpoint / save habits, each held to torch on one device.
 2. ``torch.save(model.state_dict(keep_vars=True))`` of ZeRO-1/2 over tensor parallelism
    raised once the optimizer was built (its zero_grad hook, a closure on each parameter's
    local tensor): now saved as torch saves a Parameter (values and requires_grad).
+3. ``checkpoint(fn, x, use_reentrant=True)`` with no input requiring grad: torch warns and
+   gives the function's parameters no gradient; here they got theirs.  Now torch's.
 """
 import pytest
 import torch
@@ -231,3 +233,82 @@ def test_keep_vars_dict_of_zero_over_tp_saves_and_loads_back(kind):
         torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
     step(*data[1])                      # the live parameters kept their wiring
     same_model(wr, ref)
+
+
+# ---- item 3: checkpoint(fn, x, use_reentrant=True) with no input that requires grad -------
+def _tp_pair():
+    """(one device's module, the same module tensor-parallel on 2 ranks, the mesh)."""
+    from torch import nn
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 3)).double()
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 3)).double()
+    mesh = wb.Mesh([0, 1])
+    wb.parallelize_module(m, mesh, {"0": wb.ColwiseParallel(), "2": wb.RowwiseParallel()})
+    return ref, m, mesh
+
+
+def _full(t):
+    return t.full() if isinstance(t, wb.DistTensor) else t
+
+
+def _checkpointed(call, x, reentrant, extra):
+    """``checkpoint(call, x)``'s output, and the gradients a loss of it (plus ``extra()``)
+    leaves, or the error its backward raises; with the warnings raised."""
+    from torch.utils.checkpoint import checkpoint
+    import warnings
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = checkpoint(call, x, use_reentrant=reentrant)
+        loss = _full(out.sum()) + (_full(extra()) if extra else 0)
+        try:
+            loss.backward()
+            err = None
+        except RuntimeError as e:
+            err = e
+    warned = any("None of the inputs have requires_grad=True" in str(m.message) for m in w)
+    return out.requires_grad, warned, err
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("x_grad", [False, True])
+@pytest.mark.parametrize("extra", [False, True])
+def test_checkpoint_of_a_tp_module_gives_torchs_gradients(reentrant, x_grad, extra):
+    """use_reentrant=True and no input requiring grad: torch runs the function under
+    no_grad (and warns), its parameters get no gradient (a loss of the output alone has
+    nothing to backpropagate: RuntimeError); before, the non-reentrant checkpoint ran and
+    gave them theirs.  The other cases were and stay torch's."""
+    ref, m, mesh = _tp_pair()
+    x0 = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    x = wb.shard_tensor(x0, mesh, [wb.Replicate()])
+    xr = x0.clone()
+    if x_grad:
+        x.requires_grad_()
+        xr.requires_grad_()
+    want = _checkpointed(ref, xr, reentrant, (lambda: ref[2].bias.sum()) if extra else None)
+    got = _checkpointed(m, x, reentrant, (lambda: m[2].bias.sum()) if extra else None)
+    assert got[:2] == want[:2]
+    assert (got[2] is None) == (want[2] is None)
+    for (k, p), r in zip(m.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (r.grad is None), k
+        if r.grad is not None:
+            torch.testing.assert_close(_full(p.grad), r.grad, rtol=1e-12, atol=1e-12)
+    if x_grad and want[2] is None:
+        torch.testing.assert_close(_full(x.grad), xr.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_of_a_dist_tensor_program_without_grad_inputs(reentrant):
+    """A plain DistTensor program ``tanh(x @ W)`` over a Shard(1) weight: torch's
+    gradients (none from the checkpointed part under use_reentrant=True)."""
+    g = torch.Generator().manual_seed(4)
+    w0, x0 = torch.randn(4, 3, dtype=torch.float64, generator=g), torch.randn(
+        5, 4, dtype=torch.float64, generator=g)
+    mesh = wb.Mesh([0, 1])
+    wd = wb.shard_tensor(w0, mesh, [wb.Shard(1)]).requires_grad_()
+    wr = w0.clone().requires_grad_()
+    xd = wb.shard_tensor(x0, mesh, [wb.Replicate()])
+    got = _checkpointed(lambda x: torch.tanh(x @ wd), xd, reentrant, lambda: (wd * wd).sum())
+    want = _checkpointed(lambda x: torch.tanh(x @ wr), x0, reentrant, lambda: (wr * wr).sum())
+    assert got == want[:2] + (None,) and want[2] is None
+    torch.testing.assert_close(_full(wd.grad), wr.grad, rtol=1e-12, atol=1e-12)
