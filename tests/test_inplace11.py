@@ -312,3 +312,37 @@ def test_checkpoint_of_a_dist_tensor_program_without_grad_inputs(reentrant):
     want = _checkpointed(lambda x: torch.tanh(x @ wr), x0, reentrant, lambda: (wr * wr).sum())
     assert got == want[:2] + (None,) and want[2] is None
     torch.testing.assert_close(_full(wd.grad), wr.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["fsdp_tp", "zero3_tp"])
+def test_a_loss_term_on_a_no_grad_forwards_copy_raises(kind):
+    """FSDP / Zero3 over tensor parallelism: a forward under no_grad (an evaluation, or the
+    use_reentrant=True checkpoint above with no input requiring grad) left the module
+    holding a gathered copy made in no_grad mode; a loss term on ``model[2].bias`` then
+    put its gradient nowhere, silently (torch's parameter gets it: 3.0 for ``bias.sum()``
+    of 3 elements).  Now it raises, as the template does before any forward; the next
+    forward with grad enabled trains as one device."""
+    from torch.utils.checkpoint import checkpoint
+
+    from .test_habits10 import same_model
+    from .test_habits15 import Wrapped, batches, mk, ref_backward
+    ref, wr = mk(), Wrapped(kind)
+    ref.eval()
+    wr.w.eval()
+    (x, y), (x2, y2) = batches(2)
+    with torch.no_grad():
+        wr.w(wr.inp(x))
+    with pytest.raises(RuntimeError, match=r"torch\.no_grad\(\)"):
+        wr.m[2].bias.sum().full().backward()
+    with pytest.warns(UserWarning, match="None of the inputs"):
+        out = checkpoint(wr.w, wr.inp(x), use_reentrant=True)
+    with pytest.raises(RuntimeError, match=r"torch\.no_grad\(\)"):
+        (((out.full() - y) ** 2).mean() + wr.m[2].bias.sum().full()).backward()
+    ro, opt = torch.optim.SGD(ref.parameters(), lr=0.5), wr.optimizer(cls=torch.optim.SGD,
+                                                                     lr=0.5)
+    opt.zero_grad()
+    wr.backward(x2, y2)
+    ref_backward(ref, x2, y2)
+    opt.step()
+    ro.step()
+    same_model(wr, ref)
