@@ -40,6 +40,7 @@ backward calls, so ``create_graph=True`` (double backward) works as on one devic
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 from torch.autograd.function import _is_setup_context_defined
@@ -273,9 +274,17 @@ def _checkpoint(args, kwargs):
     inputs that are not tensors (DistTensors) as they are and recomputes with them still
     attached to the graph, then finds no tensor output to backpropagate from.  The
     non-reentrant checkpoint gives the same values and gradients (saved-tensor hooks on
-    the local tensors): it runs instead."""
+    the local tensors): it runs instead.  Where no input requires grad, torch's Function
+    runs ``fn`` under no_grad and its outputs require none (``CheckpointFunction.forward``,
+    with ``check_backward_validity``'s warning): the parameters inside get no gradient, and
+    so here (the non-reentrant one gave them theirs)."""
     import torch.utils.checkpoint as cp
     fn, preserve, *inputs = _bind(cp.CheckpointFunction, args, kwargs, False)
+    if not any(isinstance(a, (torch.Tensor, DistTensor)) and a.requires_grad for a in inputs):
+        warnings.warn("None of the inputs have requires_grad=True. Gradients will be None",
+                      stacklevel=4)
+        with torch.no_grad():
+            return fn(*inputs)
     return cp.checkpoint(fn, *inputs, use_reentrant=False, preserve_rng_state=preserve)
 
 

@@ -20,6 +20,7 @@ into the same object (:mod:`.inplace`), ``==`` is elementwise and ``x in d``, ``
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from typing import Sequence
@@ -403,9 +404,39 @@ class DistTensor:
         safe global of ``torch.load(weights_only=True)``, and its cached hash is this
         process's; it is rebuilt on first use.  (A saved optimizer state had read its
         ``.spec`` in the step, so ``torch.load`` of ``opt.state_dict()`` raised.)"""
-        slots = {k: getattr(self, k) for k in self.__slots__
-                 if k not in ("__weakref__", "_spec") and hasattr(self, k)}
+        slots = self._slots()
+        # the local tensors as torch.save keeps a Parameter's (``Parameter.__reduce_ex__``
+        # saves ``self.data`` and requires_grad; Note [Don't serialize hooks]): the
+        # attributes and hooks a wrapper hangs on them are this process's wiring (ZeRO-1/2's
+        # zero_grad hook, a closure, made torch.save(state_dict(keep_vars=True)) raise
+        # "Can't pickle local object '..._zero_shard_hook.<locals>.hook'", habits10)
+        slots["_local"] = storage.map_tensors(self._local, _saved)
         return None, {**slots, "_spec": None}
+
+    def _slots(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__
+                if k not in ("__weakref__", "_spec") and hasattr(self, k)}
+
+    def __deepcopy__(self, memo):
+        """``copy.deepcopy``: every slot deep-copied, the local tensors as they are (their
+        own ``__deepcopy__``), as the default copy did before pickling dropped their
+        wiring (``__getstate__``)."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self._slots().items():
+            setattr(new, k, copy.deepcopy(v, memo))
+        new._spec = None
+        return new
+
+
+def _saved(t: torch.Tensor) -> torch.Tensor:
+    """A local tensor for pickling: itself, or where a wrapper hung attributes or backward
+    hooks on it, an alias of its memory with its requires_grad and nothing else (storages
+    shared between local tensors stay shared in the file)."""
+    if type(t) is not torch.Tensor or not (t.__dict__ or t._backward_hooks):
+        return t
+    c = t.detach()
+    return c.requires_grad_() if t.requires_grad else c
 
 
 # id(a local tensor made by DistTensor.detach) -> (weakref to it, weakref to its source)

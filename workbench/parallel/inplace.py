@@ -32,6 +32,7 @@ import warnings
 
 import torch
 
+from . import inplace_overlap as overlap
 from . import storage
 from .dist_tensor import DistTensor, shard_tensor
 from .ops_table.checks import _to_meta
@@ -267,6 +268,7 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
 
 # ---- x.op_(...) -----------------------------------------------------------------------
 
+
 def _unsupported(op: str, why: str):
     raise NotImplementedError(f"{op}() on a DistTensor: {why}")
 
@@ -320,6 +322,9 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
         return _view_inplace(x, op, args, kwargs)
     _judge(lambda: getattr(_meta_self(x), op)(*_meta(tuple(args)),
                                                **{k: _meta(v) for k, v in kwargs.items()}))
+    if op not in RANDOM and op != "fill_":      # (fill_ reads its value as a number first)
+        overlap.check(x, lambda xs, a, k: getattr(xs, op)(*a, **k), args, kwargs, op,
+                      getattr(T, op[:-1], None))
     if op in RANDOM:
         return assign(x, _random(x, op, args, kwargs), op)
     if op == "zero_":
@@ -504,6 +509,7 @@ def out_call(func, args, kwargs):
                 "the result and cast it")
         kwargs["dtype"] = out.dtype           # computed in out's dtype, as torch's
     _out_dtype_check(func, args, kwargs, out)
+    overlap.check(out, lambda o, a, k: func(*a, **k, out=o), args, kwargs, name, func)
     res = func(*args, **kwargs)
     if not isinstance(res, (DistTensor, torch.Tensor)):
         raise TypeError(f"{name}(out=DistTensor): only single-tensor results can be written "
@@ -556,5 +562,7 @@ def inplace_kwarg(func, args, kwargs):
     x = args[0]
     _judge(lambda: func(_meta_self(x), *_meta(tuple(args[1:])),
                         **{k: _meta(v) for k, v in kwargs.items()}))
+    name = getattr(func, "__name__", "op")
+    overlap.check(x, lambda xs, a, k: func(xs, *a, **k), args[1:], kwargs, name, func)
     y = dispatch(func, args, {**kwargs, "inplace": False})
     return assign(x, y, getattr(func, "__name__", "op"), sources=args)

@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from .. import storage
 from ..dist_tensor import DistTensor
 from ..seq_order import same_order
 from ..load_back import flush
@@ -245,6 +246,8 @@ class Zero3Clock:
             for attr, i in self._by_mod[id(module)]:
                 _, _, tmpl, shard = self.entries[i]
                 copy = self._gather(tmpl, shard, cast=True)
+                if not torch.is_grad_enabled():
+                    _refuse_grad_of_no_grad_copy(copy, self.names[i])
                 # every place of a tied weight holds this one copy (FSDP2's
                 # _setattr_on_modules sets a parameter on its shared modules too): each
                 # module kept its own gather, so model.head.weight is model.emb.weight
@@ -253,3 +256,30 @@ class Zero3Clock:
                     object.__setattr__(mod2, attr2, copy)
         return hook
 
+
+def _refuse_grad_of_no_grad_copy(copy: DistTensor, name: str) -> None:
+    """A forward under ``torch.no_grad()`` (an evaluation; ``checkpoint(...,
+    use_reentrant=True)`` of inputs that require no grad) leaves on the module a copy
+    gathered with no autograd link to the shards, a view made in no_grad mode: a loss
+    term on it afterwards (a regularizer on ``model[2].bias``) lost its gradient, silently
+    (torch drops a gradient into such a view; torch's own parameter gets it).  The copy's
+    local tensors become leaves of the same memory whose gradient raises, as the
+    template's does (``fsdp_dist_views._refuse_grad``)."""
+    def hook(t):
+        t.grad = None
+        raise RuntimeError(
+            f"a gradient reached {name} as a forward under torch.no_grad() left it on the "
+            "module (the copy that forward gathered from the wrapper's flat shards, with no "
+            "autograd link to them): it would not reach the shards the optimizer steps.  Run "
+            "a forward with grad enabled before building this loss term, or build it in the "
+            "forward")
+
+    def leaf(t):
+        if not t.requires_grad or t.grad_fn is not None:
+            return t
+        c = t.detach()
+        c.__dict__.update(t.__dict__)       # the wrapper's marks (its .data, .grad...)
+        c.requires_grad_()
+        c.register_post_accumulate_grad_hook(hook)
+        return c
+    copy._local = storage.map_tensors(copy._local, leaf)
