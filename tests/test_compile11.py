@@ -215,3 +215,271 @@ def test_course_models_under_autocast_as_eager(model, level, dtype):
     assert gc <= 2 * gt, (gc, gt)
     if level == "O0":
         assert gc < 1e-8
+
+
+# ---- more user programs (seeded), each against the same program run eagerly -------------
+
+XS = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+WS = torch.randn(6, 6, generator=torch.Generator().manual_seed(2))
+
+
+def _d(t, pl=Shard(0), rg=False):
+    return wb.distribute_tensor(t.clone(), M2, [pl]).requires_grad_(rg)
+
+
+def _full(t):
+    if isinstance(t, (tuple, list)):
+        return [_full(a) for a in t]
+    if isinstance(t, dict):
+        return {k: _full(v) for k, v in t.items()}
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):   # (O1's whole-graph placements sum in another order)
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape \
+            and torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+    return a == b
+
+
+def _nested():
+    inner = wb.compile(lambda x: x * 2 + 1, _d(XS))
+    return lambda x, w: inner(x) @ w
+
+
+def _no_grad_inside(x, w):
+    with torch.no_grad():
+        s = (x @ w).abs().mean()
+    return (x @ w) / s
+
+
+def _checkpointed(x, w):
+    return torch.utils.checkpoint.checkpoint(lambda a: (a @ w).relu(), x,
+                                             use_reentrant=False).sum(1)
+
+
+def _checkpointed_reentrant(x, w):
+    return torch.utils.checkpoint.checkpoint(lambda a: (a @ w).relu(), x,
+                                             use_reentrant=True).sum(1)
+
+
+def _writes_input(x, w):
+    x.add_(1)
+    return x @ w
+
+
+# name -> (the program, or a maker of it, for (x, w)); all seeded, x S(0), w R needing grad
+PROGRAMS = {
+    "nested compiled function": _nested,
+    "no_grad block inside": lambda: _no_grad_inside,
+    "detach inside": lambda: lambda x, w: (x @ w) * (x @ w).detach(),
+    "where on a mask": lambda: lambda x, w: torch.where(x @ w > 0, x @ w * 2, -(x @ w)),
+    "checkpoint (non-reentrant) inside": lambda: _checkpointed,
+    "checkpoint (reentrant) inside": lambda: _checkpointed_reentrant,
+    "writes its input": lambda: _writes_input,
+    "dict with None and an int": lambda: lambda x, w: {"y": x @ w, "n": None, "k": 3},
+    "one value returned twice": lambda: lambda x, w: (lambda y: (y, y))((x @ w).relu()),
+    "returns its input and a product": lambda: lambda x, w: (x, x @ w),
+    "returns a view of its input": lambda: lambda x, w: (x[:, :3], x.t() @ (x @ w)),
+    "tanh chain": lambda: lambda x, w: torch.tanh(x @ w) @ w,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROGRAMS))
+def test_user_programs_equal_eager(name):
+    """Values and gradients as eager's (a program capture cannot hold runs eagerly: the
+    reentrant checkpoint's autograd.Function, a write into its input)."""
+    fn = PROGRAMS[name]()
+    runs = []
+    for compiled in (False, True):
+        x, w = _d(XS), _d(WS, Replicate(), True)
+        call = wb.compile(fn, _d(XS), _d(WS, Replicate(), True)) if compiled else fn
+        out = call(x, w)
+        leaves = [t for t in (out if isinstance(out, (tuple, list)) else
+                              out.values() if isinstance(out, dict) else [out])
+                  if hasattr(t, "requires_grad") and t.requires_grad]
+        sum(t.sum() for t in leaves).backward()
+        runs.append((_full(out), _full(w.grad), _full(x)))
+    assert _same(runs[0], runs[1])
+
+
+def test_calls_under_no_grad_and_inference_mode_and_grad_modes_at_capture():
+    f = lambda x, w: (x @ w).relu()        # noqa: E731
+    for ctx in (torch.no_grad, torch.inference_mode):
+        p = wb.compile(f, _d(XS), _d(WS, Replicate(), True))
+        w = _d(WS, Replicate(), True)
+        with ctx():
+            a, b = p(_d(XS), w), f(_d(XS), w)
+        assert a.requires_grad is b.requires_grad is False
+        assert _same(a.full_tensor(), b.full_tensor())
+    with torch.no_grad():                   # captured under no_grad: the program, not the mode
+        p = wb.compile(f, _d(XS), _d(WS, Replicate(), True))
+    w1, w2 = _d(WS, Replicate(), True), _d(WS, Replicate(), True)
+    p(_d(XS), w1).sum().backward()
+    f(_d(XS), w2).sum().backward()
+    assert _same(w1.grad.full_tensor(), w2.grad.full_tensor())
+    # an input that needs grad at the call and did not at capture (and the other way)
+    p = wb.compile(lambda x, w: (x @ w).sum(), _d(XS), _d(WS, Replicate()))
+    w1 = _d(WS, Replicate(), True)
+    p(_d(XS), w1).backward()
+    torch.testing.assert_close(w1.grad.full_tensor(), XS.sum(0)[:, None].expand(6, 6))
+    p = wb.compile(lambda x, w: (x @ w).sum(), _d(XS), _d(WS, Replicate(), True))
+    assert not p(_d(XS), _d(WS, Replicate())).requires_grad
+
+
+def test_returned_views_alias_the_input_as_eager():
+    for f in (lambda x: x, lambda x: x[0], lambda x: x.t(), lambda x: (x, x * 2)):
+        x1, x2 = _d(XS), _d(XS)
+        p = wb.compile(f, x1)
+        a, b = p(x1), f(x2)
+        a, b = (a[0], b[0]) if isinstance(a, tuple) else (a, b)
+        assert (a is x1) == (b is x2)
+        with torch.no_grad():
+            a.add_(1), b.add_(1)
+        assert torch.equal(x1.full_tensor(), x2.full_tensor())
+
+
+def test_a_compiled_detach_is_writable_as_torchs():
+    # before: the compiled x.detach() (and torch.detach(d)) was marked a view of the leaf:
+    # a write into it raised 'a view of a leaf Variable that requires grad is being used
+    # in an in-place operation', where torch's and d.detach() write the leaf's values
+    x = _d(XS, rg=True)
+    p = wb.compile(lambda t: t.detach(), x)
+    a = p(x)
+    assert not a.requires_grad
+    a.add_(1)
+    torch.detach(x).mul_(2)
+    ref = XS.clone().requires_grad_()
+    ref.detach().add_(1)
+    torch.detach(ref).mul_(2)
+    assert torch.equal(x.full_tensor(), ref.detach())
+
+
+def _train(opt, steps=3, mutate=None, **kw):
+    def mlp():
+        torch.manual_seed(0)
+        return wb.parallelize(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(),
+                                                  torch.nn.Linear(8, 6)), M2, {})
+    m1, m2 = mlp(), mlp()
+    o1, o2 = opt(m1.parameters(), **kw), opt(m2.parameters(), **kw)
+    p = wb.compile(m1, _d(XS))
+    for s in range(steps):
+        x = _d(torch.randn(4, 6, generator=torch.Generator().manual_seed(s)))
+        for m, call, o in ((m1, p, o1), (m2, m2, o2)):
+            o.zero_grad()
+            call(x).pow(2).sum().backward()
+            o.step()
+            if mutate is not None:
+                mutate(m, s)
+    return [q.full_tensor() for q in m1.parameters()], [q.full_tensor() for q in m2.parameters()]
+
+
+def _freeze(m, s):
+    if s == 0:
+        m[0].weight.requires_grad_(False)
+
+
+def _rebind_data(m, s):
+    if s == 0:
+        m[0].weight.data = m[0].weight.data * 0.5
+
+
+@pytest.mark.parametrize("opt, kw, mutate", [
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, None),
+    (torch.optim.AdamW, {"lr": 0.01}, None),
+    (torch.optim.SGD, {"lr": 0.1}, _freeze),
+    (torch.optim.SGD, {"lr": 0.1}, _rebind_data),
+], ids=["sgd-momentum", "adamw", "frozen-after-compile", "data-rebound"])
+def test_optimizer_steps_between_calls_read_the_new_parameters(opt, kw, mutate):
+    a, b = _train(opt, mutate=mutate, **kw)
+    assert _same(a, b)
+
+
+LIN = torch.nn.Linear(6, 6).requires_grad_(False)
+SEQ = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(),
+                          torch.nn.Dropout(0.5)).requires_grad_(False)
+
+
+def _replace_weight():
+    LIN.weight = torch.nn.Parameter(torch.ones(6, 6), requires_grad=False)
+
+
+def _rebind_weight_data():
+    LIN.weight.data = torch.full((6, 6), 0.5)
+
+
+@pytest.mark.parametrize("mutate", [_replace_weight, _rebind_weight_data],
+                         ids=["replaced", "data-rebound"])
+def test_a_module_the_code_reads_from_outside_is_read_again(mutate):
+    # before: a closure over a frozen module kept the capture's weight after
+    # ``lin.weight = nn.Parameter(...)``: the graph multiplied by the old one, silently
+    torch.manual_seed(0)
+    LIN.weight = torch.nn.Parameter(torch.randn(6, 6), requires_grad=False)
+    f = lambda x: LIN(x) * 2               # noqa: E731
+    x = _d(XS)
+    p = wb.compile(f, x)
+    assert p.breaks == []
+    mutate()
+    assert _same(p(x).full_tensor(), f(x).full_tensor())
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda: LIN.weight.requires_grad_(True), "weight was a .* now .* requires grad"),
+    (lambda: setattr(LIN, "bias", None), "bias was a .* now gone"),
+], ids=["needs-grad", "bias-gone"])
+def test_a_module_read_from_outside_whose_constant_changed_kind_is_refused(change, match):
+    torch.manual_seed(0)
+    LIN.weight = torch.nn.Parameter(torch.randn(6, 6), requires_grad=False)
+    LIN.bias = torch.nn.Parameter(torch.randn(6), requires_grad=False)
+    x = _d(XS)
+    p = wb.compile(lambda t: LIN(t), x)
+    change()
+    with pytest.raises(ValueError, match=match):
+        p(x)
+
+
+@pytest.mark.parametrize("change", [lambda: SEQ.__setitem__(1, torch.nn.Tanh()),
+                                    lambda: SEQ.eval(),
+                                    lambda: SEQ[0].register_forward_hook(
+                                        lambda m, a, o: o * 0)],
+                         ids=["child-swapped", "eval", "hook"])
+def test_a_module_read_from_outside_is_guarded_as_the_compiled_ones(change):
+    # before: ``seq[1] = nn.Tanh()`` or ``seq.eval()`` after capture: the graph ran ReLU and
+    # dropout as at capture, silently
+    SEQ[1] = torch.nn.ReLU()
+    SEQ.train()
+    for h in list(SEQ[0]._forward_hooks):
+        del SEQ[0]._forward_hooks[h]
+    x = _d(XS)
+    torch.manual_seed(0)
+    p = wb.compile(lambda t: SEQ(t), x)
+    assert p.breaks == []
+    change()
+    with pytest.raises(ValueError, match="the module global SEQ the code reads changed"):
+        p(x)
+
+
+def test_refusals_name_the_fix():
+    m = wb.parallelize(torch.nn.Sequential(torch.nn.Linear(6, 6)), M2, {})
+    p = wb.compile(m, _d(XS))
+    for bad in (_d(torch.randn(8, 6)), _d(XS, Replicate()), _d(XS.double())):
+        with pytest.raises(ValueError, match="compile it again for these"):
+            p(bad)
+    m[0].register_forward_hook(lambda mod, a, o: o * 0)
+    with pytest.raises(ValueError, match="hooks added or removed"):
+        p(_d(XS))
+    SC[0] = 2.0
+
+    def scaled(x):
+        return x * SC[0]
+    p = wb.compile(scaled, _d(XS))
+    SC[0] = 5.0
+    with pytest.raises(ValueError, match="changed since capture"):
+        p(_d(XS))
+
+
+SC = [2.0]
