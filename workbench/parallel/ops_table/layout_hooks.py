@@ -71,7 +71,7 @@ def keep_layout(y, like):
     """``y`` laid out as ``like`` (a reshard where their placements differ; ``y`` itself
     where they agree, or where ``y`` is a plain tensor, as the hook that calls it had it).
     To ``wb.compile``'s capture one op of the table (module docstring)."""
-    if type(y) is DistTensor and type(like) is DistTensor:
+    if isinstance(y, DistTensor) and isinstance(like, DistTensor):
         if tuple(y.placements) == tuple(like.placements):
             return y
         from ..reshard import reshard

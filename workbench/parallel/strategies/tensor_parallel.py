@@ -80,7 +80,7 @@ def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1,
     To ``wb.compile``'s capture (a plain meta tensor under its tracer) f is one op of the
     table, ``megatron_f`` (``ops_table/megatron.py``: its layout on tp as its rule); the
     compiled program calls this function on the DistTensor laid out so."""
-    if type(x) is not DistTensor:
+    if not isinstance(x, DistTensor):
         return _plain(megatron_f, x, (x, tp_axis, sp, seq_dim, regather), {"origin": origin})
     want = Shard(seq_dim) if sp else Replicate()
     if x.placements[tp_axis] != want:
@@ -264,7 +264,7 @@ def _gather_dist_async(x, mesh, axis: int, dim: int, label: str):
 def megatron_g(y: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1) -> DistTensor:
     """Leave a tp region: reduce the partial sums (sp: onto the sequence shards).  To
     ``wb.compile``'s capture one op of the table, as :func:`megatron_f`."""
-    if type(y) is not DistTensor:
+    if not isinstance(y, DistTensor):
         return _plain(megatron_g, y, (y, tp_axis, sp, seq_dim), {})
     ps = list(y.placements)
     ps[tp_axis] = Shard(seq_dim) if sp else Replicate()
