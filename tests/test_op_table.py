@@ -143,6 +143,10 @@ ELSEWHERE = {"expert_parallel": "tests/test_fixlist16.py (an ExpertParallel disp
                                 "an expert mesh, compiled against eager)",
             "wrap_indices": "tests/test_compile10.py (an integer index: the harness lays out "
                             "floating inputs only)"}
+# the recipes' layout hooks (Megatron's f and g over a tp mesh dim; a MoE layer's output laid
+# out as its input): compiled Hybrid models against eager
+ELSEWHERE.update(dict.fromkeys(("megatron_f", "megatron_g", "keep_layout"),
+                               "tests/test_compile11.py"))
 
 
 def test_every_op_in_the_table_has_a_sample_and_everything():

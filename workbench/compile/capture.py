@@ -154,6 +154,16 @@ def _like(func, args, kwargs):
     return torch.full(tuple(size), value, dtype=dtype).requires_grad_(rg)
 
 
+# factories whose values torch leaves unset: made again on the CPU they would hold garbage
+_NO_VALUES = {torch.empty, torch.empty_like, torch.empty_strided, T.new_empty}
+
+
+def _meta_device(device) -> bool:
+    """``device`` (a factory's keyword) names the meta device (a stand-in's ``x.device``)."""
+    return device is not None and not isinstance(device, int) and \
+        torch.device(device).type == "meta"
+
+
 def _advanced(index) -> bool:
     """An index holding an index tensor or a list: advanced indexing (a constant index or
     one the program computes; a computed bool mask breaks the graph at its ``nonzero``)."""
@@ -280,6 +290,14 @@ class _Tracer(TorchFunctionMode):
                     "the graph would hold it as a constant, and no gradient would reach it; "
                     "compile the module itself, or pass the tensor as an argument",
                     where=(f, line, code))
+            if t.is_meta:
+                f, line, code = _user_frame()
+                raise CaptureError(
+                    f"a tensor {tuple(t.shape)} made on the meta device at {f}:{line} "
+                    f"({code}) is read by the program: capture's stand-ins are meta tensors, "
+                    "and a constant made from them holds no values; make it on the CPU "
+                    "(or from an input), or compute it outside the compiled function",
+                    where=(f, line, code))
             vid = self.g.value(t.shape, t.dtype, "const", f"const{len(self.g.consts)}")
             self.g.consts[vid] = t.detach()
             self.const_ids[id(t)] = vid
@@ -306,6 +324,13 @@ class _Tracer(TorchFunctionMode):
         if not traced:
             self._write_outside(func, name, args, kwargs, leaves)
             out = func(*args, **kwargs)
+            if _meta_device(kwargs.get("device")) and func not in _NO_VALUES and \
+                    any(t.is_meta for t in _leaves(out, []) if isinstance(t, torch.Tensor)) \
+                    and not from_library(1):
+                # ``torch.arange(S, device=idx.device)``: a constant made on a stand-in's
+                # device has no values (the run read garbage: NaN logits of a compiled
+                # gpt-tiny, whose positions are made so); made on the CPU, as eager's
+                out = func(*args, **dict(kwargs, device=torch.device("cpu")))
             self._made(out, leaves)
             return out
         alias = _ALIASES.get(func)

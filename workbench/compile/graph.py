@@ -100,6 +100,10 @@ class Graph:
                                                     # (models.moe.MoE.record_stats)
     autograd_reads: set = field(default_factory=set)  # what the code asked of autograd
                                                     # (reads.py): guarded on each call
+    replica_dims: dict = field(default_factory=dict)  # param vid -> the mesh dims it is
+                                                    # held once per rank along (replicated;
+                                                    # its gradient reduced by the optimizer:
+                                                    # program.replica_dims)
 
     def value(self, shape, dtype, kind, name, producer=None, requires_grad=False) -> int:
         v = Value(len(self.values), torch.Size(shape), dtype, kind, name, producer,

@@ -438,6 +438,31 @@ class Frozen:
         self.consts = {vid: tensors[_key(c)] for vid, c in consts.items()
                        if type(c) is torch.Tensor and not c.is_meta and c.numel()
                        and _key(c) in tensors}
+        # a module the code reads from outside (a closure over a frozen ``nn.Linear``):
+        # the graph's constants that are its parameters and buffers, read again on each
+        # call by their names (was: ``lin.weight = nn.Parameter(...)`` after capture left
+        # the graph multiplying by the old weight, silently)
+        self.held: dict = {}                    # const vid -> (label, tensor name)
+        # such a module's submodules, train/eval flags and hooks, as the compiled module's
+        # own (was: ``seq[1] = nn.Tanh()`` or ``seq.eval()`` after capture ran ReLU and
+        # dropout on, silently)
+        self.modules: dict = {}                 # label -> (tree, flags, hooks) at capture
+        owned = {}
+        for label, get in self.refs.items():
+            try:
+                v = get()
+            except ValueError:
+                continue
+            if isinstance(v, nn.Module):
+                self.modules[label] = (module_tree(v), training_flags(v), hook_keys(v))
+                for name, t in _module_tensors(v):
+                    k = _tensor_key(t)
+                    if k is not None:
+                        owned.setdefault(k, (label, name))
+        for vid, c in consts.items():
+            k = _tensor_key(c)
+            if vid not in self.consts and k is not None and k in owned:
+                self.held[vid] = owned[k]
 
     def check(self, values: list) -> dict:
         """Refuse a changed Python value; {const vid: its tensor now}."""
@@ -464,7 +489,51 @@ class Frozen:
                                  f"{v.dtype} tensor at capture and is now "
                                  f"{type(t).__name__}; compile again")
             out[vid] = t.detach()
+        for label, (tree, flags, hooks) in self.modules.items():
+            mod = self.refs[label]()
+            if not isinstance(mod, nn.Module):
+                continue                        # (another object: its snapshot said so)
+            try:
+                check_module_tree(mod, tree)
+                check_training_flags(mod, flags)
+                check_hooks(mod, hooks)
+            except ValueError as e:
+                raise ValueError(f"compiled program: the module {label} the code reads "
+                                 f"changed since capture: {str(e).split(': ', 1)[-1]}") from None
+        for vid, (label, name) in self.held.items():
+            mod, v = self.refs[label](), values[vid]
+            t = dict(_module_tensors(mod)).get(name) if isinstance(mod, nn.Module) else None
+            if not isinstance(t, (torch.Tensor, DistTensor)) or \
+                    tuple(t.shape) != tuple(v.shape) or t.dtype != v.dtype or t.requires_grad:
+                now = "gone" if t is None else (
+                    f"a {tuple(t.shape)} {t.dtype} {type(t).__name__}"
+                    + (" that requires grad" if t.requires_grad else ""))
+                raise ValueError(f"compiled program: {label}'s {name} was a {tuple(v.shape)} "
+                                 f"{v.dtype} tensor at capture (a constant of the graph) and is "
+                                 f"now {now}; compile again (or compile the module itself)")
+            out[vid] = t.detach()
         return out
+
+
+def _module_tensors(module):
+    """(name, tensor) of a module's parameters and buffers, tied ones under each name."""
+    for mname, mod in module.named_modules(remove_duplicate=False):
+        for where in (mod._parameters, mod._buffers):
+            for n, t in where.items():
+                if t is not None:
+                    yield (f"{mname}.{n}" if mname else n), t
+
+
+def _tensor_key(t):
+    """The storage key of a plain tensor, or of a DistTensor's first local tensor (a
+    constant holds ``t.detach()``: the same storage, another object)."""
+    if isinstance(t, DistTensor):
+        from ..parallel import storage
+        ts = storage.tensors(t._local)
+        t = ts[0] if ts else None
+    if isinstance(t, torch.Tensor) and not t.is_meta and t.numel():   # (a Parameter too)
+        return _key(t)
+    return None
 
 
 _HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

@@ -28,6 +28,7 @@ import torch
 
 from ..parallel.dispatch import dispatch, force_candidate
 from ..parallel.dispatch_local import as_dist
+from ..parallel.ops_table.table import TABLE
 from ..parallel.dist_tensor import DistTensor
 from ..parallel.placement import Replicate, fmt_placements
 from ..parallel import reshard_backward as _rb
@@ -188,7 +189,12 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
                 (torch.no_grad() if not n.grad else contextlib.nullcontext()), \
                 torch.autocast("cpu", enabled=n.amp is not None,
                                dtype=n.amp if n.amp is not None else torch.bfloat16):
-            out = dispatch(n.func, args, kwargs)     # the dispatcher, as DistTensor calls it
+            if TABLE[n.op].extra.get("runs_itself"):
+                # the op's function itself on its inputs laid out as its rule asks (f / g
+                # of a tensor-parallel region: ops_table/megatron.py), as eager's hook
+                out = n.func(*args, **kwargs)
+            else:
+                out = dispatch(n.func, args, kwargs)     # the dispatcher, as DistTensor calls it
         if n.op == "router_topk" and graph.stats_layers:
             w, e, slot, aux = out
             next(layers).record_stats(e, slot, aux)

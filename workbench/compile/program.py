@@ -90,6 +90,27 @@ def _named_parameters(module) -> dict:
     return named
 
 
+def replica_dims(module, graph, mesh) -> dict:
+    """{param vid: the mesh dims it is replicated along and held once per rank} (a
+    data-parallel optimizer's replicas, ``DataParallel``; a sequence-parallel norm's
+    copies, ``sequence_parallel_norms``; on torch.distributed ``_wb_replica_axes``): each
+    rank's gradient stays its own there, and the optimizer reduces it once per step."""
+    named = _named_parameters(module)
+    out = {}
+    for name, vid in graph.params.items():
+        p = named.get(name)
+        if not isinstance(p, DistTensor) or p.mesh != mesh:
+            continue
+        loc = p._local
+        dims = set(getattr(loc, "_wb_replica_axes", ()))
+        if isinstance(loc, torch.Tensor) and loc.dim() >= mesh.ndim:
+            dims |= {i for i, n in enumerate(mesh.shape)
+                     if n > 1 and loc.shape[i] == n and p.placements[i].is_replicate()}
+        if dims:
+            out[vid] = tuple(sorted(dims))
+    return out
+
+
 def _fulls(tree):
     """``tree`` with each DistTensor as its global tensor (``.full()``: autograd flows)."""
     if isinstance(tree, DistTensor):
@@ -212,6 +233,8 @@ class CompiledProgram:
                         self._frozen.scalars.pop(label, None)
                         self._frozen.objects.pop(label, None)
         self._hooks = hook_keys(fn)
+        if self.module is not None:
+            graph.replica_dims = replica_dims(self.module, graph, mesh)
         if level != "O0":
             graph = _passes.run_graph_passes(self, graph)
         self.graph = graph

@@ -191,7 +191,13 @@ class _Pricer:
                     nb = s.buffer_bytes or _local_bytes(spec.shape, self.mesh, s.src, spec.dtype)
                     t += max(_cost.price(kind, nb, g, self.profile)
                              for g in self.mesh.groups(s.mesh_dim))
-            dims = [i for i in diverge if req[i].is_replicate()]
+            # (a parameter held once per rank along a mesh dim, a data-parallel optimizer's
+            # replicas or a sequence-parallel norm's copies: its gradient stays each rank's
+            # there and the optimizer reduces it once per step, whatever the layout:
+            # ``Graph.replica_dims``; priced, the search gathered the batch over dp to save
+            # reductions the step makes anyway, 4 all-gathers more than eager's)
+            own = self.g.replica_dims.get(vid, ())
+            dims = [i for i in diverge if req[i].is_replicate() and i not in own]
             if dims and pos not in reused and pos not in shared and pos not in repeated:
                 t += self.grad_reduction(vid, plan, tuple(req), dims)
         return t

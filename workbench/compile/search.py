@@ -19,6 +19,9 @@ greedy's own assignment fits it.
 """
 from __future__ import annotations
 
+import torch
+
+from ..parallel.ops_table.table import TABLE
 from .propagate import Assignment, _norm_pins, _Pricer, initial
 
 __all__ = ["propagate"]
@@ -195,7 +198,8 @@ def _candidates(n, state, pr, base, pins, outs, live_k, per_op):
     live, read = live_k
     in_ps = tuple(None if v is None else pl[v] if v in pl else base[v] for v in n.inputs)
     specs, dec = pr.decision(n, in_ps)
-    for c in dec.candidates[:per_op]:
+    cands = _precise(n, in_ps, dec.candidates[:per_op], pr)
+    for c in cands:
         made = {}
         reused = []
         for pos, (vid, ps, req, plan) in enumerate(zip(n.inputs, in_ps, c.strategy.inputs,
@@ -230,3 +234,87 @@ def _candidates(n, state, pr, base, pins, outs, live_k, per_op):
         yield c, nc, extra, (keep, av), (tuple(sorted(keep.items())),
                                          tuple(sorted((v, tuple(sorted(a, key=repr)))
                                                       for v, a in av.items())))
+
+
+_NARROW = (torch.bfloat16, torch.float16)
+
+
+def _precise(n, in_ps, cands, pr) -> list:
+    """``cands`` less those that add a 16-bit float partial sum at 16 bits where eager adds
+    it wider or reduces it first (the first of the rest, where any is left):
+
+    * an elementwise op with a 16-bit result keeps a partial sum partial
+      (:func:`_narrow_partial_sum`);
+    * an elementwise op with a wider result (bfloat16 ``x @ w`` partial + a float32
+      residual: eager's add takes the partial and sums the parts in float32, the
+      reduction after it in float32) is given the 16-bit partial reduced first, rounded
+      to 16 bits once more (a Llama MoE layer under bf16 autocast at O1: 1 bf16 ulp at the
+      residual, enough to flip a token's expert, logits 0.022 off one device, eager 0.004)
+      where a candidate takes it partial."""
+    if TABLE[n.op].op_class != "elementwise":
+        return cands
+    eff = pr.__dict__.get("_eff")
+    if eff is None:
+        eff = pr._eff = effective_dtypes(pr.g)
+    keep = [c for c in cands if not _narrow_partial_sum(n, c, eff)]
+    out = [eff.get(o) for o in n.outs]
+    if any(d is not None and d.is_floating_point and d not in _NARROW for d in out):
+        narrow = [k for k, (vid, ps) in enumerate(zip(n.inputs, in_ps))
+                  if vid is not None and ps is not None and eff.get(vid) in _NARROW and
+                  any(p.is_partial() and p.reduce_op == "sum" for p in ps)]
+        if narrow:
+            takes = [c for c in keep if all(
+                c.strategy.inputs[k] is not None and
+                all(q.is_partial() for p, q in zip(in_ps[k], c.strategy.inputs[k])
+                    if p.is_partial()) for k in narrow)]
+            keep = takes or keep
+    return keep or cands
+
+
+def effective_dtypes(g) -> dict:
+    """vid -> the dtype the run gives it: the graph's, but under CPU autocast (a node's
+    ``amp``), whose casts the capture does not record: torch's policy by op name
+    (``parallel/autocast.py``: lower-precision ops give the autocast dtype, the float32
+    list float32), elementwise ops their floating inputs' promoted dtype, others their
+    first input's."""
+    from ..parallel.autocast import POLICY
+    eff = {v.vid: v.dtype for v in g.values}
+    for n in g.nodes:
+        if n.amp is None:
+            ins = [eff[v] for v in n.inputs if v is not None]
+            if not ins or all(eff[o] == g.values[o].dtype for o in n.outs):
+                continue
+        kind = POLICY.get(n.op) if n.amp is not None else None
+        floats = [eff[v] for v in n.inputs if v is not None and eff[v].is_floating_point]
+        for o in n.outs:
+            if not g.values[o].dtype.is_floating_point or g.values[o].dtype == torch.float64:
+                continue
+            if kind == "lower":
+                eff[o] = n.amp
+            elif kind == "fp32":
+                eff[o] = torch.float32
+            elif floats and TABLE[n.op].op_class == "elementwise":
+                d = floats[0]
+                for x in floats[1:]:
+                    d = torch.promote_types(d, x)
+                eff[o] = d
+            elif floats and TABLE[n.op].op_class in ("view", "data_movement", "norm",
+                                                     "reduction", "elementwise"):
+                eff[o] = floats[0]
+    return eff
+
+
+def _narrow_partial_sum(n, cand, eff) -> bool:
+    """An elementwise op that keeps a bfloat16 / float16 partial sum partial (``P + P ->
+    P``, ``2 * P``): each rank's part is rounded to 16 bits at its own size, which with
+    cancelling parts is far above the sum's (softmax(x @ w1 + x @ w2) under bf16 autocast:
+    0.15 off eager, which reduced each product first, in float32 as torch.sum of the
+    ranks' parts does, and rounded once; eager 0.001 off one device).  The search leaves
+    such candidates out (the dispatcher's own choice, O0, keeps eager's)."""
+    # (``eff``: the dtypes the run gives the values, :func:`effective_dtypes`)
+    if TABLE[n.op].op_class != "elementwise" or not any(eff.get(o) in _NARROW
+                                                         for o in n.outs):
+        return False
+    st = cand.strategy
+    return any(p.is_partial() and p.reduce_op in ("sum", "avg") for ps in st.outputs for p in ps) \
+        and any(req is not None and any(p.is_partial() for p in req) for req in st.inputs)

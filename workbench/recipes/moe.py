@@ -157,13 +157,10 @@ def keep_residual_layout(model, layers) -> None:
     parallelism the residual stream stays sharded on the sequence over tp, as the dense
     MLP's g (reduce-scatter) leaves it; the router needs whole sequences, so the layer
     gathers them and its output would otherwise come back replicated."""
-    from ..parallel.reshard import reshard
+    from ..parallel.ops_table.layout_hooks import keep_layout
 
-    def hook(mod, args, out):
-        x = args[0]
-        if hasattr(out, "placements") and tuple(out.placements) != tuple(x.placements):
-            return reshard(out, x.mesh, list(x.placements))
-        return out
+    def hook(mod, args, out):       # (one op to wb.compile's capture: ops_table/layout_hooks)
+        return keep_layout(out, args[0])
     for i in layers:
         for layer in moe_layers(model.layers[i]):
             layer.register_forward_hook(hook)

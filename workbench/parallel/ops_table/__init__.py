@@ -50,6 +50,7 @@ FAMILIES += ("conv", "pool", "batch_norm", "group_norm")   # CNNs: conv, pooling
 FAMILIES += ("take",)               # torch.take: the input whole, the index sharded
 FAMILIES += ("quantile", "searchsorted")    # order statistics; binary search in a sorted dim
 FAMILIES += ("index_bounds",)     # a computed index checked where its values are known
+FAMILIES += ("layout_hooks",)     # the recipes' layout hooks (Megatron f, g), captured
 
 
 def load():

@@ -38,7 +38,7 @@ from ._util import align, is_tensor
 from .samples import Sample
 from ..strides import canonical_contiguous
 from .strategy import Strategy, combine
-from .table import register
+from .table import TABLE, register
 
 __all__ = ["pointwise_options", "pointwise_rule", "add_rule", "mul_rule", "div_rule",
            "nonlinear_rule", "monotone_rule", "with_deferred", "pointwise_local"]
@@ -347,6 +347,21 @@ register("positive", [torch.positive, T.positive], parse=_parse, rule=mul_rule,
 register("detach", [torch.detach, T.detach], parse=_parse, rule=mul_rule,
          local=_local(torch.detach), cost=costs.view, op_class="view",
          sample=lambda g: [Sample(torch.detach, (g.rn(5, 6),))])
+
+
+def _detach_as_method(args, kwargs):
+    """``torch.detach(d)`` and a compiled program's ``x.detach()`` as ``d.detach()``: torch's
+    detach is no view to autograd, so a write into it is allowed where a view of a leaf that
+    requires grad refuses it (was: RuntimeError 'a view of a leaf Variable that requires
+    grad is being used in an in-place operation' for ``torch.detach(p).add_(1)`` and the
+    compiled ``x.detach()``'s result, where torch and ``p.detach()`` write ``p``)."""
+    from ..dist_tensor import DistTensor
+    if len(args) == 1 and not kwargs and type(args[0]) is DistTensor:
+        return args[0].detach()
+    return NotImplemented
+
+
+TABLE["detach"].extra["other_form"] = _detach_as_method
 
 # ---- binary: name -> (callables, reversed dunder, FLOPs per element, rule, sample) ----------
 _BUG10 = "issue 10: P(sum) + scalar adds the scalar on every rank"

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.overrides import handle_torch_function, has_torch_function
 
 from ...sim_mesh import backends as _B
 from ...sim_mesh import collectives as C
@@ -74,7 +75,13 @@ def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1,
     under sp. Any other (a Partial, or a shard the op table's cost chose, e.g. the
     reduce-scatter onto the batch dim that a norm on a Partial input may pick) is
     resharded there, never relabelled: relabelling a shard Replicate would leave each
-    rank a slice of the tensor under a whole-tensor layout."""
+    rank a slice of the tensor under a whole-tensor layout.
+
+    To ``wb.compile``'s capture (a plain meta tensor under its tracer) f is one op of the
+    table, ``megatron_f`` (``ops_table/megatron.py``: its layout on tp as its rule); the
+    compiled program calls this function on the DistTensor laid out so."""
+    if not isinstance(x, DistTensor):
+        return _plain(megatron_f, x, (x, tp_axis, sp, seq_dim, regather), {"origin": origin})
     want = Shard(seq_dim) if sp else Replicate()
     if x.placements[tp_axis] != want:
         ps = list(x.placements)
@@ -257,10 +264,28 @@ def _gather_dist_async(x, mesh, axis: int, dim: int, label: str):
 
 
 def megatron_g(y: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1) -> DistTensor:
-    """Leave a tp region: reduce the partial sums (sp: onto the sequence shards)."""
+    """Leave a tp region: reduce the partial sums (sp: onto the sequence shards).  To
+    ``wb.compile``'s capture one op of the table, as :func:`megatron_f`."""
+    if not isinstance(y, DistTensor):
+        return _plain(megatron_g, y, (y, tp_axis, sp, seq_dim), {})
     ps = list(y.placements)
     ps[tp_axis] = Shard(seq_dim) if sp else Replicate()
     return reshard(y, y.mesh, ps)
+
+
+def _plain(fn, x, args, kwargs):
+    """``fn`` (f or g) called on a tensor that is not a DistTensor: under a torch function
+    mode (``wb.compile``'s tracer) the mode records it as the op it is; a plain meta tensor
+    (the tracer's own call, the mode off) gives the result's shape; anything else is
+    refused, naming the fix (was: AttributeError 'Tensor' object has no attribute
+    'placements')."""
+    if has_torch_function((x,)):
+        return handle_torch_function(fn, (x,), *args, **kwargs)
+    if type(x) is torch.Tensor and x.is_meta:
+        return x.view_as(x)
+    raise TypeError(f"{fn.__name__}: the input is a {type(x).__name__}, not a DistTensor; "
+                    "a tensor-parallel region reads and sets its placements over tp: lay "
+                    "it out first (wb.distribute_tensor / wb.shard_tensor)")
 
 
 def tensor_parallel_region(module, mesh, tp="tp", sp: bool = False, seq_dim: int = 1,
