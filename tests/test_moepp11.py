@@ -208,3 +208,36 @@ def test_schedule_two_steps_every_gradient_and_parameter_as_one_device(kw, n_lay
     cfg = get_config(preset, n_layer=n_layer, d_model=32, n_head=2, d_ff=48, seq_len=16,
                      recompute=rc, dropout=0.1, tie_embeddings=False)
     _assert_same(_steps(cfg, SingleDevice(), batch=12), _steps(cfg, Hybrid(**kw), batch=12))
+
+
+# ---- wb.compile: an expert-parallel MoE model runs step after step ------------------------
+
+@pytest.mark.parametrize("level,shape", [("O0", (2,)), ("O2", (2, 2))])
+def test_compiled_ep_model_runs_twice_as_one_device(level, shape):
+    """Was: the second call was refused ("module attribute layers.0.mlp.token_dispatcher
+    changed since capture ... compile again"): the guard held the dispatcher's
+    ``last_send_rows``, which each call writes itself; compiling again failed the same
+    way on the next call."""
+    from workbench.parallel.strategies.expert_parallel import expert_mesh, expert_parallel
+    cfg = _moe(n_layer=1, moe_capacity_factor=0.5, moe_gating="sigmoid", moe_aux_loss_coef=0.1)
+    mesh = wb.Mesh.grid(shape, ("dp", "tp")[:len(shape)])
+    ref, m = build_model(cfg, seed=0).train(), build_model(cfg, seed=0).train()
+    for layer in moe_layers(m):
+        layer.token_dispatcher = expert_parallel(layer.experts, expert_mesh(mesh, 2))
+    m = wb.parallelize(m, mesh, {})
+    g = torch.Generator().manual_seed(0)
+    pl = [wb.Shard(0)] + [wb.Replicate()] * (len(shape) - 1)
+    prog = None
+    for _ in range(2):
+        ids, tg = (torch.randint(0, cfg.vocab_size, (4, 16), generator=g) for _ in range(2))
+        xi, yi = (wb.shard_tensor(t, mesh, pl) for t in (ids, tg))
+        prog = prog or wb.compile(m, xi, yi, level=level)
+        assert not prog.breaks
+        _, want = ref(ids, tg)
+        _, got = prog(xi, yi)
+        want.backward()
+        got.backward()
+        assert float(got.full()) == pytest.approx(float(want), abs=1e-6)
+        for (n, p), (_, q) in zip(ref.named_parameters(), m.named_parameters()):
+            torch.testing.assert_close(_full(q.grad), p.grad, rtol=1e-4, atol=1e-7, msg=n)
+        assert _stats(m) == _stats(ref)
