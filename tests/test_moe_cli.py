@@ -73,5 +73,6 @@ def test_step_records_report_aux_loss_and_drops_on_every_layout():
     ep = train(cfg, steps=1, timing=False, strategy=Hybrid(ep=2, dp=2))[0]
     assert ep["moe_dropped"] == one["moe_dropped"]
     assert ep["moe_aux_loss"] == pytest.approx(one["moe_aux_loss"], rel=1e-5)
-    assert "moe_dropped" not in train(cfg, steps=1, timing=False,
-                                      strategy=Hybrid(pp=2))[0]    # micro-batches: left out
+    pp = train(cfg, steps=1, timing=False, strategy=Hybrid(pp=2))[0]   # every micro-batch
+    assert pp["moe_dropped"] == one["moe_dropped"]                       # (moepp11)
+    assert pp["moe_aux_loss"] == pytest.approx(one["moe_aux_loss"], rel=1e-5)

@@ -90,8 +90,8 @@ def train(preset: str | ModelConfig = "tiny", steps: int = 5, seed: int = 0,
 
     Returns one record per step: ``{"step", "loss", "tokens", "lr"}`` plus ``"ms"``
     (wall time of the step) when ``timing``; "tokens" counts tokens trained on so far; a
-    mixture-of-experts model adds "moe_aux_loss" and "moe_dropped" (recipes/moe.py), except
-    with pp > 1, where no layer's forward sees the whole batch and the record leaves them out.
+    mixture-of-experts model adds "moe_aux_loss" and "moe_dropped" of the whole batch, every
+    pipeline micro-batch counted (recipes/moe.py; left out on torch.distributed with pp > 1).
     The losses are a pure function of the arguments: same seed, same losses.
     ``recompute`` ("none" | "full" | "selective" | "op") and ``overrides`` (e.g. n_layer=4)
     change the model config; ``ops_backend`` forces a wb.ops backend ("reference",

@@ -409,8 +409,13 @@ def snapshot(v, depth: int = 0, budget: list | None = None):
             for f in dataclasses.fields(v)))
     if not hasattr(v, "__dict__"):
         return ("object", type(v).__name__, _Same(v))
+    # (attributes the object's own calls write, named by its class's STATS_WRITES, as a
+    # MoE layer's: no value the graph read; the expert-parallel dispatcher's
+    # ``last_send_rows`` refused a compiled EP model's second call)
+    own = getattr(type(v), "STATS_WRITES", ())
     return ("object", type(v).__name__, _Same(v), tuple(
-        (k, snapshot(x, depth + 1, budget)) for k, x in sorted(vars(v).items())))
+        (k, snapshot(x, depth + 1, budget)) for k, x in sorted(vars(v).items())
+        if k not in own))
 
 
 class Frozen:

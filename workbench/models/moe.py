@@ -202,6 +202,18 @@ class MoE(nn.Module):
         else:
             self._last, self._batch = [part], tok
 
+    def add_stats_of(self, other: "MoE") -> None:
+        """Add ``other``'s routing of the same batch (a second copy of this layer that ran
+        some of the batch's micro-batches: DualPipe's copy fed from the last rank) to this
+        layer's :attr:`last_stats`; a routing of another batch is left out."""
+        tok = batch_token()
+        if tok is None or other._batch is not tok or not other._last:
+            return
+        if self._batch is tok:
+            self._last = self._last + other._last
+        else:
+            self._last, self._batch = list(other._last), tok
+
     @property
     def last_stats(self) -> dict:
         """The last forward's routing: ``tokens_per_expert`` (E,) assignments routed to

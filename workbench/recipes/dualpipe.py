@@ -29,7 +29,7 @@ import torch
 from ..parallel import schedules as S
 from ..parallel import storage
 from ..sim_mesh.collectives import record_collective
-from .moe import scale_aux_losses
+from .moe import scale_aux_losses, whole_batch_stats
 from .pipeline_loss import token_weights, weighted_loss_fn
 
 __all__ = ["check_args", "check", "build_twin", "twin_optimizers", "forward_backward",
@@ -153,8 +153,8 @@ def forward_backward(h, model, inputs, targets):
     loss_fn = weighted_loss_fn(lambda out, i: h._loss(out, ts[i]), token_weights(targets, m))
     for copy_ in (model, model1):       # MoE: the load-balancing loss averaged as the loss
         scale_aux_losses(copy_, m)
-    run = S.run_pipeline(sched, stages, h.meshes, xs, loss_fn,
-                         params=params)
+    with whole_batch_stats(model, model1):     # MoE last_stats: both copies' micro-batches
+        run = S.run_pipeline(sched, stages, h.meshes, xs, loss_fn, params=params)
     return torch.tensor(run.loss)
 
 

@@ -59,7 +59,8 @@ from . import dualpipe as _dualpipe
 from .pipeline_loss import token_weights, weighted_loss_fn
 from .zero3_stage import Zero3Stage
 from .moe import (check_ep, check_ep_batch, check_moe_layout, expert_meshes,
-                  keep_residual_layout, scale_aux_losses, split_params, wire_expert_parallel)
+                  keep_residual_layout, scale_aux_losses, split_params, whole_batch_stats,
+                  wire_expert_parallel)
 
 __all__ = ["Hybrid", "stage_meshes"]
 
@@ -549,7 +550,8 @@ class Hybrid:
         # ignored targets (-100): each micro-batch weighed by its tokens (pipeline_loss.py)
         loss_fn = weighted_loss_fn(lambda out, i: self._loss(out, ts[i]),
                                    token_weights(targets, m))
-        run = S.run_pipeline(sched, stages, self.meshes, xs, loss_fn, params=params)
+        with whole_batch_stats(model):  # MoE last_stats: every micro-batch (recipes/moe.py)
+            run = S.run_pipeline(sched, stages, self.meshes, xs, loss_fn, params=params)
         return torch.tensor(run.loss)
 
     # ---- the activations a step keeps for backward: counted when asked -----------------

@@ -26,14 +26,17 @@ Megatron's derived ``expert_data_parallel_size = dp_total / ep``.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..models.moe import moe_layers
+from ..ops.moe import one_batch
 from ..parallel.placement import Replicate
 from ..parallel.strategies.expert_parallel import (check_expert_parallel, expert_mesh,
                                                    expert_parallel)
 
-__all__ = ["scale_aux_losses", "check_ep", "check_ep_batch", "check_moe_layout", "wire_expert_parallel",
+__all__ = ["scale_aux_losses", "whole_batch_stats", "check_ep", "check_ep_batch", "check_moe_layout", "wire_expert_parallel",
            "split_params", "expert_meshes", "keep_residual_layout", "keep_sequence_order",
            "add_moe_arguments",
            "moe_overrides", "moe_record"]
@@ -43,6 +46,24 @@ def scale_aux_losses(model, microbatches: int) -> None:
     """Every MoE layer's aux-loss gradient scaled by 1/``microbatches``."""
     for layer in moe_layers(model):
         layer.aux_loss_scale = 1.0 / microbatches
+
+
+@contextlib.contextmanager
+def whole_batch_stats(model, *copies):
+    """While a pipeline runs one batch as micro-batches: each MoE layer's ``last_stats``
+    (and ``models.moe.aux_loss``, ``train``'s ``moe_aux_loss`` / ``moe_dropped``) counts
+    every micro-batch's routing, as one device's forward of the whole batch counts it
+    (``ops.moe.one_batch``, as the simulated data-parallel wrappers keep every rank's
+    rows); ``copies``: other copies of the model that ran some of the micro-batches
+    (DualPipe's second copy), whose routing is added to ``model``'s layers.  Was: the
+    last micro-batch's alone (Hybrid(pp=2): 64 of a batch's 256 routed assignments; a
+    ``train`` record of Hybrid(schedule="interleaved", microbatches=2) on one rank gave
+    half the drops of one device, silently)."""
+    with one_batch():
+        yield
+        for twin in copies:
+            for mine, theirs in zip(moe_layers(model), moe_layers(twin)):
+                mine.add_stats_of(theirs)
 
 
 def check_ep(ep, ep_chunks, zero, sp) -> None:
@@ -240,10 +261,12 @@ def moe_record(model, strategy) -> dict:
     """What a training step's record adds for a MoE model (``train``): ``moe_aux_loss``,
     the load-balancing loss the step trained on (sum over layers of alpha x the batch
     mean), and ``moe_dropped``, the (token, choice) pairs dropped over capacity; read from
-    each layer's last forward, so only where that forward saw the whole batch (no
-    pipeline micro-batches: with ``pp`` > 1 the record leaves them out)."""
+    each layer's last forward, which under a pipeline holds every micro-batch of the step
+    (:func:`whole_batch_stats`).  Left out on torch.distributed with pp > 1, where a
+    process runs only its own stages' layers."""
     layers = moe_layers(model)
-    if not layers or getattr(strategy, "pp", 1) > 1:
+    if not layers or (getattr(strategy, "pp", 1) > 1 and getattr(strategy, "distributed",
+                                                                  False)):
         return {}
     stats = [layer.last_stats for layer in layers]
     return {"moe_aux_loss": sum(s["aux_loss"] for s in stats),

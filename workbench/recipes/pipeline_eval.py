@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel import schedules as S
+from .moe import whole_batch_stats
 from .pipeline_loss import token_weights, weighted_loss_fn
 
 __all__ = ["evaluate", "refuse_forward"]
@@ -90,7 +91,8 @@ def _evaluate(h, model, inputs, targets):
     sched = h._schedule(m)
     loss_fn = None if ts is None else weighted_loss_fn(lambda out, i: h._loss(out, ts[i]),
                                                        token_weights(targets, m))
-    run = S.run_pipeline(sched, stages, h.meshes, xs, loss_fn, forward_only=True)
+    with whole_batch_stats(model):      # MoE last_stats: every micro-batch (recipes/moe.py)
+        run = S.run_pipeline(sched, stages, h.meshes, xs, loss_fn, forward_only=True)
     if targets is None:
         if h.distributed:               # the last stage's logits, sent to every process
             from .pipeline_eval_dist import broadcast_outputs

@@ -113,6 +113,10 @@ class ExpertParallel:
     """The token dispatcher of one MoE layer under expert parallelism (module docstring).
     ``last_send_rows``: per ep group, the rows each rank sent each (the last forward)."""
 
+    # what each forward writes (a compiled program's guards do not hold it as a value the
+    # program read: ``compile.guards.snapshot``)
+    STATS_WRITES = ("last_send_rows",)
+
     def __init__(self, emesh: Mesh, chunks: int = 1):
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ValueError(f"chunks={chunks!r}: give an int >= 1 (1: no overlap)")
