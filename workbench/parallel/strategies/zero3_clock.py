@@ -27,6 +27,7 @@ import torch
 
 from ..dist_tensor import DistTensor
 from ..load_back import flush
+from ..ops_table import linear_regather
 from .zero_optimizer_dist import defer_reduce_scatter
 
 __all__ = ["GatheredLedger", "Zero3Clock"]
@@ -197,7 +198,10 @@ class Zero3Clock:
                     zero3._prefetch_backward()              # the forward's last module
             if torch.is_grad_enabled() and isinstance(out, DistTensor) \
                     and isinstance(out._local, torch.Tensor) and out._local.requires_grad:
-                return DistTensor(_BeforeBackward.apply(out._local), out.mesh,
+                # the view keeps a sequence-parallel gathered input's mark (megatron_f's
+                # hook ran first: the final norm's output the head reads)
+                loc = linear_regather.carry(out._local, _BeforeBackward.apply(out._local))
+                return DistTensor(loc, out.mesh,
                                   out.placements, out.shape, out.dtype)
             return out
         return hook
