@@ -57,6 +57,7 @@ from . import bf16_optimizer as _bf16
 from . import deepspeed_pipe_memory as _ds_pipe
 from . import context_cost as _cc
 from . import ep_cp as _ep_cp
+from . import in_flight_peak as _peak
 from . import recompute_chunks as _chunks
 from .comm_memory import comm_buffer_bytes
 from .frameworks import grad_buffer_extra_bytes, loss_extra_bytes
@@ -295,13 +296,6 @@ def in_flight(schedule: str, pp: int, m: int, v: int, stage: int) -> float:
     return float(min(pp - stage, m))
 
 
-def _all_warmup(lay) -> bool:
-    """Interleaved 1F1B with m == pp runs every chunk's forward before any backward
-    (Megatron-LM's ``all_warmup_microbatches``, :func:`in_flight`): the last chunk's head
-    then holds all m micro-batches' logits, as GPipe's."""
-    return lay.schedule == "interleaved_1f1b" and lay.m == lay.pp
-
-
 def _edge_activation_bytes(cfg, b: int, tp: int, sp: bool, stage: int, pp: int,
                            held: float, head_held: int) -> float:
     s, h, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
@@ -417,9 +411,23 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     # full recompute in chunks of k layers keeps one input per chunk (recompute_chunks)
     saved = nl if lay.recompute_num_layers == 1 else \
         _chunks.saved_inputs(nl, lay.v, lay.recompute_num_layers)
-    act = (per_layer * saved + _cc.a2a_saved_bytes(cfg, lay) * nl) * held   # a2a: output twice
-    act += _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp, held,
-                                  lay.m if lay.schedule == "gpipe" or _all_warmup(lay) else 1)
+    layers = per_layer * saved + _cc.a2a_saved_bytes(cfg, lay) * nl      # a2a: output twice
+    if lay.v > 1:
+        # interleaved: the embedding's tensors ride on rank 0's first chunk, the head's on
+        # the last rank's last chunk, and Megatron's order does not hold an even mix of
+        # chunks at the peak: walk it (in_flight_peak), as the dry run walks its schedule
+        def edge(emb, head):
+            return _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage,
+                                          lay.pp, emb, head)
+        first, last = edge(1, 0), edge(0, 1)
+        chunk = [layers / lay.v + (first if stage == 0 and c == 0 else 0.0)
+                 + (last if stage == lay.pp - 1 and c == lay.v - 1 else 0.0)
+                 for c in range(lay.v)]
+        act = _peak.peak_bytes(lay.schedule, lay.pp, lay.m, lay.v, stage, chunk)
+    else:
+        act = layers * held
+        act += _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp,
+                                      held, lay.m if lay.schedule == "gpipe" else 1)
     act += _ds_pipe.partitioned_output_bytes(tcfg, lay, stage, held)   # its 1/t outputs
     mem["activations"] = act
     terms = workspace_terms(tcfg, lay, stage, attention, unreduced, fusion)
