@@ -138,3 +138,27 @@ def test_interleaved_full_recompute_dry_run_agrees():
     a = compare(cfg, lay, P.Cluster("ascend-910b", 16))
     assert a.activation_ratios[0] == pytest.approx(1.0, abs=0.02)
     assert a.agrees, a.problems()
+
+
+# ---- 3. a MoE layer replicated over cp: the dry run's count of the simulator's slots -----
+
+
+def test_moe_replicated_over_cp_keeps_one_ranks_expert_outputs():
+    """A Llama MoE (8 experts, top 2; here h 256, s 256, one layer) under cp 2
+    with a micro-batch of 1 (cp does not divide it: the layer runs on whole sequences,
+    replicated over cp).  The simulator computes the experts' batched GEMM for both cp
+    ranks into one (16, C, f) storage and hands the SwiGLU rank 0's slice; the dry run
+    counted the whole storage for each rank.  Was, on tests/test_dryrun_ep_cp.py's model
+    (h 1024, s 1024, 2 layers): 92.3 MB per GEMM output where a rank keeps 46.1 MB, and
+    activations 1.356x the estimate (1.04x the total); now 1.005x, as with a micro-batch
+    of 2 (where cp divides it: 1.0007x)."""
+    from workbench.models.config import get_config as model_config
+    cfg = model_config("llama2-7b", n_layer=1, d_model=256, n_head=4, n_kv_head=2,
+                       d_ff=704, seq_len=256).replace(moe_experts=8, moe_topk=2)
+    lay = P.Layout(cp=2, global_batch=1, framework="workbench")
+    items, dr = _saved(cfg, lay, P.Cluster("a100", 2))
+    gemm = [b for b, shape, op in items if op == "bmm" and shape[-1] == 704]
+    one = 8 * 256 * 704 * 2                   # E x C x f in bf16: one rank's copy
+    assert gemm == [one] * 2                  # the w1 and w3 outputs
+    want = P.memory.stage_memory(cfg, lay, 0, "flash", "a100")["activations"]
+    assert dr.per_rank[0]["activations"] == pytest.approx(want, rel=0.01)
