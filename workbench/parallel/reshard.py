@@ -459,10 +459,10 @@ class _SumBackward(torch.autograd.Function):
     simulator's compact sum expands it)."""
 
     @staticmethod
-    def forward(ctx, x, y):
+    def forward(ctx, x, box):
         ctx.shape = x.shape
         ctx.set_materialize_grads(False)
-        return y.view_as(y)
+        return box[0]             # a fresh tensor (not a view: in-place writes stay legal)
 
     @staticmethod
     def backward(ctx, g):
@@ -493,8 +493,8 @@ def _all_reduce_in_two(t, rs: Step, ag: Step):
         raise RuntimeError(f"reshard: P -> R on mesh dim {i} as a reduce-scatter and an "
                            f"all-gather gave a local of shape {tuple(getattr(y, 'shape', ()))}"
                            f", not {want} (a bug in the collectives' layouts)")
-    return DistTensor(_SumBackward.apply(loc, y.detach()), t.mesh, ag.dst, t.shape, t.dtype,
-                      t.names)
+    return DistTensor(_SumBackward.apply(loc, [y.detach()]), t.mesh, ag.dst, t.shape,
+                      t.dtype, t.names)
 
 
 def _collective_step(t, s: Step):
