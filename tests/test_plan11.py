@@ -1,16 +1,12 @@
 """plan11: where the planner and the dry run still disagreed after plan10 (its random
 layouts, benchmarks/plan_random_layouts.py), each side read against what the runtime
-allocates and sends; every test here failed before its fix."""
-import sys
-
+allocates and sends; each fix's test failed before it."""
 import pytest
 
 import workbench.plan as P
 from workbench.plan import meta_run as MR
 from workbench.plan.agree import compare
 from workbench.plan.presets import get_config
-
-E = sys.modules["workbench.plan.estimate"]      # the module (wb.plan.estimate is the function)
 
 
 def _saved(cfg, lay, cl):
