@@ -20,16 +20,29 @@ Output (plan10, 2-core machine shared with other jobs):
   bounds, each a stage's saved activations alone (the two kinds below; totals within
   1.5%); seed 12, 200 rows, 353 s: step 0.919 .. 1.097 (the toy GPT at both ends), 3
   beyond, activations alone.
-- the rows still beyond, none fixed here (see the plan10 report):
-  * a toy GPT (h 512, s 512) at tp 8 without sp, step 1.107-1.136: the recipe's TP
-    all-reduce runs as reduce-scatter + all-gather where the profile prices that lower,
-    and the reduce-scatter's backward all-gathers the replicated gradient (12.75 us per
-    row-parallel output on the A100) where Megatron-LM's g has an identity backward;
-  * ZeRO-3 with sp, stage 0 activations 1.16-1.35 on 1-2 layer models (totals within 2%):
-    the dry run counts the head's all-gathered input (b s h x 2 bytes per rank, 25 MB at
-    GPT 22B) as a copy of its own under ZeRO-3, and as the final norm's shard under ZeRO-0;
-  * interleaved 1F1B with full recompute, stage 0 activations 1.05-1.14 (tens of MB or
-    less; totals within 0.5%): the in-flight peak of chunks of unequal size.
+- the rows beyond after plan10, fixed by plan11 (tests/test_plan11.py), each on the side
+  that was wrong:
+  * ZeRO-3 with sp, stage 0 activations 1.16-1.35: the RUNTIME kept the head's whole
+    all-gathered input (ZeRO-3's hook on the final norm dropped megatron_f's re-gather
+    mark; zero3_clock, linear_regather.carry), where ZeRO-0 and Megatron-LM keep the shard;
+  * interleaved 1F1B with full recompute, stage 0 1.05-1.14: the ESTIMATE spread the
+    embedding's tensors over an even mix of chunks; Megatron's order holds more of chunk
+    0 at the peak (plan.in_flight_peak walks it, as the dry run does);
+  * a toy GPT at tp 8 without sp on A100s, step 1.107-1.136: the RUNTIME's P -> R run as
+    reduce-scatter + all-gather all-gathered an already replicated gradient in backward
+    (reshard._all_reduce_in_two: the all-reduce's identity backward, as Megatron's g);
+  * (the toy GPT's stage 0 at 1.02-1.09 once those were gone: the ESTIMATE left out the
+    embedding lookups' int64 indices; and the dry run's count of a MoE replicated over cp,
+    1.36x, the simulator's stacked copies: meta_run.SavedCounter._slots.)
+- after plan11: seed 11, 300 rows (894 s on a loaded 2-core machine): 3 beyond (was 12),
+  step 0.865 .. 1.064, worst stage memory ratio 1.006 (was 1.332); seed 12, 200 rows:
+  0 beyond (was 3), step 0.919 .. 1.050 (was 1.097), worst 1.005 (was 1.141).
+- the 3 rows still beyond (seed 11: "small" pp 16 and the toy GPT at pp 8 / 16 on A100s,
+  step 0.865-0.889), found, not fixed: ``estimate._p2p`` prices every stage crossing on
+  the slowest boundary's link (one inter-node crossing of 15 priced on all of them; with
+  the first boundary's link they read 1.021-1.030), while the dry run times every middle
+  stage's send as stage 1's (its one middle stage stands for all).  Both sides want each
+  crossing priced on its own link.
 """
 from __future__ import annotations
 

@@ -351,6 +351,7 @@ def memory_audit(name: str = "GPT 530B", devices: int = 640) -> dict:
     remat_planner = max(0.0, live * none - inp - 2 * grad)
     head = 4 * s * b * h + 4 * s * b * V
     emb = s * b * h if cfg.dropout > 0 else 0.0
+    ids = 8 * s * b + 8 * s                  # mp 1: no out-of-range mask
     saved = saved_inputs(L, 1, k) * inp
     terms = {
         "params, grads, optimizer: 2 + 2 + 12 B per partitioned parameter":
@@ -386,6 +387,9 @@ def memory_audit(name: str = "GPT 530B", devices: int = 640) -> dict:
         "checkpointed chunk inputs (partition at mp 1 = whole), one per chunk":
             (saved, saved, "ck:441-455, :538; initialize.py:105-106"),
         "embedding dropout mask": (emb, emb, "Megatron embedding dropout"),
+        "the lookups' saved indices: int64 token ids, position ids (one expanded row)":
+            (ids, ids, "F.embedding keeps its indices; get_ltor_masks_and_position_ids "
+             "expands one arange of s (Megatron-LM-v1.1.5-ZeRO3 megatron/utils.py)"),
         "head: final-LN and head inputs, fp32 logits (freed by the head's backward)":
             (head, 0.0, "autograd frees them before the layers' backward"),
         "the chunk's recomputed layers (k x none, less its input)":

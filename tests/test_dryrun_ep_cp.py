@@ -116,13 +116,13 @@ def test_moe_under_cp_runs_with_ep_1_in_sequence_order(mb):
     where cp divides the micro-batch, else the layer replicated over cp (an all-gather
     in); the dense dispatch's buffers on top of the ring.  Priced so
     (``ep_cp._whole_sequences``); was 1.51x the step.  The replicated layer (mb 1) keeps
-    more than the planner counts (measured 1.36x the activations, 1.04x the total:
-    not modelled, noted in ``plan.dryrun_ep_cp``)."""
+    what the planner counts (was 1.36x the activations, 1.04x the total: the dry run
+    counted the simulator's stacked copies of the experts' GEMM outputs cp times; plan11,
+    ``meta_run.SavedCounter._slots``)."""
     dr, est = _pair(MOE, Layout(cp=2, global_batch=mb, micro_batch=mb))
     assert dr.step_time == pytest.approx(est.step_time, rel=0.02)
-    if mb == 2:
-        assert dr.memory["activations"] == pytest.approx(est.memory["activations"], rel=0.01)
-    assert est.memory["total"] <= dr.memory["total"] < 1.05 * est.memory["total"]
+    assert dr.memory["activations"] == pytest.approx(est.memory["activations"], rel=0.01)
+    assert est.memory["total"] <= dr.memory["total"] < 1.01 * est.memory["total"]
 
 
 def test_uneven_routing_is_measured_and_slower():

@@ -22,8 +22,10 @@ every tp rank: no like-for-like comparison), cp with pp > 1 or ep > 1
 its experts with ep = 1 on whole sequences: ``recipes.moe.keep_sequence_order``, priced
 by the estimate of framework "workbench" (``plan.ep_cp._whole_sequences``: was 1.51x the
 step on tests/test_dryrun_ep_cp.py's model at cp 2, now within 0.1%; where cp does not
-divide the micro-batch the layer runs replicated over cp and keeps more than the
-planner counts, not modelled: 1.36x the activations, 1.04x the memory total there). cp with tp > 1 runs, with or without
+divide the micro-batch the layer runs replicated over cp, each rank its own copy of the
+whole sequences' tensors, as the planner counts them (``moe_cost.dense_groups``); the
+dry run counted the simulator's stacked copies of the experts' GEMM outputs cp times,
+1.36x the activations, until ``meta_run.SavedCounter._slots``: now 1.005x). cp with tp > 1 runs, with or without
 sp (measured on tests/test_dryrun_ep_cp.py's model, cp 2 tp 2: step 1.08x the estimate,
 memory total 1.005x; with sp: step 1.053x, activations 1.003x; sp was once dropped here,
 the recipe built without it: activations 1.103x).  cp with ZeRO-3 runs

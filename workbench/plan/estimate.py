@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 
 from ..sim_mesh.cost import overlap_rate, wire_bytes
 from ..sim_mesh import nccl_tuning as NT
@@ -90,6 +89,7 @@ from . import megatron_hook_add as HA
 from . import titan_eager as TE
 from . import optimizer_step as OS
 from . import fp8 as _fp8
+from . import in_flight_peak as _peak
 from . import layer_cost as LC
 from .layout import Cluster, Layout, attention_for, check_layout
 from .text_width import wrap
@@ -234,17 +234,9 @@ def _sends(lay: Layout, stage: int) -> int:
     return 2 * lay.v - (lay.engine == "workbench" and stage in (0, lay.pp - 1))
 
 
-@lru_cache(maxsize=64)
-def _schedule(kind: str, pp: int, m: int, v: int):
-    """The (frozen) ``parallel.schedules`` Schedule of ``kind``, built and its structure
-    checked once per shape: a search simulates many layouts of one (pp, m, v), and
-    building an interleaved one of m = 48, v = 12 takes as long as simulating it."""
-    from ..parallel.schedules import gpipe, interleaved_1f1b, one_f_one_b
-    from ..parallel.schedules.validate import check_structure
-    build = {"1f1b": one_f_one_b, "gpipe": gpipe}.get(kind)
-    sched = build(pp, m) if build else interleaved_1f1b(pp, m, v)
-    check_structure(sched)
-    return sched
+# the (frozen) parallel.schedules Schedule of a shape, built once (in_flight_peak.schedule,
+# which the memory's walk of an interleaved rank reads too)
+_schedule = _peak.schedule
 
 
 def _makespan(lay: Layout, stages: dict, m: int, p2p: float) -> float:

@@ -57,6 +57,7 @@ from . import bf16_optimizer as _bf16
 from . import deepspeed_pipe_memory as _ds_pipe
 from . import context_cost as _cc
 from . import ep_cp as _ep_cp
+from . import in_flight_peak as _peak
 from . import recompute_chunks as _chunks
 from .comm_memory import comm_buffer_bytes
 from .frameworks import grad_buffer_extra_bytes, loss_extra_bytes
@@ -295,18 +296,24 @@ def in_flight(schedule: str, pp: int, m: int, v: int, stage: int) -> float:
     return float(min(pp - stage, m))
 
 
-def _all_warmup(lay) -> bool:
-    """Interleaved 1F1B with m == pp runs every chunk's forward before any backward
-    (Megatron-LM's ``all_warmup_microbatches``, :func:`in_flight`): the last chunk's head
-    then holds all m micro-batches' logits, as GPipe's."""
-    return lay.schedule == "interleaved_1f1b" and lay.m == lay.pp
-
-
 def _edge_activation_bytes(cfg, b: int, tp: int, sp: bool, stage: int, pp: int,
-                           held: float, head_held: int) -> float:
+                           held: float, head_held: int, engine: "str | None" = None) -> float:
     s, h, V = cfg.seq_len, cfg.d_model, cfg.vocab_size
     t_sp = tp if sp else 1
     out = 0.0
+    if stage == 0:
+        # the lookups' saved indices: the word embedding's int64 token ids (F.embedding
+        # keeps them; with tp > 1 Megatron-LM's VocabParallelEmbedding looks up a masked
+        # copy and zeroes the out-of-range rows in place, keeping their bool mask:
+        # megatron/core/tensor_parallel/layers.py, VocabParallelEmbedding.forward), and a
+        # GPT's learned position table its int64 position ids: (b, s) laid out as the ids
+        # by this library's recipes (``engine`` "workbench": models.gpt.stage_forward's
+        # ``positions``), one row of s elsewhere (Megatron-LM's get_ltor_masks_and_
+        # position_ids expands one arange over the batch).  17 KB of the toy GPT's 214 KB
+        # a micro-batch at tp 8, sp (s 512, b 2), which the dry run counted (stage 0
+        # 1.089x the estimate)
+        pos = 0 if cfg.arch == "llama" else 8 * s * (b if engine == "workbench" else 1)
+        out += (8 * s * b + (s * b if tp > 1 else 0) + pos) * held
     if stage == 0 and cfg.dropout > 0:
         out += s * b * h / t_sp * held                 # embedding dropout mask, 1 byte
     if stage == 0 and getattr(cfg, "embed_norm", False):
@@ -417,9 +424,24 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     # full recompute in chunks of k layers keeps one input per chunk (recompute_chunks)
     saved = nl if lay.recompute_num_layers == 1 else \
         _chunks.saved_inputs(nl, lay.v, lay.recompute_num_layers)
-    act = (per_layer * saved + _cc.a2a_saved_bytes(cfg, lay) * nl) * held   # a2a: output twice
-    act += _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp, held,
-                                  lay.m if lay.schedule == "gpipe" or _all_warmup(lay) else 1)
+    layers = per_layer * saved + _cc.a2a_saved_bytes(cfg, lay) * nl      # a2a: output twice
+    if lay.v > 1:
+        # interleaved: the embedding's tensors ride on rank 0's first chunk, the head's on
+        # the last rank's last chunk, and Megatron's order does not hold an even mix of
+        # chunks at the peak: walk it (in_flight_peak), as the dry run walks its schedule
+        def edge(emb, head):
+            return _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage,
+                                          lay.pp, emb, head, lay.engine)
+        first, last = edge(1, 0), edge(0, 1)
+        chunk = [layers / lay.v + (first if stage == 0 and c == 0 else 0.0)
+                 + (last if stage == lay.pp - 1 and c == lay.v - 1 else 0.0)
+                 for c in range(lay.v)]
+        act = _peak.peak_bytes(lay.schedule, lay.pp, lay.m, lay.v, stage, chunk)
+    else:
+        act = layers * held
+        act += _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp,
+                                      held, lay.m if lay.schedule == "gpipe" else 1,
+                                      lay.engine)
     act += _ds_pipe.partitioned_output_bytes(tcfg, lay, stage, held)   # its 1/t outputs
     mem["activations"] = act
     terms = workspace_terms(tcfg, lay, stage, attention, unreduced, fusion)

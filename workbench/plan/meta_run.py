@@ -240,6 +240,22 @@ class SavedCounter:
         ranks = _ranks_splitting(t, self.shape)
         return None if ranks is None else t.untyped_storage().nbytes() // max(1, ranks)
 
+    def _slots(self, t, key) -> int:
+        """The ranks' slots of ``t``'s storage that ``t`` (laid out as (*mesh, *local))
+        leaves out: the mesh axes the storage varies along (``_Provenance.axes``) on which
+        ``t`` is one rank's slice (size 1).  The simulator keeps a value replicated over
+        a mesh axis as rank 0's slice of a stacked storage where it computed every rank's
+        (a batched GEMM over operands expanded along cp: the dense MoE's experts under
+        cp when cp does not divide the micro-batch); a device holds its own slot only.
+        Read in the view's layout alone, the storage counted whole on every rank: cp x
+        each expert GEMM's output (Llama MoE, cp 2, micro-batch 1: 92.3 MB where a rank
+        keeps 46.1; dry run / estimate activations 1.356, now 1.005;
+        tests/test_plan11.py)."""
+        axes = self.prov.axes.get(key)
+        if not axes:
+            return 1
+        return math.prod(self.shape[i] for i in axes if t.shape[i] == 1)
+
     def add(self, t) -> None:
         t = getattr(t, "_local", t)
         if not isinstance(t, torch.Tensor):
@@ -263,6 +279,8 @@ class SavedCounter:
                 per = self._per_rank(via)
             elif per is None or root != key:
                 per = self._per_rank(src) if self._per_rank(src) is not None else per
+            else:                # the view's own layout, in its storage
+                per //= self._slots(t, key)
             if per is None:      # no lead axes: the axes its inputs vary along
                 axes = self.prov.storage_axes(src)
                 split = self.size if axes is None else math.prod(self.shape[i] for i in axes)

@@ -29,6 +29,7 @@ from .. import storage
 from ..dist_tensor import DistTensor
 from ..seq_order import same_order
 from ..load_back import flush
+from ..ops_table import linear_regather
 from .zero_optimizer_dist import defer_reduce_scatter
 
 __all__ = ["GatheredLedger", "Zero3Clock"]
@@ -199,8 +200,11 @@ class Zero3Clock:
                     zero3._prefetch_backward()              # the forward's last module
             if torch.is_grad_enabled() and isinstance(out, DistTensor) \
                     and isinstance(out._local, torch.Tensor) and out._local.requires_grad:
-                return same_order(DistTensor(_BeforeBackward.apply(out._local), out.mesh,
-                                             out.placements, out.shape, out.dtype), out)
+                # the view keeps a sequence-parallel gathered input's mark (megatron_f's
+                # hook ran first: the final norm's output the head reads) and a ring order
+                loc = linear_regather.carry(out._local, _BeforeBackward.apply(out._local))
+                return same_order(DistTensor(loc, out.mesh, out.placements, out.shape,
+                                             out.dtype), out)
             return out
         return hook
 
