@@ -202,7 +202,10 @@ def cdist(x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary"):
     torch.cdist(torch.empty(tuple(x1.shape), dtype=x1.dtype, device="meta"),
                 torch.empty(tuple(x2.shape), dtype=x2.dtype, device="meta"), p,
                 compute_mode=compute_mode)                         # torch's own checks
-    return vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), p, -1)
+    from .blas import cpu_check
+    want = cpu_check(torch.cdist, x1, x2, p, compute_mode=compute_mode).dtype    # its dtypes
+    out = vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), p, -1)
+    return out if out.dtype == want else out.to(want)   # no row: x1's dtype (torch 2.13)
 
 
 NORMS = {torch.cdist: cdist, torch.dist: dist, T.dist: dist, torch.linalg.vector_norm: vector_norm, torch.linalg.matrix_norm: matrix_norm,
