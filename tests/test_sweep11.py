@@ -174,3 +174,15 @@ def test_wide_programs_found_by_the_sweep_now_ok(seed):
     """Two of the wide sweep's wrong programs (cosine_similarity broadcast, an integer
     partial sum times a float), whole: ok now."""
     assert _text_md5(seed, True)[0] == "ok"
+
+
+@pytest.mark.parametrize("call", [lambda t: torch.nansum(t, 0), lambda t: t.nanmean(),
+                                  lambda t: t.nanmean(1, keepdim=True)])
+def test_nansum_nanmean_of_complex_raise_as_torch(call):
+    """torch's CPU nansum refuses complex inputs (RuntimeError; its meta kernel does not).
+    Before: a result (seed 2000595 wide)."""
+    x = torch.complex(_x(3, 4), _x(3, 4, seed=5))
+    with pytest.raises(RuntimeError):
+        call(x)
+    with pytest.raises(RuntimeError):
+        call(_d(x, ["S(0)", "R"]))

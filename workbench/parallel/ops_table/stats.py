@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .blas import torch_check
+from .blas import cpu_check, torch_check
 from .composites import _var_args, std, var
 
 __all__ = ["STATS"]
@@ -85,6 +85,7 @@ def _nan_as_zero(x):
 def nansum(input, dim=None, keepdim=False, *, dtype=None):
     """``torch.nansum``: nan counted as zero."""
     ref = torch_check(torch.nansum, input, dim, keepdim, dtype=dtype)
+    cpu_check(torch.nansum, input, dim, keepdim, dtype=dtype)   # a complex: torch's CPU raises
     x = _nan_as_zero(input) if input.dtype.is_floating_point else input
     out = x.sum(tuple(range(input.ndim)) if dim is None else dim, keepdim=keepdim,
                 dtype=dtype)
@@ -94,6 +95,7 @@ def nansum(input, dim=None, keepdim=False, *, dtype=None):
 def nanmean(input, dim=None, keepdim=False, *, dtype=None):
     """``torch.nanmean``: the mean of the elements that are not nan."""
     ref = torch_check(torch.nanmean, input, dim, keepdim, dtype=dtype)
+    cpu_check(torch.nanmean, input, dim, keepdim, dtype=dtype)  # (sweep11 seed 2000595)
     x = input if dtype is None else input.to(dtype)
     keep = ~torch.isnan(x)
     dims = tuple(range(x.ndim)) if dim is None else dim
