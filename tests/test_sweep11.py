@@ -186,3 +186,24 @@ def test_nansum_nanmean_of_complex_raise_as_torch(call):
         call(x)
     with pytest.raises(RuntimeError):
         call(_d(x, ["S(0)", "R"]))
+
+
+@pytest.mark.parametrize("red", ["none", "sum", "mean"])
+@pytest.mark.parametrize("ps", [["R", "R"], ["S(0)", "S(1)"], ["P(sum)", "R"]])
+def test_bce_input_gradient_at_saturation_is_torchs(red, ps):
+    """binary_cross_entropy's input gradient is torch's kernel's, grad (x - y) / max((1 - x)
+    x, 1e-12): finite where sigmoid saturates to exactly 0 or 1.  Before: the clamped
+    log's 0 times 1 / 0, nan (seeds 2000323, 2000418 wide: nan gradients, torch's finite).
+    (The target's gradient there is still the clamped logs' -100, torch's -inf: not fixed.)"""
+    z = torch.tensor([[40.0, -40.0, 0.3], [1.0, -2.0, 50.0]], dtype=torch.float64)
+    y = torch.tensor([[0.2, 0.9, 0.5], [1.0, 0.0, 0.3]], dtype=torch.float64)
+    w = torch.tensor([0.5, 2.0, 1.0], dtype=torch.float64)
+    r, d = z.clone().requires_grad_(), _d(z, ps).requires_grad_()
+    a = F.binary_cross_entropy(r.sigmoid(), y, weight=w, reduction=red)
+    b = F.binary_cross_entropy(d.sigmoid(), _d(y, ["R", "S(1)"]), weight=_d(w, ["R", "R"]),
+                               reduction=red)
+    torch.testing.assert_close(b.full(), a)
+    a.backward(torch.ones_like(a))
+    b.backward(torch.ones_like(a))
+    assert torch.isfinite(r.grad).all()
+    torch.testing.assert_close(d.grad.full(), r.grad)

@@ -126,8 +126,15 @@ def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=N
     cpu_check(F.binary_cross_entropy, input, target, weight, reduction=reduction)
     ref = torch_check(F.binary_cross_entropy, input, target, weight, reduction=reduction)
     _float_input("binary_cross_entropy", input)
-    loss = -(target * torch.log(input).clamp_min(-100.0)
-             + (1 - target) * torch.log(1 - input).clamp_min(-100.0))
+    x = input.detach()
+    loss = -(target * torch.log(x).clamp_min(-100.0)
+             + (1 - target) * torch.log(1 - x).clamp_min(-100.0))
+    # the input's gradient is torch's kernel's (Loss.cpp binary_cross_entropy_backward):
+    # grad (x - y) / max((1 - x) x, EPSILON = 1e-12), finite at x = 0 or 1, where the
+    # clamped log's gave 0 * inf = nan (sweep11 seeds 2000323, 2000418 wide); the term adds
+    # 0 to the value
+    slope = (x - target.detach()) / ((1 - x) * x).clamp_min(1e-12)
+    loss = loss + (input - x) * slope
     if weight is not None:
         loss = loss * weight
     return _reduce(loss, reduction, "binary_cross_entropy").to(ref.dtype)
