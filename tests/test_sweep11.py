@@ -207,3 +207,19 @@ def test_bce_input_gradient_at_saturation_is_torchs(red, ps):
     b.backward(torch.ones_like(a))
     assert torch.isfinite(r.grad).all()
     torch.testing.assert_close(d.grad.full(), r.grad)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 0), (1, 0, 3), (2, 0)])
+@pytest.mark.parametrize("o", [1, -1, float("inf"), float("-inf")])
+def test_matrix_norm_over_an_empty_dim_as_torch(shape, o):
+    """matrix_norm(ord=1 / inf) whose max runs over an empty dim: torch's 0 (the max of no
+    norm).  Before: amax's IndexError (seed 2001270 wide); ord=-1 / -inf raise as torch."""
+    x = torch.zeros(shape, dtype=torch.float64)
+    d = _d(x, ["R", "S(0)"])
+    try:
+        want = torch.linalg.matrix_norm(x, o, keepdim=True)
+    except IndexError:
+        with pytest.raises(IndexError):
+            torch.linalg.matrix_norm(d, o, keepdim=True)
+        return
+    torch.testing.assert_close(torch.linalg.matrix_norm(d, o, keepdim=True).full(), want)

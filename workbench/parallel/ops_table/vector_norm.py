@@ -130,6 +130,9 @@ def matrix_norm(A, ord="fro", dim=(-2, -1), keepdim=False, *, dtype=None, out=No
     """``torch.linalg.matrix_norm`` for 'fro', inf, -inf, 1 and -1."""
     if out is not None:
         raise TypeError("matrix_norm(out=...) on a DistTensor: assign the result")
+    from .blas import cpu_check        # torch's CPU kernel first: an amin over an empty dim
+    cpu_check(torch.linalg.matrix_norm, A, ord, _wrapped(dim, A.ndim), keepdim,   # raises
+              dtype=dtype)             # IndexError there, its meta kernel RuntimeError
     ref = torch_check(torch.linalg.matrix_norm, A, ord, _wrapped(dim, A.ndim), keepdim,
                       dtype=dtype)
     if ord == "fro":
@@ -145,7 +148,10 @@ def matrix_norm(A, ord="fro", dim=(-2, -1), keepdim=False, *, dtype=None, out=No
     rows, cols = wrap_dims(dim, A.ndim)
     summed, over = (cols, rows) if ord in (math.inf, -math.inf) else (rows, cols)
     s = A.abs().sum(summed, keepdim=True)
-    r = s.amax(over, keepdim=True) if ord > 0 else s.amin(over, keepdim=True)
+    if ord > 0 and not s.shape[over]:    # torch: the max of no norm is 0 (an inf vector
+        r = s.sum(over, keepdim=True)     # norm); amax raised IndexError (sweep11 2001270)
+    else:
+        r = s.amax(over, keepdim=True) if ord > 0 else s.amin(over, keepdim=True)
     if not keepdim:
         r = r.squeeze(tuple(sorted((rows, cols))))
     return r.to(ref.dtype)
