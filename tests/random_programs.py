@@ -13,6 +13,10 @@ with its nested ``torch.chunk`` of the one-device value (DTensor's layout), then
 ``(out * g).sum()`` is backpropagated on both sides and the leaves' gradients compared.
 The program is recorded as text, so every failure comes with its reproducer.
 
+``wide=True`` draws from tests/random_programs_wide.py's wider space as well (other first
+dtypes, redistribute / cross-mesh reshards / from_local mid-program, no_grad, autocast,
+60 more op kinds, other backward forms); ``wide=False`` programs are those drawn before it.
+
 ``rng`` is a ``random.Random``: ``hypothesis.strategies.randoms()`` in the property test,
 ``random.Random(seed)`` in ``benchmarks/random_sweep.py``.  ``avoid`` names the known
 bugs (issue 10) the generator keeps off; the sweep passes ``avoid=()``.
