@@ -1,12 +1,14 @@
 """2,000 random SPMD programs against one device: every silent wrong answer and every raw
 library exception, grouped by kind.
 
-    python benchmarks/random_sweep.py [--cases 2000] [--start 0] [--avoid slow_planning]
+    python benchmarks/random_sweep.py [--cases 2000] [--start 0] [--avoid slow_planning] [--wide]
 
 Program ``i`` is ``tests.random_programs.run_program(random.Random(start + i))``, the
 generator of the property test (tests/test_random_programs.py), here with none of the
 known bugs kept off (``--avoid`` names generator guards to keep, e.g. ``slow_planning``:
-no binary op on 3-d meshes, whose strategy choice plans 125-343 candidates).  Outcomes:
+no binary op on 3-d meshes, whose strategy choice plans 125-343 candidates).  ``--wide``
+draws ``run_program(..., wide=True)``: tests/random_programs_wide.py's wider space (other
+dtypes, reshards, no_grad / autocast, more ops and backward forms).  Outcomes:
 
 * wrong: the result or a gradient differs from one device, and nothing was raised (or
   torch raised for the call and the DistTensor call returned a result);
@@ -37,6 +39,7 @@ def main(argv=None) -> int:
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--avoid", default="", help="comma-separated generator guards to keep")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--wide", action="store_true", help="the wider space (random_programs_wide)")
     a = ap.parse_args(argv)
     import torch
     torch.set_num_threads(a.threads)
@@ -49,7 +52,7 @@ def main(argv=None) -> int:
     done = 0
     try:
         for i in range(a.start, a.start + a.cases):
-            _one(i, avoid, counts, groups)
+            _one(i, avoid, counts, groups, a.wide)
             done += 1
             if done % 100 == 0:
                 print(f"{done} cases: {dict(counts)} ({time.perf_counter() - t0:.0f} s)",
@@ -58,7 +61,7 @@ def main(argv=None) -> int:
         print(f"stopped after {done} cases", file=sys.stderr)
     wall = time.perf_counter() - t0
     print(f"{done} random programs (seeds {a.start}..{a.start + done - 1}, avoid "
-          f"{list(avoid)}): {dict(counts)} in {wall:.0f} s")
+          f"{list(avoid)}{', wide' if a.wide else ''}): {dict(counts)} in {wall:.0f} s")
     for (status, kind, where, what), cases in sorted(groups.items(), key=lambda kv: -len(kv[1])):
         seed, out = cases[0]
         print(f"\n== {status} {kind} {where} {what}: {len(cases)} cases "
@@ -70,9 +73,9 @@ def _stop(signum, frame):
     raise KeyboardInterrupt
 
 
-def _one(i, avoid, counts, groups):
+def _one(i, avoid, counts, groups, wide=False):
     from tests.random_programs import run_program
-    out = run_program(random.Random(i), avoid=avoid)
+    out = run_program(random.Random(i), avoid=avoid, wide=wide)
     counts[out.status] += 1
     if out.status != "ok":
         key = (out.status, out.kind, out.where,

@@ -13,6 +13,10 @@ with its nested ``torch.chunk`` of the one-device value (DTensor's layout), then
 ``(out * g).sum()`` is backpropagated on both sides and the leaves' gradients compared.
 The program is recorded as text, so every failure comes with its reproducer.
 
+``wide=True`` draws from tests/random_programs_wide.py's wider space as well (other first
+dtypes, redistribute / cross-mesh reshards / from_local mid-program, no_grad, autocast,
+60 more op kinds, other backward forms); ``wide=False`` programs are those drawn before it.
+
 ``rng`` is a ``random.Random``: ``hypothesis.strategies.randoms()`` in the property test,
 ``random.Random(seed)`` in ``benchmarks/random_sweep.py``.  ``avoid`` names the known
 bugs (issue 10) the generator keeps off; the sweep passes ``avoid=()``.
@@ -34,6 +38,7 @@ from workbench.parallel.validate import distribute
 from tests.random_programs_habits import HABITS
 from tests.random_programs_habits import build as build_habit
 from tests.random_programs_more import MORE, build
+from tests import random_programs_wide as _wide
 
 # known bugs the property test keeps off until they are fixed (issue 10):
 # the known bugs the generator once kept off (P(sum) + 1 on every rank; zero-size uneven
@@ -78,6 +83,8 @@ class _Prog:
         self.rng, self.avoid = rng, set(avoid)
         self.lines, self.leaves, self.n, self.kind = [], [], 0, ""
         self.low = False        # a step ran below float64 (the gradients' tolerance)
+        self.wide = False       # run_program(wide=True): tests/random_programs_wide.py's space
+        self.half = False       # (wide only) a step ran in bfloat16 / float16
 
     def name(self):
         self.n += 1
@@ -94,6 +101,8 @@ class _Prog:
         op = rng.choice(PARTIAL_OPS)      # one reduce op per tensor: a mix is ill-defined
         if op == "avg" and not dtype.is_floating_point:
             op = "sum"                    # an integer average rounds: refused
+        if op in ("max", "min") and dtype.is_complex:
+            op = "sum"                    # complex numbers have no order
         ps = []
         for _ in range(self.mesh.ndim):
             k = rng.random()
@@ -101,6 +110,8 @@ class _Prog:
                 ps.append(Replicate())
             elif k < 0.7:
                 ps.append(Shard(rng.randrange(len(shape))))
+            elif dtype == torch.bool:     # (wide only) a bool is not a sum of parts
+                ps.append(Replicate())
             else:
                 ps.append(Partial(op))
         return ps
@@ -110,7 +121,10 @@ class _Prog:
         x = torch.randn(shape, generator=g, dtype=torch.float64)
         if positive:                   # a divisor: |x| >= 0.5
             x = torch.sign(x) * (x.abs() + 0.5) + (x == 0)
-        x = (x * 2).round().to(dtype) if not dtype.is_floating_point else x.to(dtype)
+        if dtype.is_complex:           # (wide only) an imaginary part from the same generator
+            x = torch.complex(x, torch.randn(shape, generator=g, dtype=torch.float64))
+        x = (x * 2).round().to(dtype) if not (dtype.is_floating_point or dtype.is_complex) \
+            else x.to(dtype)
         if positive and not dtype.is_floating_point:
             x = x + (x == 0).to(dtype)
         ps = self.placements(shape, dtype)
@@ -122,9 +136,12 @@ class _Prog:
         # device starts from the value the DistTensor holds (seed 900309: a float32
         # P(avg) leaf into a float64 remainder differed by 4.8e-7 at float64's tolerance)
         held = d.full().detach()
-        _close(held, x, "the leaf's held value", loose=True)
+        if not (self.wide and dtype in (torch.bfloat16, torch.float16)):
+            # (a bfloat16 P(sum) of 8 parts rounds each: 0.04 off x, seed 2000148 wide)
+            _close(held, x, "the leaf's held value", loose=True)
         r = held.clone().requires_grad_(grad)
         self.low |= dtype in LOW
+        self.half |= self.wide and dtype in (torch.bfloat16, torch.float16)
         nm = self.name()
         self.lines.append(f"{nm} = distribute(torch.tensor({x.tolist()}, dtype={dtype}), "
                           f"mesh, {[str(p) for p in ps]}, seed={seed}).requires_grad_({grad})")
@@ -152,6 +169,9 @@ def _op(p: _Prog, cur):
     """Draw one op for ``cur`` = (name, dist, ref): (text, f(dist) , f(ref)) or None."""
     rng = p.rng
     nm, d, r = cur
+    if p.wide and rng.random() < 0.5:
+        k = p.kind = rng.choice(_wide.WIDE)
+        return _wide.build(p, cur, k)
     k = p.kind = rng.choice(OPS[:len(OLD_OPS)] if rng.random() < 0.4 else OPS)
     if k in MORE:
         return build(p, cur, k)
@@ -250,7 +270,7 @@ OPS = OLD_OPS + MORE + HABITS   # the first 33 kinds, tests/random_programs_more
 #                                  tests/random_programs_habits.py's
 
 
-def _close(got, want, what, loose=False):
+def _close(got, want, what, loose=False, half=False):
     if got.shape != want.shape:
         raise _Wrong(f"{what}: shape {tuple(got.shape)}, one device {tuple(want.shape)}")
     if got.dtype != want.dtype:
@@ -259,6 +279,10 @@ def _close(got, want, what, loose=False):
     loose = loose and (want.dtype.is_floating_point or want.dtype.is_complex)
     if loose or want.dtype in (torch.float32, torch.complex64):   # a float32 sum's order
         rtol, atol = 1e-4, 1e-5 * max(1.0, float(want.abs().nan_to_num(0, 0, 0).max())
+                                      if want.numel() else 1.0)
+    if half and (want.dtype.is_floating_point or want.dtype.is_complex):
+        # (wide only) after a bfloat16 / float16 step: its sums in parts round apart
+        rtol, atol = 2e-2, 2e-2 * max(1.0, float(want.abs().nan_to_num(0, 0, 0).max())
                                       if want.numel() else 1.0)
     if not torch.allclose(got, want, rtol=rtol, atol=atol, equal_nan=True):
         if want.dtype == torch.bool:     # (bool - bool raises: seed 1042679 was "raised")
@@ -282,7 +306,7 @@ def _chunk_local(x, mesh_shape, placements, coord):
     return t
 
 
-def _close_locals(d, want, what, loose=False):
+def _close_locals(d, want, what, loose=False, half=False):
     """Every rank's local shard of ``d`` (no Partial) is its chunk of the one-device value."""
     if any(q.is_partial() for q in d.placements):
         return
@@ -291,7 +315,7 @@ def _close_locals(d, want, what, loose=False):
         _close(d.local(int(ranks[coord])).detach(),
                _chunk_local(want, tuple(ranks.shape), d.placements, coord),
                f"{what} local shard at mesh {coord} ({[str(q) for q in d.placements]})",
-               loose)
+               loose, half)
 
 
 def _refuses_as_torch(p, cur, txt, f, err):
@@ -330,13 +354,22 @@ def _where(e) -> str:
     return f"{f.filename.split('/workbench/')[-1]}:{f.lineno}"
 
 
-def run_program(rng: random.Random, n_ops: int | None = None, avoid=KNOWN + SLOW) -> Outcome:
-    """Draw and run one program (see the module doc)."""
+def run_program(rng: random.Random, n_ops: int | None = None, avoid=KNOWN + SLOW,
+                wide: bool = False) -> Outcome:
+    """Draw and run one program (see the module doc); ``wide``: in the wider space of
+    tests/random_programs_wide.py (other dtypes, reshards, no_grad / autocast, more ops and
+    backward forms); the programs of ``wide=False`` are those drawn before it existed."""
     p = _Prog(rng, avoid)
+    p.wide = wide
     p.mesh = _mesh(rng)
     p.lines.append(f"mesh = wb.Mesh({p.mesh.tolist()})")
     try:
-        cur = p.leaf(p.shape(), dtype=torch.float32 if rng.random() < 0.1 else torch.float64)
+        shape = p.shape()
+        if wide:
+            first = _wide.dtype(rng)
+        else:
+            first = torch.float32 if rng.random() < 0.1 else torch.float64
+        cur = p.leaf(shape, dtype=first)
         for _ in range(rng.randint(1, 6) if n_ops is None else n_ops):
             for _try in range(20):
                 drawn = _op(p, cur)
@@ -351,33 +384,35 @@ def run_program(rng: random.Random, n_ops: int | None = None, avoid=KNOWN + SLOW
                 nm = p.name()
                 p.lines.append(f"{nm} = {txt}")
                 p.low |= ref.dtype in LOW
+                p.half |= p.wide and ref.dtype in (torch.bfloat16, torch.float16)
                 cur = (nm, f(cur[1]), ref)
                 # after a float32 step, its rounding shows in a float64 value too (seed
                 # 970803: a float32 P(sum) sum stacked with a float64 tensor, 1.2e-7)
-                _close(cur[1].full().detach(), ref.detach(), nm, loose=p.low)
-                _close_locals(cur[1], ref.detach(), nm, loose=p.low)
+                _close(cur[1].full().detach(), ref.detach(), nm, loose=p.low, half=p.half)
+                _close_locals(cur[1], ref.detach(), nm, loose=p.low, half=p.half)
                 break
         nm, d, r = cur
         if r.requires_grad and r.is_floating_point():
             g = torch.randn(r.shape, generator=torch.Generator().manual_seed(7), dtype=r.dtype)
-            p.lines.append(f"({nm} * g).sum().backward()")
+            form = rng.choice(_wide.BACKWARDS) if wide else "sum"
+            p.lines.append(_wide.BACKWARD_TEXT[form].format(nm=nm))
             p.kind = "backward"
             try:
-                (r * g).sum().backward()
+                wants = _wide.backward(form, r, g, [lr for _, _, lr, _ in p.leaves])
             except RuntimeError:        # torch has no derivative for it (heaviside): done
                 return Outcome("ok", "\n".join(p.lines))
-            (d * g).sum().backward()
-            for ln, ld, lr, ps in p.leaves:
+            gots = _wide.backward(form, d, g, [ld for _, ld, _, _ in p.leaves])
+            for (ln, ld, lr, ps), gd, gr in zip(p.leaves, gots, wants):
                 if not lr.requires_grad:
                     continue
                 # the gradient of a P(avg/max/min) leaf's parts is not the value's gradient
                 if any(q.is_partial() and q.reduce_op != "sum" for q in ps):
                     continue
-                want = lr.grad if lr.grad is not None else torch.zeros_like(lr)
-                got = ld.grad.full() if ld.grad is not None else torch.zeros_like(lr)
+                want = gr if gr is not None else torch.zeros_like(lr)
+                got = gd.full() if gd is not None else torch.zeros_like(lr)
                 # a gradient that went through a float32 step: a float32 sum's order
                 # shows in it (seed 941820: 6e-8 in a float64 0-d leaf's gradient)
-                _close(got, want, f"{ln}.grad", loose=p.low)
+                _close(got, want, f"{ln}.grad", loose=p.low, half=p.half)
     except _Wrong as e:
         return Outcome("wrong", "\n".join(p.lines), str(e), kind=p.kind)
     except _Refused as e:       # torch's error, here a clear refusal of another type

@@ -312,6 +312,17 @@ def dispatch(func, args, kwargs):
             prep = _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key)
         if prep is None:
             return _fallback(func, args, kwargs)
+    if prep.int_summed:            # (rare) an integer partial sum meets another dtype
+        inputs = _partials_reduced(inputs)
+        specs = tuple(x.spec if isinstance(x, DistTensor) else _spec_of(x, mesh)
+                      for x in inputs)
+        key = key[:1] + (specs,) + key[2:]
+        prep = _PREPARED.get(key) if not _FORCE else None
+        if prep is None:
+            with _disable_current_modes():
+                prep = _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key)
+            if prep is None:
+                return _fallback(func, args, kwargs)
     out = run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
     # the global strides, where the outputs' shards cannot tell them (or an input's were
     # kept: its shards may tell others): torch's, from meta tensors (strides.track)
@@ -414,6 +425,23 @@ def _partials_reduced(inputs):
     return tuple(out)
 
 
+def _int_summed(specs, out_dtypes) -> bool:
+    """An integer Partial sum / avg input and an output of another dtype: the parts are
+    sums modulo 2**bits (uint8 parts 255 + 2 hold 1), so each part promoted or widened
+    (to float32 by ``* 1.5``, to int64 by ``sum()`` or ``+ int64``) and then summed is
+    not the value's (uint8 P(sum) * 1.5: 769.5 for 1.5, sweep11): reduced first, as
+    :func:`_unsafe_scale`'s numbers. Same-dtype ops (+, *, neg, matmul) stay modular:
+    exact part by part."""
+    for s in specs:
+        if s is None or s.dtype.is_floating_point or s.dtype.is_complex or \
+                s.dtype == torch.bool:
+            continue
+        if any(p.is_partial() and p.reduce_op in ("sum", "avg") for p in s.placements) and \
+                any(d != s.dtype for d in out_dtypes):
+            return True
+    return False
+
+
 def _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key):
     """The first call for an input layout: torch's own checks on meta tensors of the
     global shapes, the rule, the strategy (module docstring, 2.); None: the rule found no
@@ -430,6 +458,7 @@ def _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key):
     prep = _prepare(entry, dec, inputs, specs, attrs, mesh)
     if theirs is not None:
         checks.check_outputs(entry.name, list(zip(prep.out_shapes, prep.out_dtypes)), theirs)
+    prep.int_summed = _int_summed(specs, prep.out_dtypes)
     if _FORCE:
         prep = _forced(entry, prep, inputs, specs, attrs, mesh)
     else:
@@ -462,6 +491,8 @@ class _Prepared:
     keep: bool = True      # keep_first_replica has work: an output replicated on some
                            # mesh dim, or uneven shards (cells to settle)
     lost: bool = False     # an output's shards cannot tell its strides (strides.lost_dims)
+    int_summed: bool = False   # an integer P(sum) input meets another output dtype: reduce
+    #                            it first (_int_summed)
     # per-call facts of the layout, computed once here (run_prepared's hot path):
     moves: tuple = ()      # per input: its plan moves data or it is expanded per rank
     rep_axes: Any = None   # per output: the mesh dims it is Replicate on (even shards only;

@@ -34,7 +34,10 @@ def _parts(x: torch.Tensor, op: str, n: int, seed: int) -> list[torch.Tensor]:
         off = (torch.rand(x.shape, generator=g, dtype=torch.float64) + 0.5 + k).to(x.dtype) \
             if x.is_floating_point() else torch.full(x.shape, k + 1, dtype=x.dtype)
         off = torch.where(who == k, torch.zeros_like(off), off)
-        out.append(x - off if op == "max" else x + off)
+        part = x - off if op == "max" else x + off
+        # an integer that wraps (uint8 0 - 1 = 255) is not lower: x itself (still exact)
+        wrapped = part > x if op == "max" else part < x
+        out.append(torch.where(wrapped, x, part) if not x.is_floating_point() else part)
     return out
 
 

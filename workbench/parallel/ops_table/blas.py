@@ -42,6 +42,29 @@ def torch_check(fn, *args, **kwargs):
     return fn(*[_meta(a) for a in args], **{k: _meta(v) for k, v in kwargs.items()})
 
 
+def _cut(x):
+    if hasattr(x, "placements") or isinstance(x, torch.Tensor):
+        return torch.zeros(tuple(min(int(s), 1) for s in x.shape), dtype=x.dtype)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cut(a) for a in x)
+    return x
+
+
+def cpu_check(fn, *args, **kwargs):
+    """``fn`` on CPU stand-ins: zeros of each tensor's dtype, every dim cut to at most one
+    element (an empty dim stays empty, so shapes that fit still fit). torch's CPU kernels
+    check dtypes that its meta kernels do not (``kthvalue`` / ``median`` of a bool,
+    ``smooth_l1_loss`` of a complex, ``cdist`` of two dtypes: found by the wide random
+    sweep, tests/test_sweep11.py); the output gives the CPU kernel's dtype where it
+    differs (``cdist`` of no row: the first input's dtype). Size arguments must fit the
+    cut shapes (``kthvalue``: pass k=1). Its warnings are muted (the meta check warns once,
+    as torch)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*[_cut(a) for a in args], **{k: _cut(v) for k, v in kwargs.items()})
+
+
 def _update(input, product, beta, alpha):
     """``beta * input + alpha * product`` (beta=0: input ignored; 1s not multiplied)."""
     if not isinstance(alpha, bool) and alpha == 1:

@@ -179,15 +179,18 @@ def logsumexp(input, dim, keepdim=False):
     slice of -inf gives -inf)."""
     dims = tuple(sorted(wrap_dims(dim if isinstance(dim, (list, tuple)) else (dim,),
                                   input.ndim)))
-    if not input.dtype.is_floating_point:
+    if not (input.dtype.is_floating_point or input.dtype.is_complex):
         input = input.to(torch.get_default_dtype())
     if input.ndim == 0:          # dim 0 / -1 of a 0-d tensor: its one element (0-d out)
         input, dims, keepdim = input.reshape(1), (0,), False
     if any(input.shape[d] == 0 for d in dims):       # an empty sum: log(0) = -inf, as torch
         out = torch.log(torch.exp(input).sum(dims, keepdim=True))
         return out if keepdim else out.squeeze(dims)
-    m = torch.amax(input, dims, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=input.dtype))
+    # a complex input: the max of its real parts (torch's logsumexp_out_impl; a complex
+    # input came back float32 here, sweep11)
+    re = torch.view_as_real(input).select(-1, 0) if input.dtype.is_complex else input
+    m = torch.amax(re, dims, keepdim=True).detach()
+    m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=m.dtype))
     out = torch.log(torch.exp(input - m).sum(dims, keepdim=True)) + m
     return out if keepdim else out.squeeze(dims)
 

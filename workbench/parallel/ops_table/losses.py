@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .blas import torch_check
+from .blas import cpu_check, torch_check
 from .composites import _reduce
 from .vector_norm import vector_norm
 
@@ -55,8 +55,14 @@ def l1_loss(input, target, size_average=None, reduce=None, reduction="mean", wei
     if weight is not None:
         raise NotImplementedError("l1_loss(weight=...) on DistTensors: multiply the "
                                   "reduction='none' loss by the weight instead")
+    cpu_check(F.l1_loss, input, target, reduction=reduction)
     torch_check(F.l1_loss, input, target, reduction=reduction)
     return _reduce(_diff("l1_loss", input, target).abs(), reduction, "l1_loss")
+
+
+# each loss runs torch's CPU kernel on cut stand-ins first (blas.cpu_check): its dtype
+# checks, which the meta kernels skip (smooth_l1_loss of a complex, bce of a float32 input
+# and a float64 target, bce_with_logits of a bool: the wide random sweep, sweep11)
 
 
 def _quadratic_below(d, limit, scale_sq, linear):
@@ -69,6 +75,7 @@ def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mea
     _legacy("smooth_l1_loss", size_average, reduce)
     if beta < 0:                      # (torch's kernel checks it; its meta kernel does not)
         raise RuntimeError("smooth_l1_loss does not support negative values for beta.")
+    cpu_check(F.smooth_l1_loss, input, target, reduction=reduction, beta=beta)
     torch_check(F.smooth_l1_loss, input, target, reduction=reduction, beta=beta)
     d = _diff("smooth_l1_loss", input, target).abs()
     loss = d if beta == 0 else _quadratic_below(d, beta, 0.5 / beta, d - 0.5 * beta)
@@ -80,6 +87,7 @@ def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
     if weight is not None:
         raise NotImplementedError("huber_loss(weight=...) on DistTensors: multiply the "
                                   "reduction='none' loss by the weight instead")
+    cpu_check(F.huber_loss, input, target, reduction=reduction, delta=delta)
     torch_check(F.huber_loss, input, target, reduction=reduction, delta=delta)
     _float_input("huber_loss", input)
     common = torch.promote_types(input.dtype, target.dtype)
@@ -96,6 +104,8 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
                                      reduce=None, reduction="mean", pos_weight=None):
     """``F.binary_cross_entropy_with_logits`` (stable: no exp of a positive number)."""
     _legacy("binary_cross_entropy_with_logits", size_average, reduce)
+    cpu_check(F.binary_cross_entropy_with_logits, input, target, weight,
+              reduction=reduction, pos_weight=pos_weight)
     ref = torch_check(F.binary_cross_entropy_with_logits, input, target, weight,
                       reduction=reduction, pos_weight=pos_weight)
     _float_input("binary_cross_entropy_with_logits", input)
@@ -113,10 +123,18 @@ def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=N
     """``F.binary_cross_entropy``: ``-(y log x + (1 - y) log(1 - x))``, each log clamped
     at -100 (as torch's kernel, so that x = 0 or 1 gives a finite loss)."""
     _legacy("binary_cross_entropy", size_average, reduce)
+    cpu_check(F.binary_cross_entropy, input, target, weight, reduction=reduction)
     ref = torch_check(F.binary_cross_entropy, input, target, weight, reduction=reduction)
     _float_input("binary_cross_entropy", input)
-    loss = -(target * torch.log(input).clamp_min(-100.0)
-             + (1 - target) * torch.log(1 - input).clamp_min(-100.0))
+    x = input.detach()
+    loss = -(target * torch.log(x).clamp_min(-100.0)
+             + (1 - target) * torch.log(1 - x).clamp_min(-100.0))
+    # the input's gradient is torch's kernel's (Loss.cpp binary_cross_entropy_backward):
+    # grad (x - y) / max((1 - x) x, EPSILON = 1e-12), finite at x = 0 or 1, where the
+    # clamped log's gave 0 * inf = nan (sweep11 seeds 2000323, 2000418 wide); the term adds
+    # 0 to the value
+    slope = (x - target.detach()) / ((1 - x) * x).clamp_min(1e-12)
+    loss = loss + (input - x) * slope
     if weight is not None:
         loss = loss * weight
     return _reduce(loss, reduction, "binary_cross_entropy").to(ref.dtype)
@@ -126,6 +144,7 @@ def kl_div(input, target, size_average=None, reduce=None, reduction="mean",
            log_target=False):
     """``F.kl_div``: ``target (log target - input)`` pointwise (input holds log-probs)."""
     _legacy("kl_div", size_average, reduce)
+    cpu_check(F.kl_div, input, target, reduction=reduction, log_target=log_target)
     torch_check(F.kl_div, input, target, reduction=reduction, log_target=log_target)
     if log_target:
         loss = torch.exp(target) * (target - input)
@@ -154,6 +173,10 @@ def cosine_similarity(x1, x2, dim=1, eps=1e-8):
         raise RuntimeError(f"expected common dtype to be floating point, yet common dtype "
                            f"is {str(common).replace('torch.', '').capitalize()}")  # torch's
     x1, x2 = (x if x.dtype.is_floating_point else x.to(common) for x in (x1, x2))
+    # torch's kernel expands both first (expand_outplace): each norm is over the broadcast
+    # dim (a (1, 1) x2 against a (3, 9) x1 was normed over 1 element, not 9: sweep11)
+    shape = torch.broadcast_shapes(tuple(x1.shape), tuple(x2.shape))
+    x1, x2 = (x if tuple(x.shape) == shape else x.expand(shape) for x in (x1, x2))
     n1, n2 = (_clamped_outside_autograd(vector_norm(x, 2, dim, keepdim=True), eps)
               for x in (x1, x2))
     return ((x1 / n1) * (x2 / n2)).sum(dim)

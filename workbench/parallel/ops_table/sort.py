@@ -102,8 +102,9 @@ def kthvalue(input, k, dim=-1, keepdim=False, *, out=None):
     pick: the dim is made whole as sort's)."""
     if out is not None:
         raise TypeError("kthvalue(out=...) on a DistTensor: assign the result")
-    from .blas import torch_check
+    from .blas import cpu_check, torch_check
     torch_check(torch.kthvalue, input, k, dim, keepdim)
+    cpu_check(torch.kthvalue, input, 1, dim, keepdim)        # its dtypes (not bool)
     if input.ndim == 0:
         return torch.return_types.kthvalue((input.clone(), torch.zeros_like(input).long()))
     v, i = torch.sort(input, dim)
@@ -119,13 +120,13 @@ def median(input, dim=None, keepdim=False, *, out=None):
     element (a value) when ``dim`` is None, else (values, indices) along ``dim``."""
     if out is not None:
         raise TypeError("median(out=...) on a DistTensor: assign the result")
-    from .blas import torch_check
-    torch_check(torch.median, input) if dim is None else \
-        torch_check(torch.median, input, dim, keepdim)
+    from .blas import cpu_check, torch_check
+    for check in (torch_check, cpu_check):                 # shapes, then its dtypes
+        check(torch.median, input) if dim is None else check(torch.median, input, dim, keepdim)
     if dim is None:
         flat = input.reshape(-1)
         return kthvalue(flat, (flat.shape[0] - 1) // 2 + 1, 0).values if flat.shape[0] else \
-            flat.sum() * float("nan")
+            (flat.sum() * float("nan")).to(input.dtype)   # torch: nan in the input's dtype
     n = input.shape[dim] if input.ndim else 1
     r = kthvalue(input, (n - 1) // 2 + 1, dim, keepdim)
     return torch.return_types.median((r.values, r.indices))

@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from .blas import torch_check
+from .blas import cpu_check, torch_check
 from .composites import _var_args, std, var
 
 __all__ = ["STATS"]
@@ -74,12 +74,19 @@ def count_nonzero(input, dim=None):
     return (input != 0).sum(tuple(range(input.ndim)) if dim is None else dim)
 
 
+def _nan_as_zero(x):
+    """``x`` with nan as 0, whose gradient is torch's ``nansum_backward``: ``grad * ~isnan(x)``
+    (a multiplication: an inf gradient gives nan at a nan, as after nanmean of a slice of
+    nans, count 0; a where gave 0 there: sweep11). nan_to_num's gradient is ``grad *
+    isfinite(x)``, so an inf keeps its own through the where."""
+    return torch.where(torch.isinf(x), x, torch.nan_to_num(x, 0.0))
+
+
 def nansum(input, dim=None, keepdim=False, *, dtype=None):
     """``torch.nansum``: nan counted as zero."""
     ref = torch_check(torch.nansum, input, dim, keepdim, dtype=dtype)
-    x = input
-    if input.dtype.is_floating_point:
-        x = torch.where(torch.isnan(input), torch.zeros((), dtype=input.dtype), input)
+    cpu_check(torch.nansum, input, dim, keepdim, dtype=dtype)   # a complex: torch's CPU raises
+    x = _nan_as_zero(input) if input.dtype.is_floating_point else input
     out = x.sum(tuple(range(input.ndim)) if dim is None else dim, keepdim=keepdim,
                 dtype=dtype)
     return out.to(ref.dtype)
@@ -88,10 +95,11 @@ def nansum(input, dim=None, keepdim=False, *, dtype=None):
 def nanmean(input, dim=None, keepdim=False, *, dtype=None):
     """``torch.nanmean``: the mean of the elements that are not nan."""
     ref = torch_check(torch.nanmean, input, dim, keepdim, dtype=dtype)
+    cpu_check(torch.nanmean, input, dim, keepdim, dtype=dtype)  # (sweep11 seed 2000595)
     x = input if dtype is None else input.to(dtype)
     keep = ~torch.isnan(x)
     dims = tuple(range(x.ndim)) if dim is None else dim
-    s = torch.where(keep, x, torch.zeros((), dtype=x.dtype)).sum(dims, keepdim=keepdim)
+    s = _nan_as_zero(x).sum(dims, keepdim=keepdim)
     return (s / keep.sum(dims, keepdim=keepdim)).to(ref.dtype)
 
 

@@ -130,6 +130,9 @@ def matrix_norm(A, ord="fro", dim=(-2, -1), keepdim=False, *, dtype=None, out=No
     """``torch.linalg.matrix_norm`` for 'fro', inf, -inf, 1 and -1."""
     if out is not None:
         raise TypeError("matrix_norm(out=...) on a DistTensor: assign the result")
+    from .blas import cpu_check        # torch's CPU kernel first: an amin over an empty dim
+    cpu_check(torch.linalg.matrix_norm, A, ord, _wrapped(dim, A.ndim), keepdim,   # raises
+              dtype=dtype)             # IndexError there, its meta kernel RuntimeError
     ref = torch_check(torch.linalg.matrix_norm, A, ord, _wrapped(dim, A.ndim), keepdim,
                       dtype=dtype)
     if ord == "fro":
@@ -145,7 +148,10 @@ def matrix_norm(A, ord="fro", dim=(-2, -1), keepdim=False, *, dtype=None, out=No
     rows, cols = wrap_dims(dim, A.ndim)
     summed, over = (cols, rows) if ord in (math.inf, -math.inf) else (rows, cols)
     s = A.abs().sum(summed, keepdim=True)
-    r = s.amax(over, keepdim=True) if ord > 0 else s.amin(over, keepdim=True)
+    if ord > 0 and not s.shape[over]:    # torch: the max of no norm is 0 (an inf vector
+        r = s.sum(over, keepdim=True)     # norm); amax raised IndexError (sweep11 2001270)
+    else:
+        r = s.amax(over, keepdim=True) if ord > 0 else s.amin(over, keepdim=True)
     if not keepdim:
         r = r.squeeze(tuple(sorted((rows, cols))))
     return r.to(ref.dtype)
@@ -202,7 +208,10 @@ def cdist(x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary"):
     torch.cdist(torch.empty(tuple(x1.shape), dtype=x1.dtype, device="meta"),
                 torch.empty(tuple(x2.shape), dtype=x2.dtype, device="meta"), p,
                 compute_mode=compute_mode)                         # torch's own checks
-    return vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), p, -1)
+    from .blas import cpu_check
+    want = cpu_check(torch.cdist, x1, x2, p, compute_mode=compute_mode).dtype    # its dtypes
+    out = vector_norm(x1.unsqueeze(-2) - x2.unsqueeze(-3), p, -1)
+    return out if out.dtype == want else out.to(want)   # no row: x1's dtype (torch 2.13)
 
 
 NORMS = {torch.cdist: cdist, torch.dist: dist, T.dist: dist, torch.linalg.vector_norm: vector_norm, torch.linalg.matrix_norm: matrix_norm,
