@@ -276,6 +276,7 @@ def dispatch(func, args, kwargs):
         return inputs[0]
     mesh = None
     plain = False                  # a plain tensor or constant among the inputs
+    nones = 0                      # None inputs (an absent bias): no spec, a None const
     for x in inputs:
         if type(x) is DistTensor:
             m = x.mesh
@@ -283,6 +284,8 @@ def dispatch(func, args, kwargs):
                 mesh = m
             elif m is not mesh and m != mesh:
                 common_mesh(entry.name, inputs)         # raises, naming the fix
+        elif x is None:
+            nones += 1
         else:
             plain = True
     consts = ()                    # the types of constant inputs (type promotion differs)
@@ -297,6 +300,10 @@ def dispatch(func, args, kwargs):
                 consts += (type(x),)
             specs.append(s)
         specs = tuple(specs)
+    elif nones:
+        # what the plain path gives a None: spec None, its type among the constants
+        specs = tuple([None if x is None else x._spec or x.spec for x in inputs])
+        consts = (type(None),) * nones
     else:
         specs = tuple([x._spec or x.spec for x in inputs])
     tr = current_trace()

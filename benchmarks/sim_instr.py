@@ -1,0 +1,64 @@
+"""Instructions per step under callgrind: a deterministic companion to sim_overhead.py
+on a loaded machine (its timings moved 10% between identical runs at load 12-15; this
+count moves well under 0.1%).
+
+    OMP_NUM_THREADS=1 valgrind --tool=callgrind --instr-atstart=no \\
+        python benchmarks/sim_instr.py {wb,one,gpt,ew} [N]
+
+then divide valgrind's "Collected" count by N (compare at one N: switching collection
+on and off adds a fixed ~1-2M, e.g. the toy step reads 1,695K at N=100, 1,682K at
+N=200).  Collection is switched on around the N
+timed steps only (``callgrind_control -i on/off`` on this process), after warm-up, so
+imports and first-call planning are not counted.  Workloads (sim_overhead.py's own):
+``wb`` the toy TP MLP step on 8 simulated ranks, ``one`` the same step on one device,
+``gpt`` Hybrid(dp2, tp2) forward+backward of gpt-tiny, ``ew`` the elementwise 2x2 chain.
+
+Instruction counts track the simulator's Python overhead (GEMM kernels count the same on
+both sides; sgemm instructions are ~0.75M of a toy step either way); they are not time:
+compare two versions with the same command, and confirm a change with sim_overhead.py.
+Measured (perf11, torch 2.13, N=200): toy step one device 1,130K (N=100); workbench
+1,712K before perf11, 1,682K after; gpt 72.24M -> 72.18M (N=20); ew 517.8K both (N=300).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import benchmarks.sim_overhead as B  # noqa: E402
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    which = argv[0] if argv else "wb"
+    n = int(argv[1]) if len(argv) > 1 else 100
+    torch.manual_seed(0)
+    T, H = 32, 64
+    X = torch.randn(T, H)
+    W1, W2 = torch.randn(4 * H, H) / H ** 0.5, torch.randn(H, 4 * H) / H ** 0.5
+    if which == "wb":
+        step = B.workbench_step(X, W1, W2)
+    elif which == "one":
+        step = B.single_step(X, W1, W2)
+    elif which in ("gpt", "ew"):
+        cases = B.ops_cases()
+        step = cases[2][1] if which == "gpt" else cases[0][1]
+    else:
+        raise SystemExit(f"workload {which!r}: use one of wb, one, gpt, ew")
+    for _ in range(5 if which == "gpt" else 30):
+        step()
+    ctl = ["callgrind_control", "-i"]
+    subprocess.run(ctl + ["on", str(os.getpid())], capture_output=True)
+    for _ in range(n):
+        step()
+    subprocess.run(ctl + ["off", str(os.getpid())], capture_output=True)
+    print(f"{which}: {n} steps; divide callgrind's Collected count by {n}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
