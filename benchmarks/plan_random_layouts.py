@@ -43,6 +43,10 @@ Output (plan10, 2-core machine shared with other jobs):
   the first boundary's link they read 1.021-1.030), while the dry run times every middle
   stage's send as stage 1's (its one middle stage stands for all).  Both sides want each
   crossing priced on its own link.
+- after p2p11 (each crossing on its own link on both sides: ``estimate._p2p`` /
+  ``_crossings``, ``dryrun._send_seconds``; tests/test_p2p11.py), seed 11, the 31 rows
+  with pp >= 4 and stages smaller than a node across nodes: the three above 0.865 ->
+  1.020, 0.889 -> 1.029, 0.871 -> 1.023; the 31 from 0.865 .. 1.008 to 0.978 .. 1.029.
 """
 from __future__ import annotations
 

@@ -9,11 +9,13 @@ data-parallel synchronisation + the optimizer step, where
   activation forward and one gradient backward per chunk (v per micro-batch), of
   2 s b h / t bytes each (Narayanan et al. 2021 sec. 4.1 scatter/gather: 1/t over the
   inter-stage link, then an all-gather of 2 s b h inside the TP group; with sequence
-  parallelism the activation is already split, so no all-gather); this library's recipe
+  parallelism the activation is already split, so no all-gather), each crossing on its
+  own link (``_p2p``, ``_crossings``: inside a node or across it; the middle stages,
+  one entry, paced by the slowest middle rank's crossings); this library's recipe
   (``framework="workbench"``) sends each TP rank's whole activation instead, each send
   once, on its sender, and its pipeline is simulated layer-stage by layer-stage as the dry
   run composes it (``_recipe_chunks``);
-- bubble (stages of unequal time T_i; the pipeline latency of Alpa's inter-operator pass,
+- bubble (stages of unequal time T_i, each with its own crossings; the pipeline latency of Alpa's inter-operator pass,
   Zheng et al. 2022, held exactly to ``parallel.schedules.simulate`` in the tests):
   (sum_i T_i - max_i T_i) / v, which for equal stages is (p - 1) T / v, the published
   1F1B / GPipe (p-1)(t_f + t_b) and interleaved 1/v of it
@@ -210,7 +212,7 @@ def pipeline_bubble(stage_times, v: int = 1) -> float:
     return (sum(times) - max(times)) / v
 
 
-def _simulate(lay: Layout, stages: dict, m: int, links=(0.0,)):
+def _simulate(lay: Layout, stages: dict, m: int, links):
     """``parallel.schedules.simulate`` of ``lay``'s schedule over ``m`` micro-batches,
     each pipeline rank's forward and backward taken from ``stages`` (estimate's
     ``details["stages"]``) with its own crossings on ``links`` (``details["p2p_links"]``);
