@@ -43,6 +43,12 @@ Output (plan10, 2-core machine shared with other jobs):
   the first boundary's link they read 1.021-1.030), while the dry run times every middle
   stage's send as stage 1's (its one middle stage stands for all).  Both sides want each
   crossing priced on its own link.
+- after p2p11 (each crossing on its own link on both sides: ``estimate._p2p`` /
+  ``_crossings``, ``dryrun._send_seconds``; tests/test_p2p11.py), seed 11, the 31 rows
+  with pp >= 4 and stages smaller than a node across nodes: the three above 0.865 ->
+  1.020, 0.889 -> 1.029, 0.871 -> 1.023; the 31 from 0.865 .. 1.008 to 0.978 .. 1.029;
+  all 300 rows (363 s): 0 beyond (was 3), step 0.938 .. 1.064, worst stage memory 1.006;
+  seed 12, 200 rows (165 s): 0 beyond, step 0.919 .. 1.050, worst 1.005 (unchanged).
 """
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def test_recipe_pipeline_is_priced_as_the_dry_run_composes_it(rc, v):
     f_dr = [d["forward"] + d["send"] for d in st]
     b_dr = [d["backward"] + (st[k - 1]["send"] if k else 0.0) for k, d in enumerate(st)]
     rows = [e.details["stages"][E._stage_name(r, lay.pp, False)] for r in range(lay.pp)]
-    f_e, b_e = E._recipe_chunks(lay, rows, e.details["p2p"])
+    f_e, b_e = E._recipe_chunks(lay, rows, e.details["p2p_links"])
     assert f_e == pytest.approx(f_dr, rel=0.03)
     assert b_e == pytest.approx(b_dr, rel=0.05)
     assert dr.step_time == pytest.approx(e.step_time, rel=0.03)

@@ -38,7 +38,8 @@ What is composed from those measurements (not run op by op):
 - the pipeline: ``parallel.schedules.simulate`` of the layout's schedule (m
   micro-batches) with each stage's measured forward and backward, the send of its
   output added to its forward and of its input gradient to its backward (Megatron's
-  p2p is blocking in the 1F1B steady state);
+  p2p is blocking in the 1F1B steady state), each on its own link (a middle stage not
+  run: its representative's bytes priced on its own ranks, ``_send_seconds``);
 - step time = the pipeline's makespan + the slowest stage's measured optimizer-step
   collectives + its AdamW update (priced as the planner does for framework
   "workbench", 28 bytes per updated parameter on the roofline, ``plan.optimizer_step``
@@ -151,6 +152,8 @@ class DryRun:
     gathered: dict = field(default_factory=dict, repr=False,
                            compare=False)  # ZeRO-3: stage -> its ledger
     framework: str = "workbench"           # what ran: this library's recipe (module doc)
+    # seconds of layer-stage c's send to c + 1, on its own link (``_send_seconds``)
+    sends: list = field(default_factory=list, repr=False)
 
     def __str__(self):
         gb = self.memory["total"] / 1e9
@@ -208,6 +211,24 @@ def _distinct(n: int, uneven: bool = False) -> dict[int, int]:
     for s in range(1, n - 1):
         rep[s] = s if uneven else 1
     return rep
+
+
+def _send_seconds(h, c: int, d: dict, prof) -> float:
+    """Seconds of layer-stage ``c``'s send to c + 1: as measured where ``c`` was run
+    (``d``, its measurement, is its own), else the representative's bytes per sender
+    priced on ``c``'s own pairs of ranks, each sender to its peer at once as the trace's
+    sends run (``schedules.execute._send``): a middle stage stands for the others' layers,
+    not for their links (was: stage 1's send on every middle crossing, an intra-node one
+    for an inter-node one with tp 4, pp 4 on 8-GPU nodes; plan_random_layouts.py)."""
+    n = len(h.stage_layers)
+    if c == n - 1:
+        return 0.0
+    if d["stage"] == c:
+        return d["send"]
+    pairs = [(a, b) for a, b in zip(h.meshes[c % h.pp].ranks, h.meshes[(c + 1) % h.pp].ranks)
+             if a != b]
+    return max((price("send_recv", d["send_pair_bytes"], pair, prof) for pair in pairs),
+               default=0.0)
 
 
 def _peak_and_timeline(sched, sim, act):
@@ -286,8 +307,9 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
             step_bytes[s] = _minus(tr.bytes_per_rank(), b0)
     # ---- compose the step ------------------------------------------------------------
     st = [measured[rep[s]] for s in range(n)]
-    f = [d["forward"] + d["send"] for d in st]
-    b = [d["backward"] + (st[s - 1]["send"] if s else 0.0) for s, d in enumerate(st)]
+    sends = [_send_seconds(h, c, st[c], prof) for c in range(n)]
+    f = [d["forward"] + sends[c] for c, d in enumerate(st)]
+    b = [d["backward"] + (sends[c - 1] if c else 0.0) for c, d in enumerate(st)]
     sched = h._schedule(lay.m)
     sim = S.simulate(sched, f=f, b=b)
     # a pipeline rank reduces the gradients of every chunk it holds (interleaved: v)
@@ -341,7 +363,7 @@ def dry_run(model, layout: Layout, cluster: Cluster, seed: int = 0,
                for r in range(lay.pp))
     return DryRun(layout=lay, step_time=step, memory=dict(busiest),
                   fits=busiest["total"] <= prof.usable_memory(), trace=tr, timeline=timeline,
-                  stages=measured, per_rank=per_rank, pipeline=sim,
+                  stages=measured, per_rank=per_rank, pipeline=sim, sends=sends,
                   breakdown={"pipeline": sim.makespan, "dp_sync": sync, "optimizer": adamw,
                              "tied_embedding_sync": tied}, comm_bytes=int(comm),
                   gathered={s: d["ledger"] for s, d in opt_t.items()

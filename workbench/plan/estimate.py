@@ -9,11 +9,13 @@ data-parallel synchronisation + the optimizer step, where
   activation forward and one gradient backward per chunk (v per micro-batch), of
   2 s b h / t bytes each (Narayanan et al. 2021 sec. 4.1 scatter/gather: 1/t over the
   inter-stage link, then an all-gather of 2 s b h inside the TP group; with sequence
-  parallelism the activation is already split, so no all-gather); this library's recipe
+  parallelism the activation is already split, so no all-gather), each crossing on its
+  own link (``_p2p``, ``_crossings``: inside a node or across it; the middle stages,
+  one entry, paced by the slowest middle rank's crossings); this library's recipe
   (``framework="workbench"``) sends each TP rank's whole activation instead, each send
   once, on its sender, and its pipeline is simulated layer-stage by layer-stage as the dry
   run composes it (``_recipe_chunks``);
-- bubble (stages of unequal time T_i; the pipeline latency of Alpa's inter-operator pass,
+- bubble (stages of unequal time T_i, each with its own crossings; the pipeline latency of Alpa's inter-operator pass,
   Zheng et al. 2022, held exactly to ``parallel.schedules.simulate`` in the tests):
   (sum_i T_i - max_i T_i) / v, which for equal stages is (p - 1) T / v, the published
   1F1B / GPipe (p-1)(t_f + t_b) and interleaved 1/v of it
@@ -131,7 +133,7 @@ class Estimate:
             raise ValueError(f"pipeline(m={m!r}): give a number of micro-batches >= 1"
                              + (f", a multiple of pp={lay.pp} (interleaved)"
                                 if lay.schedule == "interleaved_1f1b" else ""))
-        return _simulate(lay, st, m, self.details["p2p"])
+        return _simulate(lay, st, m, self.details["p2p_links"])
 
     def explain(self) -> str:
         """How the step time and the memory were put together, term by term; lines wrapped
@@ -161,7 +163,7 @@ class Estimate:
             f"{ly.bwd_compute * ms:.2f} + {ly.bwd_comm * ms:.2f} ms ({d['layer_time_source']})",
             f"  slowest stage {slow['stage']}: {slow['time'] * ms:.1f} ms per micro-batch "
             f"(compute {slow['compute'] * ms:.1f}, communication {slow['comm'] * ms:.1f}, of "
-            f"which p2p {_sends(lay, slow['stage']) * d['p2p'] * ms:.2f}) x m = "
+            f"which p2p {sum(slow['crossings']) * ms:.2f}) x m = "
             f"{d['micro_batches']}",
             f"  bubble {bub} = {b['bubble']:.3f} s; DP sync "
             f"{d['dp_sync']:.3f} s, tied-embedding sync {d['tied_embedding_sync']:.3f} s, "
@@ -210,28 +212,51 @@ def pipeline_bubble(stage_times, v: int = 1) -> float:
     return (sum(times) - max(times)) / v
 
 
-def _simulate(lay: Layout, stages: dict, m: int, p2p: float = 0.0):
+def _simulate(lay: Layout, stages: dict, m: int, links):
     """``parallel.schedules.simulate`` of ``lay``'s schedule over ``m`` micro-batches,
     each pipeline rank's forward and backward taken from ``stages`` (estimate's
-    ``details["stages"]``); this library's recipe (:func:`_recipe_chunks`): per layer-stage,
-    as the dry run composes it."""
+    ``details["stages"]``) with its own crossings on ``links`` (``details["p2p_links"]``);
+    this library's recipe (:func:`_recipe_chunks`): per layer-stage, as the dry run
+    composes it."""
     from ..parallel.schedules import simulate
-    rows = [stages[_stage_name(r, lay.pp, lay.stages is not None)] for r in range(lay.pp)]
+    rows = _rows(lay, stages, links)
     sched = _schedule(lay.schedule, lay.pp, m, lay.v)
     if lay.engine == "workbench" and lay.pp > 1:
-        f, b = _recipe_chunks(lay, rows, p2p)
+        f, b = _recipe_chunks(lay, rows, links)
         return simulate(sched, f=f, b=b)
     return simulate(sched, f=[d["forward"] / lay.v for d in rows],
                     b=[(d["time"] - d["forward"]) / lay.v for d in rows])
 
 
-def _sends(lay: Layout, stage: int) -> int:
-    """Stage crossings priced per micro-batch on pipeline rank ``stage``: 2v (a blocking
-    receive waits on the link), or, this library's recipe as its dry run composes it, one
-    fewer on the first and last ranks (``_recipe_chunks``)."""
-    if lay.pp == 1:
-        return 0
-    return 2 * lay.v - (lay.engine == "workbench" and stage in (0, lay.pp - 1))
+def _crossings(lay: Layout, stage: int, links) -> tuple[float, float]:
+    """(forward, backward) seconds of the stage crossings pipeline rank ``stage`` is
+    charged per micro-batch, each on its own link (``links[r]``: one crossing of rank r ->
+    r + 1, ``_p2p``): v forward on the link to the next rank, v backward on the link from
+    the previous one (a blocking receive waits on the link: the last rank's forward waits
+    on pp - 2 -> pp - 1, the first's backward on 0 -> 1); interleaved chunks cross pp - 1
+    -> 0 too; this library's recipe as its dry run composes it: one fewer on the first
+    rank's backward and the last's forward (``_recipe_chunks``)."""
+    pp, v = lay.pp, lay.v
+    if pp == 1:
+        return 0.0, 0.0
+    if v > 1:
+        lf, lb = links[stage], links[(stage - 1) % pp]
+    else:
+        lf, lb = links[min(stage, pp - 2)], links[max(stage - 1, 0)]
+    recipe = lay.engine == "workbench"
+    return (v - (recipe and stage == pp - 1)) * lf, (v - (recipe and stage == 0)) * lb
+
+
+def _rows(lay: Layout, stages: dict, links) -> list:
+    """Per pipeline rank, its stage dict with its own crossings (``_crossings``): the
+    middle stages share one dict, priced with the slowest middle rank's links."""
+    out = []
+    for r in range(lay.pp):
+        d = stages[_stage_name(r, lay.pp, lay.stages is not None)]
+        (f0, b0), (f1, b1) = d["crossings"], _crossings(lay, r, links)
+        out.append(dict(d, forward=d["forward"] - f0 + f1, time=d["time"] - f0 - b0 + f1 + b1,
+                        crossings=(f1, b1)))
+    return out
 
 
 # the (frozen) parallel.schedules Schedule of a shape, built once (in_flight_peak.schedule,
@@ -239,14 +264,14 @@ def _sends(lay: Layout, stage: int) -> int:
 _schedule = _peak.schedule
 
 
-def _makespan(lay: Layout, stages: dict, m: int, p2p: float) -> float:
+def _makespan(lay: Layout, stages: dict, m: int, links) -> float:
     """``_simulate(...).makespan``, from the schedules' event-driven core alone (the
     timeline ``simulate`` also builds is not read here; a search prices many layouts)."""
     from ..parallel.schedules._engine import run
-    rows = [stages[_stage_name(r, lay.pp, lay.stages is not None)] for r in range(lay.pp)]
+    rows = _rows(lay, stages, links)
     sched = _schedule(lay.schedule, lay.pp, m, lay.v)
     if lay.engine == "workbench" and lay.pp > 1:
-        f, b = _recipe_chunks(lay, rows, p2p)
+        f, b = _recipe_chunks(lay, rows, links)
     else:
         f = [d["forward"] / lay.v for d in rows]
         b = [(d["time"] - d["forward"]) / lay.v for d in rows]
@@ -263,27 +288,30 @@ def _makespan(lay: Layout, stages: dict, m: int, p2p: float) -> float:
     return max(row[-1] for row in out.ends if row)
 
 
-def _recipe_chunks(lay: Layout, rows: list, p2p: float) -> tuple[list, list]:
+def _recipe_chunks(lay: Layout, rows: list, links) -> tuple[list, list]:
     """(forward, backward) seconds of each of the pp x v layer-stages of this library's
     recipe as ``plan.dryrun`` composes its pipeline: layer-stage k's forward with the send
     of its output (none from the last), its backward with the send of its input's
-    gradient (none from the first), each send priced once, on the sender; the embedding
-    on the first layer-stage and the head and loss on the last, not spread over a rank's
-    v chunks.  ``rows``: per pipeline rank, its stage dict (``edge``: the (forward, total)
-    seconds of the embedding or the head it holds)."""
+    gradient (none from the first), each send priced once, on the sender, on its own link
+    (``links[r]``: a crossing of pipeline rank r -> r + 1; layer-stage k sits on rank
+    k mod pp); the embedding on the first layer-stage and the head and loss on the last,
+    not spread over a rank's v chunks.  ``rows``: per pipeline rank, its stage dict
+    (``edge``: the (forward, total) seconds of the embedding or the head it holds;
+    ``crossings``: the (forward, backward) seconds of sends inside it, taken out here)."""
     pp, v = lay.pp, lay.v
     n = pp * v
     f, b = [0.0] * n, [0.0] * n
     for r, d in enumerate(rows):
         ef, et = d["edge"]
-        sends_f, sends_b = v - (r == pp - 1), v - (r == 0)     # as _recipe_sends
-        cf = (d["forward"] - ef - sends_f * p2p) / v
-        cb = (d["time"] - d["forward"] - (et - ef) - sends_b * p2p) / v
+        sf, sb = d["crossings"]
+        cf = (d["forward"] - ef - sf) / v
+        cb = (d["time"] - d["forward"] - (et - ef) - sb) / v
         for c in range(v):
             k = c * pp + r                 # parallel.schedules' layer-stage of chunk c
             edge = (r == 0 and c == 0) or (r == pp - 1 and c == v - 1)
-            f[k] = max(0.0, cf + (ef if edge else 0.0) + (p2p if k < n - 1 else 0.0))
-            b[k] = max(0.0, cb + (et - ef if edge else 0.0) + (p2p if k > 0 else 0.0))
+            f[k] = max(0.0, cf + (ef if edge else 0.0) + (links[r] if k < n - 1 else 0.0))
+            b[k] = max(0.0, cb + (et - ef if edge else 0.0)
+                       + (links[(r - 1) % pp] if k > 0 else 0.0))
     return f, b
 
 
@@ -313,8 +341,13 @@ def _stage_kinds(pp: int, uneven: bool = False) -> list[tuple[str, int, int]]:
     return out + ([("middle", 1, pp - 2)] if pp > 2 else [])
 
 
-def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
-    """(seconds, bytes) of one activation (or gradient) crossing one stage boundary.
+def _p2p(cfg, lay: Layout, prof) -> tuple[list, float]:
+    """(seconds of one activation (or gradient) crossing on each link, bytes of one
+    crossing): ``links[r]`` is pipeline rank r -> r + 1 (and, interleaved, pp - 1 -> 0:
+    chunks cross it too), each priced on its own ranks, so that with fewer than a node's
+    devices per stage (tp x dp x cp below it) a crossing inside a node is NVLink's and one
+    leaving it the network's (was: every crossing at the slowest link's price, one
+    inter-node crossing of 15 charged on all of them; plan_random_layouts.py).
     Megatron-LM's scatter/gather (module docstring) where tp > 1 without sequence
     parallelism; this library's recipe (framework "workbench") has none: each TP rank
     sends its whole replicated activation to its peer (``Hybrid``'s stage send,
@@ -322,21 +355,16 @@ def _p2p(cfg, lay: Layout, prof) -> tuple[float, float]:
     the dry run's trace (Llama 2 7B, tp 8, pp 2 across two 910B nodes: 1.352 ms a crossing
     against 0.331 ms priced as scatter/gather)."""
     n = 2 * cfg.seq_len * lay.micro_batch * cfg.d_model
-    # the slowest boundary's link: with fewer than a node's devices per stage (tp x dp x
-    # cp below it) some crossings stay inside a node and others leave it; was the first
-    # boundary's alone (0 -> 1), inside the node with tp 4, pp 4 on 8-GPU nodes, so the
-    # inter-node crossing 1 -> 2 was priced at NVLink's rate (found by plan10's random
-    # layouts); interleaved chunks cross pp - 1 -> 0 too
     ends = [(s, s + 1) for s in range(lay.pp - 1)] + ([(lay.pp - 1, 0)] if lay.v > 1 else [])
-    pairs = {(lay.rank(0, 0, a), lay.rank(0, 0, b)) for a, b in ends}
+    pairs = [(lay.rank(0, 0, a), lay.rank(0, 0, b)) for a, b in ends]
     if lay.tp > 1 and not lay.sp and lay.engine == "workbench":
-        return max(C.group_price("send_recv", n, pair, prof) for pair in pairs), n
-    t = max(C.group_price("send_recv", n / lay.tp, pair, prof) for pair in pairs)
-    sent = n / lay.tp
+        return [C.group_price("send_recv", n, pair, prof) for pair in pairs], n
+    gather = sent = 0.0
     if lay.tp > 1 and not lay.sp:
-        t += C.group_price("all_gather", n, tuple(lay.tp_ranks()), prof)
-        sent += wire_bytes("all_gather", n, lay.tp)
-    return t, sent
+        gather = C.group_price("all_gather", n, tuple(lay.tp_ranks()), prof)
+        sent = wire_bytes("all_gather", n, lay.tp)
+    return [C.group_price("send_recv", n / lay.tp, pair, prof) + gather
+            for pair in pairs], n / lay.tp + sent
 
 
 def _loss_lead(cfg, lay: Layout, head, edge) -> tuple:
@@ -612,7 +640,12 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                         bwd_compute=layer.bwd_compute + eager["backward"])
     head = C.head_cost(tcfg, b, tp, sp, prof)
     emb_t, emb_sent = C.embedding_comm(tcfg, b, tp, sp, prof)
-    p2p_t, p2p_sent = _p2p(tcfg, lay, prof) if pp > 1 else (0.0, 0.0)
+    links, p2p_sent = _p2p(tcfg, lay, prof) if pp > 1 else ([0.0], 0.0)
+    p2p_t = max(links)                              # the slowest link's crossing
+    if lay.engine == "deepspeed" and pp > 1:
+        # DeepSpeed's engine re-prices its own p2p on the slowest link (plan.deepspeed_step
+        # takes the planner's 2 p2p_t out of every stage): kept at that link's price
+        links = [p2p_t] * len(links)
     per_stage = lay.stage_layers(cfg.n_layer)
     edge = edge_times(tcfg, b, tp, sp, prof)       # embeddings; final norm, fp32 cast, loss
     # this library's ZeRO-3 re-gathers a recomputed layer module by module (zero_cost)
@@ -627,16 +660,17 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     for name, s, count in _stage_kinds(pp, lay.stages is not None):
         n_layers = per_stage[s]
         comp = n_layers * (layer.fwd_compute + layer.bwd_compute)
-        comm = n_layers * (layer.fwd_comm + layer.bwd_comm) + _sends(lay, s) * p2p_t
+        # each crossing on its own link; the middle stages (one dict for count of them,
+        # same layers) with the slowest middle rank's, which paces the steady state
+        cross = max((_crossings(lay, k, links) for k in range(s, s + count)), key=sum)
+        comm = n_layers * (layer.fwd_comm + layer.bwd_comm) + sum(cross)
         # bytes sent: a crossing's send and the receiver's TP all-gather (p2p_sent),
         # both ways per chunk but the first stage's input and the last's output
         # (2v - 1 on them; the time keeps 2v: a blocking receive waits on the link)
         sent = n_layers * layer.comm_bytes + (2 * v - (s in (0, pp - 1))) * p2p_sent
-        fwd = n_layers * (layer.fwd_compute + layer.fwd_comm) + v * p2p_t
-        if lay.engine == "workbench" and pp > 1:
-            # the recipe's sends as the dry run composes them (_recipe_chunks, _sends):
-            # none from the last layer-stage's forward nor from the first's backward
-            fwd -= (s == pp - 1) * p2p_t
+        # the recipe's sends as the dry run composes them (_recipe_chunks, _crossings):
+        # none from the last layer-stage's forward nor from the first's backward
+        fwd = n_layers * (layer.fwd_compute + layer.fwd_comm) + cross[0]
         edge_f = edge_t = 0.0          # the embedding's and the head's (_recipe_chunks)
         if s == 0:
             edge_f += emb_t + edge["first"][0]
@@ -693,6 +727,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         mem = stage_memory(cfg, lay, s, attention, prof, mem_fusion)
         stages[name] = dict(stage=s, count=count, compute=comp, comm=comm, time=comp + comm,
                             forward=fwd, psi=psi, expert_dp=e_t, edge=(edge_f, edge_t),
+                            crossings=cross,
                             sent=sent, dp=dp_t, dp_sent=dp_sent, optimizer=opt,
                             grad_accumulation=acc,
                             memory=mem,
@@ -727,7 +762,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                                                                "sent", "dp", "optimizer")},
                      forward=ds["stages"][d["stage"]]["forward"])
     slow = max(stages.values(), key=lambda d: d["time"])
-    bubble = pipeline_bubble([d["time"] for d in stages.values() for _ in range(d["count"])], v)
+    # the fill and drain walk every stage once, each with its own crossings (_rows)
+    bubble = pipeline_bubble([d["time"] for d in _rows(lay, stages, links)], v)
     m = lay.m
     if (lay.stages is not None or lay.engine == "workbench") and pp > 1 and ds is None:
         # uneven stages: (sum - max) is exact only when the slowest stage is the last (or
@@ -735,7 +771,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         # 8, 8), m = 4: the formula 26% above the schedule), so simulate the schedule;
         # this library's recipe: its layer-stages as the dry run composes them
         # (_recipe_chunks), whose sends on the sender the formula does not hold
-        bubble = _makespan(lay, stages, m, p2p_t) - m * max(
+        bubble = _makespan(lay, stages, m, links) - m * max(
             d["time"] for d in stages.values())
     sync = max(d["dp"] for d in stages.values()) + tied
     opt = max(d["optimizer"] for d in stages.values())
@@ -750,6 +786,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         "layer_time_source": C.LAYER_TIME_SOURCE if cfg.arch == "gpt" else
         C.LLAMA_LAYER_TIME_SOURCE, "layer": layer, "head": head,
         "p2p": p2p_t if ds is None else ds["stages"][slow["stage"]]["p2p"] / 2,
+        "p2p_links": links,        # seconds of one crossing of pipeline rank r -> r + 1
         "micro_batches": m, "stages": stages, "slowest_stage": slow["stage"],
         "busiest_stage": busiest["stage"], "dp_sync": sync - tied, "tied_embedding_sync": tied,
         "optimizer": opt, "model_flops": model_f, "hardware_flops": hw_f,

@@ -351,7 +351,7 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
         if s == n_stages - 1:
             y = h._loss(y, h._batch(torch.zeros(B, S, dtype=torch.long, device="meta"), mesh))
     t_fwd = _clock(tr, ranks)
-    send, send_bytes = 0.0, {}
+    send, send_bytes, pair_bytes = 0.0, {}, 0
     if s < n_stages - 1:           # the activation to the next stage (and its gradient back)
         dst = h.meshes[(s + 1) % h.pp]
         b0, n0 = tr.bytes_per_rank(), len(tr.events)
@@ -361,6 +361,7 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
         # chunk 1 -> 2 lands on mesh 0, whose clock is past chunk 0's backward)
         sent = tr.events[n0:]
         send = max(e.end for e in sent) - min(e.start for e in sent) if sent else 0.0
+        pair_bytes = max((e.bytes for e in sent), default=0)  # one sender's, to one peer
         send_bytes = {r: b - b0.get(r, 0) for r, b in tr.bytes_per_rank().items()
                       if b != b0.get(r, 0)}
         # the backward is timed alone, after the send: the composed pipeline (plan.dryrun)
@@ -379,6 +380,7 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
             torch.autograd.backward([y._local], [torch.empty_like(y._local)])
     t_bwd = _clock(tr, ranks)
     return {"stage": s, "forward": t_fwd - t0, "backward": t_bwd - t1, "send": send,
+            "send_pair_bytes": pair_bytes,     # what each sender sends its peer
             "send_bytes": send_bytes,      # per rank: the send's and the receiving mesh's
             "activation_bytes": counter.bytes, "saved_tensors": len(counter.seen)}
 
