@@ -1,0 +1,79 @@
+"""Random sweep 11b: open defects of the wide random sweep (``run_program(rng, wide=True)``,
+tests/random_programs_wide.py).  Each test holds a DistTensor call to torch on the full
+tensor; the docstrings say what was wrong before."""
+import pytest
+import torch
+
+import workbench as wb
+from workbench.parallel.placement import parse_placements
+from workbench.parallel.validate_inputs import distribute
+
+MESH = wb.Mesh([[0, 1], [2, 3]])
+
+TIES = torch.tensor([[2, -1, 2, -1, 1, 0, -3], [1, 1, 1, 0, 0, 0, 1],
+                     [0, 0, 0, 0, 0, 0, 0], [3, -2, 3, 3, -2, 0, 3]], dtype=torch.float64)
+
+
+def _d(x, ps, mesh=MESH, seed=3):
+    return distribute(x, mesh, parse_placements(ps), seed=seed)
+
+
+@pytest.mark.parametrize("ps", [["R", "R"], ["S(0)", "R"], ["S(1)", "S(0)"]])
+def test_kthvalue_and_median_pick_torchs_index_among_ties(ps):
+    """torch's kernel (std::nth_element) picks one index among equal values; a sort picks
+    another.  Before: kthvalue([2, -1, 2, -1, 1, 0, -3], 7) gave index 2, torch 0 (seed
+    2002189 wide); median's dim form likewise."""
+    d = _d(TIES, ps)
+    for k in range(1, 8):
+        for keepdim in (False, True):
+            got, want = torch.kthvalue(d, k, -1, keepdim), torch.kthvalue(TIES, k, -1, keepdim)
+            assert torch.equal(got.indices.full(), want.indices), k
+            assert torch.equal(got.values.full(), want.values), k
+    for dim in (0, 1):
+        got, want = d.median(dim), TIES.median(dim)
+        assert torch.equal(got.indices.full(), want.indices)
+        assert torch.equal(got.values.full(), want.values)
+
+
+def test_kthvalue_gradient_goes_to_torchs_index():
+    x = TIES.clone().requires_grad_(True)
+    d = _d(TIES, ["S(0)", "R"]).requires_grad_(True)
+    torch.kthvalue(d, 6, 1).values.sum().backward()
+    torch.kthvalue(x, 6, 1).values.sum().backward()
+    assert torch.equal(d.grad.full(), x.grad)
+
+
+def test_bce_target_gradient_is_minus_logit_unclamped():
+    """torch: the target's gradient is -grad logit(x): +-inf at x = 0 or 1, 690.8 at
+    x = 1e-300.  Before: the clamped logs' -+100 (seed 2000267 wide)."""
+    import torch.nn.functional as F
+    x = torch.tensor([0., 1., 0.5, 1e-300, 0.2, 0.9], dtype=torch.float64)
+    y = torch.tensor([0.3, 0.7, 0.2, 0.5, 1., 0.], dtype=torch.float64)
+    for red in ("mean", "none"):
+        xr, yr = x.clone().requires_grad_(True), y.clone().requires_grad_(True)
+        want = F.binary_cross_entropy(xr, yr, reduction=red)
+        want.sum().backward()
+        dx = _d(x, ["S(0)", "R"]).requires_grad_(True)
+        dy = _d(y, ["R", "S(0)"], seed=4).requires_grad_(True)
+        got = F.binary_cross_entropy(dx, dy, reduction=red)
+        got.sum().backward()
+        torch.testing.assert_close(got.full(), want)
+        torch.testing.assert_close(dy.grad.full(), yr.grad)
+        torch.testing.assert_close(dx.grad.full(), xr.grad)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 1.5, -0.25])
+def test_bce_refuses_an_input_outside_0_1_as_torch(bad):
+    """torch raises RuntimeError for an input element outside [0, 1], NaN included.
+    Before: a result (seed 2000267 wide)."""
+    import torch.nn.functional as F
+    x = torch.tensor([0.2, bad, 0.5, 0.7], dtype=torch.float64)
+    y = torch.full((4,), 0.5, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="between 0 and 1"):
+        F.binary_cross_entropy(x, y)
+    d = _d(x, ["S(0)", "R"]).requires_grad_(True)
+    before = d.full().clone()
+    with pytest.raises(RuntimeError, match="between 0 and 1"):
+        F.binary_cross_entropy(d, _d(y, ["R", "R"]))
+    torch.testing.assert_close(d.full(), before, equal_nan=True, rtol=0, atol=0)
+    assert d.grad is None
