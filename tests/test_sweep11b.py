@@ -77,3 +77,23 @@ def test_bce_refuses_an_input_outside_0_1_as_torch(bad):
         F.binary_cross_entropy(d, _d(y, ["R", "R"]))
     torch.testing.assert_close(d.full(), before, equal_nan=True, rtol=0, atol=0)
     assert d.grad is None
+
+
+@pytest.mark.parametrize("v", [float("nan"), float("inf"), 1e200, 1e-200, 0.0, -2.0])
+@pytest.mark.parametrize("p", [2, 3, 0.5, -1, 1, float("inf")])
+def test_norm_of_a_0d_has_torchs_gradient(v, p):
+    """torch's gradient of a 0-d p-norm is x |x|^(p-2) / |x|^(p-1): NaN for a NaN or
+    infinite x (and where the powers overflow).  Before: abs's, 0 or 1 (seed 2001189 wide:
+    torch.dist of a 0-d NaN)."""
+    x, y = torch.tensor(v, dtype=torch.float64), torch.tensor(0.25, dtype=torch.float64)
+    xr, yr = x.clone().requires_grad_(True), y.clone().requires_grad_(True)
+    torch.linalg.vector_norm(xr, p).backward()
+    torch.dist(xr, yr, p).backward()
+    dx = _d(x, ["R", "R"]).requires_grad_(True)
+    dy = _d(y, ["R", "R"]).requires_grad_(True)
+    got = torch.linalg.vector_norm(dx, p)
+    torch.testing.assert_close(got.full(), torch.linalg.vector_norm(x, p), equal_nan=True)
+    got.backward()
+    torch.dist(dx, dy, p).backward()
+    torch.testing.assert_close(dx.grad.full(), xr.grad, equal_nan=True)
+    torch.testing.assert_close(dy.grad.full(), yr.grad, equal_nan=True)
