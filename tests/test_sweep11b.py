@@ -97,3 +97,19 @@ def test_norm_of_a_0d_has_torchs_gradient(v, p):
     torch.dist(dx, dy, p).backward()
     torch.testing.assert_close(dx.grad.full(), xr.grad, equal_nan=True)
     torch.testing.assert_close(dy.grad.full(), yr.grad, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int64])
+def test_nll_loss_of_an_integer_input_raises_as_torch(dtype):
+    """torch's CPU kernel: NotImplementedError ("nll_loss_out_frame" not implemented for
+    'Byte'), the meta kernel passes it.  Before: a result (seed 2002290 wide)."""
+    import torch.nn.functional as F
+    x, t = torch.zeros(4, 3, dtype=dtype), torch.tensor([0, 2, 1, 0])
+    with pytest.raises(NotImplementedError) as want:
+        F.nll_loss(x, t)
+    with pytest.raises(NotImplementedError) as got:
+        F.nll_loss(_d(x, ["S(0)", "R"]), _d(t, ["S(0)", "R"]))
+    assert str(got.value) == str(want.value)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    torch.testing.assert_close(F.nll_loss(_d(x, ["S(0)", "R"]), _d(t, ["S(0)", "R"])).full(),
+                               F.nll_loss(x, t))

@@ -160,6 +160,9 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
     F.nll_loss(torch.empty(tuple(input.shape), dtype=input.dtype, device="meta"),
                torch.empty(tuple(target.shape), dtype=target.dtype, device="meta"),
                ignore_index=ignore_index, reduction=reduction)      # torch's shape checks
+    from .blas import cpu_check       # its CPU kernel's dtypes: NotImplementedError for a
+    cpu_check(F.nll_loss, input, target, ignore_index=ignore_index,    # uint8 input (sweep11
+              reduction=reduction)                                     # seed 2002290 wide)
     one = input.ndim == 1
     if one:
         input, target = input.unsqueeze(0), target.unsqueeze(0)
