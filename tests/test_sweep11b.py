@@ -113,3 +113,23 @@ def test_nll_loss_of_an_integer_input_raises_as_torch(dtype):
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     torch.testing.assert_close(F.nll_loss(_d(x, ["S(0)", "R"]), _d(t, ["S(0)", "R"])).full(),
                                F.nll_loss(x, t))
+
+
+@pytest.mark.parametrize("ps", [["R", "R"], ["S(0)", "R"], ["P(sum)", "S(1)"]])
+def test_var_std_of_complex_computes_as_torch(ps):
+    """torch.var / std / var_mean / std_mean of a complex tensor: the real variance of
+    |x - mean|.  Before: RuntimeError "input dtype should be either floating point or
+    complex" (the wide sweep)."""
+    c = torch.randn(4, 6, dtype=torch.complex128, generator=torch.Generator().manual_seed(2))
+    d = _d(c, ps)
+    calls = (lambda a: torch.var(a), lambda a: torch.var(a, 0), lambda a: a.var(1, correction=0),
+             lambda a: torch.std(a, 1, keepdim=True), lambda a: torch.std_mean(a, 0),
+             lambda a: torch.var_mean(a))
+    for f in calls:
+        want, got = f(c), f(d)
+        want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype
+            torch.testing.assert_close(g.full(), w)
+    with pytest.raises(RuntimeError, match="floating point or complex"):
+        torch.var(_d(torch.ones(4, 6, dtype=torch.int64), ps))

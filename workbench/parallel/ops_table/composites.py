@@ -39,7 +39,7 @@ def _var_args(input, args, kwargs, fn):
     if args or kwargs:
         raise TypeError(f"{fn}(): unexpected arguments {args or ''} {list(kwargs) or ''} on a "
                         "DistTensor")
-    if not input.dtype.is_floating_point:
+    if not (input.dtype.is_floating_point or input.dtype.is_complex):
         raise RuntimeError(f"{fn}(): input dtype should be either floating point or complex. "
                            f"Got {str(input.dtype).replace('torch.', '').capitalize()} instead.")
     dims = tuple(range(input.ndim)) if dim is None else \
@@ -74,7 +74,11 @@ def _dim_is_none(args, kwargs) -> bool:
 
 def _var_value(input, dims, correction, keepdim, n):
     centered = input - input.mean(dims, keepdim=True)
-    s = (centered * centered).sum(dims, keepdim=keepdim)
+    if centered.is_complex():         # |x - mean|^2, a real variance (torch.var of complex;
+        a = centered.abs()            # a complex DistTensor has no gradient)
+        s = (a * a).sum(dims, keepdim=keepdim)
+    else:
+        s = (centered * centered).sum(dims, keepdim=keepdim)
     out = s / max(n - correction, 0)
     # no element at all: torch's kernel gives a positive nan (0 / 0 here is x86's default
     # nan, sign bit set: signbit() read True where torch's reads False; seed 1045897)
