@@ -133,3 +133,26 @@ def test_var_std_of_complex_computes_as_torch(ps):
             torch.testing.assert_close(g.full(), w)
     with pytest.raises(RuntimeError, match="floating point or complex"):
         torch.var(_d(torch.ones(4, 6, dtype=torch.int64), ps))
+
+
+@pytest.mark.parametrize("fn", ["smooth_l1_loss", "mse_loss"])
+def test_losses_with_a_bool_operand_as_torch(fn):
+    """torch promotes a bool operand against a float one, and its CPU kernel refuses an
+    integer / bool result (NotImplementedError).  Before: smooth_l1_loss(bool, float)
+    raised bool subtraction's RuntimeError (seed 2003341 wide); mse_loss(bool, bool) that
+    RuntimeError, mse_loss(bool, int64) a result."""
+    import torch.nn.functional as F
+    f = getattr(F, fn)
+    b = torch.tensor([[True, False, True]])
+    x = torch.tensor([[-1.5, 0.25, 2.0]], dtype=torch.float64)
+    for u, v in ((b, x), (x, b)):
+        want = f(u, v, reduction="none")
+        got = f(_d(u, ["R", "R"]), _d(v, ["R", "S(1)"]), reduction="none").full()
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
+    for u, v in ((b, b), (b, torch.tensor([[3, 1, 0]]))):
+        with pytest.raises(NotImplementedError) as want:
+            f(u, v)
+        with pytest.raises(NotImplementedError) as got:
+            f(_d(u, ["R", "R"]), _d(v, ["R", "R"]))
+        assert str(got.value) == str(want.value)

@@ -147,6 +147,8 @@ def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", we
                                   "are not supported; use reduction=")
     if tuple(input.shape) != tuple(target.shape):
         torch.broadcast_shapes(tuple(input.shape), tuple(target.shape))   # torch's error
+    from .blas import cpu_check       # its CPU kernel's dtypes: NotImplementedError for an
+    cpu_check(F.mse_loss, input, target, reduction=reduction)   # integer / bool result
     if torch.bool in (input.dtype, target.dtype):   # torch promotes; bool - x raises
         dt = torch.promote_types(input.dtype, target.dtype)
         input, target = input.to(dt), target.to(dt)

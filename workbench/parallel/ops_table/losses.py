@@ -77,6 +77,9 @@ def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mea
         raise RuntimeError("smooth_l1_loss does not support negative values for beta.")
     cpu_check(F.smooth_l1_loss, input, target, reduction=reduction, beta=beta)
     torch_check(F.smooth_l1_loss, input, target, reduction=reduction, beta=beta)
+    if torch.bool in (input.dtype, target.dtype):   # torch promotes; bool - x raises (the
+        dt = torch.promote_types(input.dtype, target.dtype)        # wide sweep, seed 2003341)
+        input, target = input.to(dt), target.to(dt)
     d = _diff("smooth_l1_loss", input, target).abs()
     loss = d if beta == 0 else _quadratic_below(d, beta, 0.5 / beta, d - 0.5 * beta)
     return _reduce(loss, reduction, "smooth_l1_loss")
