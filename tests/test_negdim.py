@@ -101,6 +101,12 @@ CASES = {
     "nanmedian": Case("one", lambda x, draw, d: ((x,), {"dim": d[0],
                                                          "keepdim": draw(st.booleans())}),
                       lambda t, d: torch.nanmedian(t, d[0])),                # fixlist6
+    "kthvalue_rows": Case("one", lambda x, draw, d: ((x,), {"k": 1, "dim": d[0],
+                                                           "keepdim": draw(st.booleans())}),
+                          lambda t, d: torch.kthvalue(t, 1, d[0])),          # sweep11b
+    "median_rows": Case("one", lambda x, draw, d: ((x,), {"dim": d[0],
+                                                       "keepdim": draw(st.booleans())}),
+                        lambda t, d: torch.median(t, d[0])),
     "topk": Case("one", lambda x, draw, d: ((x,), {"k": 1, "dim": d[0], "largest": True,
                                                    "sorted": True}),
                  lambda t, d: torch.topk(t, 1, d[0])),

@@ -131,6 +131,8 @@ SAMPLES["searchsorted"] = (lambda s, v: torch.searchsorted(s, v),
 SAMPLES["detach"] = (torch.detach, [X])                                     # fixlist4
 SAMPLES["nanmedian"] = (lambda x: tuple(torch.nanmedian(x, 1)), [X])        # fixlist6
 SAMPLES["nanmedian_all"] = (torch.nanmedian, [X])
+SAMPLES["kthvalue_rows"] = (lambda x: tuple(torch.kthvalue(x, 2, 1)), [X])     # sweep11b
+SAMPLES["median_rows"] = (lambda x: tuple(torch.median(x, 0)), [X])
 M2 = wb.Mesh.grid(2, ["a"])
 
 

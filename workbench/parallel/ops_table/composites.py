@@ -39,7 +39,7 @@ def _var_args(input, args, kwargs, fn):
     if args or kwargs:
         raise TypeError(f"{fn}(): unexpected arguments {args or ''} {list(kwargs) or ''} on a "
                         "DistTensor")
-    if not input.dtype.is_floating_point:
+    if not (input.dtype.is_floating_point or input.dtype.is_complex):
         raise RuntimeError(f"{fn}(): input dtype should be either floating point or complex. "
                            f"Got {str(input.dtype).replace('torch.', '').capitalize()} instead.")
     dims = tuple(range(input.ndim)) if dim is None else \
@@ -74,7 +74,11 @@ def _dim_is_none(args, kwargs) -> bool:
 
 def _var_value(input, dims, correction, keepdim, n):
     centered = input - input.mean(dims, keepdim=True)
-    s = (centered * centered).sum(dims, keepdim=keepdim)
+    if centered.is_complex():         # |x - mean|^2, a real variance (torch.var of complex;
+        a = centered.abs()            # a complex DistTensor has no gradient)
+        s = (a * a).sum(dims, keepdim=keepdim)
+    else:
+        s = (centered * centered).sum(dims, keepdim=keepdim)
     out = s / max(n - correction, 0)
     # no element at all: torch's kernel gives a positive nan (0 / 0 here is x86's default
     # nan, sign bit set: signbit() read True where torch's reads False; seed 1045897)
@@ -143,6 +147,8 @@ def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", we
                                   "are not supported; use reduction=")
     if tuple(input.shape) != tuple(target.shape):
         torch.broadcast_shapes(tuple(input.shape), tuple(target.shape))   # torch's error
+    from .blas import cpu_check       # its CPU kernel's dtypes: NotImplementedError for an
+    cpu_check(F.mse_loss, input, target, reduction=reduction)   # integer / bool result
     if torch.bool in (input.dtype, target.dtype):   # torch promotes; bool - x raises
         dt = torch.promote_types(input.dtype, target.dtype)
         input, target = input.to(dt), target.to(dt)
@@ -160,6 +166,9 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
     F.nll_loss(torch.empty(tuple(input.shape), dtype=input.dtype, device="meta"),
                torch.empty(tuple(target.shape), dtype=target.dtype, device="meta"),
                ignore_index=ignore_index, reduction=reduction)      # torch's shape checks
+    from .blas import cpu_check       # its CPU kernel's dtypes: NotImplementedError for a
+    cpu_check(F.nll_loss, input, target, ignore_index=ignore_index,    # uint8 input (sweep11
+              reduction=reduction)                                     # seed 2002290 wide)
     one = input.ndim == 1
     if one:
         input, target = input.unsqueeze(0), target.unsqueeze(0)

@@ -77,6 +77,9 @@ def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mea
         raise RuntimeError("smooth_l1_loss does not support negative values for beta.")
     cpu_check(F.smooth_l1_loss, input, target, reduction=reduction, beta=beta)
     torch_check(F.smooth_l1_loss, input, target, reduction=reduction, beta=beta)
+    if torch.bool in (input.dtype, target.dtype):   # torch promotes; bool - x raises (the
+        dt = torch.promote_types(input.dtype, target.dtype)        # wide sweep, seed 2003341)
+        input, target = input.to(dt), target.to(dt)
     d = _diff("smooth_l1_loss", input, target).abs()
     loss = d if beta == 0 else _quadratic_below(d, beta, 0.5 / beta, d - 0.5 * beta)
     return _reduce(loss, reduction, "smooth_l1_loss")
@@ -118,6 +121,21 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
     return _reduce(loss, reduction, "binary_cross_entropy_with_logits").to(ref.dtype)
 
 
+class _GradOnly(torch.autograd.Function):
+    """Value 0 (``t * 0``), gradient ``grad * slope`` to ``t``: a gradient that the value's
+    composition cannot give (0 * inf in the value would be nan)."""
+
+    @staticmethod
+    def forward(ctx, t, slope):
+        ctx.save_for_backward(slope)
+        return t * 0
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slope,) = ctx.saved_tensors
+        return grad * slope, None
+
+
 def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None,
                          reduction="mean"):
     """``F.binary_cross_entropy``: ``-(y log x + (1 - y) log(1 - x))``, each log clamped
@@ -127,8 +145,18 @@ def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=N
     ref = torch_check(F.binary_cross_entropy, input, target, weight, reduction=reduction)
     _float_input("binary_cross_entropy", input)
     x = input.detach()
-    loss = -(target * torch.log(x).clamp_min(-100.0)
-             + (1 - target) * torch.log(1 - x).clamp_min(-100.0))
+    whole = x.full() if hasattr(x, "placements") else x
+    if not bool(((whole >= 0) & (whole <= 1)).all()):     # a NaN too (sweep11 seed 2000267)
+        raise RuntimeError("all elements of input should be between 0 and 1 (torch's "
+                           "binary_cross_entropy check; a NaN fails it): pass probabilities, "
+                           "e.g. input.sigmoid(), or use binary_cross_entropy_with_logits")
+    t = target.detach() if getattr(target, "requires_grad", False) else target
+    loss = -(t * torch.log(x).clamp_min(-100.0) + (1 - t) * torch.log(1 - x).clamp_min(-100.0))
+    if t is not target:
+        # the target's gradient is torch's (derivatives.yaml binary_cross_entropy_target_
+        # backward): -grad logit(x), unclamped: +-inf at x = 0 or 1, where the clamped
+        # logs' gave -+100 (sweep11 seed 2000267 wide); a term of value 0
+        loss = loss + _GradOnly.apply(target, -torch.logit(x))
     # the input's gradient is torch's kernel's (Loss.cpp binary_cross_entropy_backward):
     # grad (x - y) / max((1 - x) x, EPSILON = 1e-12), finite at x = 0 or 1, where the
     # clamped log's gave 0 * inf = nan (sweep11 seeds 2000323, 2000418 wide); the term adds

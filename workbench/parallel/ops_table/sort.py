@@ -107,11 +107,8 @@ def kthvalue(input, k, dim=-1, keepdim=False, *, out=None):
     cpu_check(torch.kthvalue, input, 1, dim, keepdim)        # its dtypes (not bool)
     if input.ndim == 0:
         return torch.return_types.kthvalue((input.clone(), torch.zeros_like(input).long()))
-    v, i = torch.sort(input, dim)
-    d = wrap_dim(dim, input.ndim)
-    v, i = v.narrow(d, k - 1, 1), i.narrow(d, k - 1, 1)
-    if not keepdim:
-        v, i = v.squeeze(d), i.squeeze(d)
+    from ..dispatch import dispatch          # torch's kernel on whole rows: its pick among ties
+    v, i = dispatch(_kthvalue_rows, (input, k, wrap_dim(dim, input.ndim), bool(keepdim)), None)
     return torch.return_types.kthvalue((v, i))
 
 
@@ -127,9 +124,11 @@ def median(input, dim=None, keepdim=False, *, out=None):
         flat = input.reshape(-1)
         return kthvalue(flat, (flat.shape[0] - 1) // 2 + 1, 0).values if flat.shape[0] else \
             (flat.sum() * float("nan")).to(input.dtype)   # torch: nan in the input's dtype
-    n = input.shape[dim] if input.ndim else 1
-    r = kthvalue(input, (n - 1) // 2 + 1, dim, keepdim)
-    return torch.return_types.median((r.values, r.indices))
+    if input.ndim == 0:
+        return torch.return_types.median((input.clone(), torch.zeros_like(input).long()))
+    from ..dispatch import dispatch          # torch's kernel on whole rows: its pick among ties
+    v, i = dispatch(_median_rows, (input, wrap_dim(dim, input.ndim), bool(keepdim)), None)
+    return torch.return_types.median((v, i))
 
 
 SELECTIONS = {torch.kthvalue: kthvalue, T.kthvalue: kthvalue, torch.median: median,
@@ -201,6 +200,53 @@ _NANMEDIAN = register("nanmedian", [torch.nanmedian, T.nanmedian], parse=_nanmed
                       rule=_nanmedian_rule, local=_nanmedian_local, cost=_select_cost,
                       op_class="reduction", n_out=2, sample=_nanmedian_sample)
 _NANMEDIAN.extra["result_type"] = torch.return_types.nanmedian
+
+
+# kthvalue / median along a dim: torch's kernel on whole rows, as nanmedian (its
+# ``std::nth_element`` picks one index among equal values that no sort reproduces: a
+# stable sort's pick differs, e.g. kthvalue([2, -1, 2, -1, 1, 0, -3], 7) is the 2 at
+# index 0 in torch).  The composites above check the arguments and dispatch these.
+
+def _kthvalue_rows(input, k, dim, keepdim):
+    """``torch.kthvalue(input, k, dim, keepdim)`` with a wrapped dim (the table's callable)."""
+    return torch.kthvalue(input, k, dim, keepdim)
+
+
+def _median_rows(input, dim, keepdim):
+    """``torch.median(input, dim, keepdim)`` with a wrapped dim (the table's callable)."""
+    return torch.median(input, dim, keepdim)
+
+
+def _rows_rule(x, k=None, dim=-1, keepdim=False, **_):
+    return _nanmedian_rule(x, dim, keepdim)
+
+
+def _kthvalue_local(nd, ctx, x, k, dim, keepdim):
+    return tuple(torch.kthvalue(x, k, shift(dim, x.dim() - nd, nd), keepdim))
+
+
+def _median_local(nd, ctx, x, dim, keepdim):
+    return tuple(torch.median(x, shift(dim, x.dim() - nd, nd), keepdim))
+
+
+def _ties(g):
+    return g.grid(5, 7).round()
+
+
+_KTH = register("kthvalue_rows", [_kthvalue_rows],
+                parse=lambda input, k, dim, keepdim: ((input,), {"k": int(k), "dim": dim,
+                                                                 "keepdim": keepdim}),
+                rule=_rows_rule, local=_kthvalue_local, cost=_select_cost,
+                op_class="reduction", n_out=2,
+                sample=lambda g: [Sample(_kthvalue_rows, (_ties(g), 3, 1, False)),
+                                  Sample(_kthvalue_rows, (g.ints(7, 3), 2, 0, True))])
+_MEDIAN = register("median_rows", [_median_rows],
+                   parse=lambda input, dim, keepdim: ((input,), {"dim": dim,
+                                                                 "keepdim": keepdim}),
+                   rule=lambda x, dim, keepdim=False, **_: _nanmedian_rule(x, dim, keepdim),
+                   local=_median_local, cost=_select_cost, op_class="reduction", n_out=2,
+                   sample=lambda g: [Sample(_median_rows, (_ties(g), 1, False)),
+                                     Sample(_median_rows, (g.ints(7, 3), 0, True))])
 
 
 def _nanmedian_all(input):

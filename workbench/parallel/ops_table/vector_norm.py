@@ -81,6 +81,40 @@ def _count_nonzero(x, dims, keepdim):
     return _CountNonzero.apply(x, dims, keepdim)
 
 
+class _Slope(torch.autograd.Function):
+    """Value ``value``, gradient ``grad * slope`` to ``x``."""
+
+    @staticmethod
+    def forward(ctx, x, value, slope):
+        ctx.save_for_backward(slope)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (slope,) = ctx.saved_tensors
+        return g * slope, None, None
+
+
+def _abs_p(x, p):
+    """The p-norm of a 0-d ``x`` (p not 0, 1 or +-inf): ``|x|``, with torch's gradient
+    (``linalg_vector_norm_backward``): ``x |x|^(p-2) / |x|^(p-1)`` (``sgn(x) |x|^(p-1)``
+    over it for p < 1; ``x / |x|`` for p = 2), 0 where ``|x| = 0``: NaN for a NaN or
+    infinite x, and where the powers overflow (p = 3 of 1e200) as torch's, where
+    ``abs``'s sign gave 0 or 1 (sweep11 seed 2001189 wide)."""
+    a = x.detach().abs()
+    xd = x.detach()
+    if p == 2:
+        ratio = xd / a
+    elif p < 1:
+        ratio = xd.sign() * a ** (p - 1) / a ** (p - 1)
+    else:
+        ratio = xd * a ** (p - 2) / a ** (p - 1)
+    slope = torch.where(a == 0, torch.zeros((), dtype=a.dtype), ratio)
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return x.abs()
+    return _Slope.apply(x, a, slope)
+
+
 def _wrapped(dim, ndim):
     """``dim`` with negative dims wrapped where they are in range: torch 2.13's meta
     kernel of an inf norm judges an empty dim by the unwrapped index (dim -3 of a
@@ -112,7 +146,7 @@ def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
         r = _count_nonzero(x, dims, keepdim) if x.requires_grad and torch.is_grad_enabled() \
             else _CountNonzero.forward(None, x, dims, keepdim)
     elif not dims:                    # a 0-d tensor: |x|
-        r = x.abs()
+        r = x.abs() if ord in (1, math.inf, -math.inf) else _abs_p(x, ord)
     elif ord == math.inf:
         r = x.abs().amax(dims, keepdim=keepdim)
     elif ord == -math.inf:
