@@ -65,6 +65,16 @@ def plain(t):
     return t.full() if isinstance(t, wb.DistTensor) else t
 
 
+def same_before_and_after_a_step(wr, opt, ref, ro):
+    """The wrapper's full state is one device's, and again after one SGD step of both."""
+    for _ in range(2):
+        got = full_state(wr.m.state_dict())
+        for k, v in ref.state_dict().items():
+            close(got[k], v)
+        if _ == 0:
+            train_step(wr, opt, ref, ro, *batches(1)[0])
+
+
 # ---- 1. module hooks ---------------------------------------------------------------------
 @pytest.mark.parametrize("kind", KINDS)
 def test_forward_hooks_fire_once_per_simulated_rank_with_its_rows(kind):
@@ -308,13 +318,7 @@ def test_trunc_normal_of_ddp_over_tp_parameters_is_one_devices_draw(kw, seed):
         for p in wr.params():
             nn.init.trunc_normal_(p, **kw)
     assert torch.equal(torch.get_rng_state(), want_rng)
-    got = full_state(wr.m.state_dict())
-    for k, v in ref.state_dict().items():
-        close(got[k], v)
-    train_step(wr, opt, ref, ro, *batches(1)[0])
-    got = full_state(wr.m.state_dict())
-    for k, v in ref.state_dict().items():
-        close(got[k], v)
+    same_before_and_after_a_step(wr, opt, ref, ro)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -336,13 +340,7 @@ def test_model_apply_init_after_wrapping_is_one_devices_or_raises(kind):
             wr.w.apply(init_fn)
         return
     wr.w.apply(init_fn)
-    got, want = full_state(wr.m.state_dict()), ref.state_dict()
-    for k in want:
-        close(got[k], want[k])
-    train_step(wr, opt, ref, ro, *batches(1)[0])
-    got = full_state(wr.m.state_dict())
-    for k, v in ref.state_dict().items():
-        close(got[k], v)
+    same_before_and_after_a_step(wr, opt, ref, ro)
 
 
 # ---- 3. load_state_dict(strict=False), weight / spectral norm ------------------------------

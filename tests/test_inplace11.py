@@ -200,22 +200,15 @@ def test_keep_vars_dict_of_zero_over_tp_saves_and_loads_back(kind):
     import io
 
     from .test_habits10 import same_model
-    from .test_habits15 import Wrapped, batches, full_state, mk, ref_backward
+    from .test_habits15 import Wrapped, batches, full_state, mk
+    from .test_habits18 import train_step
     ref, wr = mk(), Wrapped(kind)
     ref.eval()
     wr.w.eval()
     ro, opt = torch.optim.SGD(ref.parameters(), lr=0.5), wr.optimizer(cls=torch.optim.SGD,
                                                                      lr=0.5)
     data = batches(2)
-
-    def step(x, y):
-        opt.zero_grad()
-        ro.zero_grad()
-        wr.backward(x, y)
-        ref_backward(ref, x, y)
-        opt.step()
-        ro.step()
-    step(*data[0])
+    train_step(wr, opt, ref, ro, *data[0])
     want = ref.state_dict()
     buf = io.BytesIO()
     torch.save(wr.w.state_dict(keep_vars=True), buf)
@@ -231,7 +224,7 @@ def test_keep_vars_dict_of_zero_over_tp_saves_and_loads_back(kind):
     got = full_state(other.m.state_dict())
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
-    step(*data[1])                      # the live parameters kept their wiring
+    train_step(wr, opt, ref, ro, *data[1])      # the live parameters kept their wiring
     same_model(wr, ref)
 
 
