@@ -318,7 +318,8 @@ def test_a_loss_term_on_a_no_grad_forwards_copy_raises(kind):
     from torch.utils.checkpoint import checkpoint
 
     from .test_habits10 import same_model
-    from .test_habits15 import Wrapped, batches, mk, ref_backward
+    from .test_habits15 import Wrapped, batches, mk
+    from .test_habits18 import train_step
     ref, wr = mk(), Wrapped(kind)
     ref.eval()
     wr.w.eval()
@@ -333,9 +334,5 @@ def test_a_loss_term_on_a_no_grad_forwards_copy_raises(kind):
         (((out.full() - y) ** 2).mean() + wr.m[2].bias.sum().full()).backward()
     ro, opt = torch.optim.SGD(ref.parameters(), lr=0.5), wr.optimizer(cls=torch.optim.SGD,
                                                                      lr=0.5)
-    opt.zero_grad()
-    wr.backward(x2, y2)
-    ref_backward(ref, x2, y2)
-    opt.step()
-    ro.step()
+    train_step(wr, opt, ref, ro, x2, y2)
     same_model(wr, ref)
