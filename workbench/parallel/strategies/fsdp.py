@@ -100,7 +100,7 @@ from .fsdp_summon import SummonFullParams
 from .rank_grads import as_chunk_rows, as_shard_grad
 from .laid_out_whole import storage_numel
 from .rank_hooks import as_rank
-from .rank_recompute import refuse_checkpoint, seq_mark
+from .rank_recompute import refuse_checkpoint, refuse_outer_reentrant, seq_mark
 from .laid_out_hooks import check_hooks
 from .replaced_params import check_places, check_read_through
 from .ranks import (ModuleWrapper, RankGroup, buffer_snapshot, check_batch_stats, check_module,
@@ -220,6 +220,8 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
         g, cd = self.group, self.compute_dtype
         if cd is not None and self._casts_inputs:
             args, kwargs = tree_cast(args, cd), tree_cast(kwargs, cd)
+        if not g.distributed:       # checkpoint(fsdp, x, use_reentrant=True): untracked
+            refuse_outer_reentrant(self._who, args, kwargs)
         per, dim = ([(args, kwargs)], None) if g.distributed else g.split(args, kwargs)
         ks = [g.k] if g.distributed else range(g.n)
         self._hook_shards()

@@ -32,11 +32,12 @@ averaging (queued in the first inner backward) would run before the rest arrive.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 
-__all__ = ["RankScope", "seq_mark", "checkpoint_nodes", "hook_nodes", "reentrant_error",
-           "refuse_checkpoint", "close_open_scopes"]
+__all__ = ["RankScope", "seq_mark", "outer_checkpoint", "checkpoint_nodes", "hook_nodes",
+           "reentrant_error", "refuse_checkpoint", "refuse_outer_reentrant", "close_open_scopes"]
 
 _OPEN: list = []    # scopes whose pre-hook ran and post-hook has not (yet)
 
@@ -99,10 +100,27 @@ def close_open_scopes() -> None:
         _OPEN[-1].post(None, None)
 
 
-def _in_checkpoint_region(node) -> bool:
-    """Whether ``node`` keeps a saved tensor packed by a non-reentrant checkpoint region:
-    inside one every saved tensor is (torch.utils.checkpoint packs it into a holder whose
-    unpack runs the recompute); other saved-tensor hooks (offloading, FSDP's) are not."""
+def outer_checkpoint():
+    """The unpack hook of a non-reentrant checkpoint region open around the wrapper's own
+    forward (``checkpoint(ddp, x, use_reentrant=False)``, or that region's recompute in
+    backward), else None.  Its recompute reruns the whole wrapper, which puts each rank's
+    parameters in place itself: its nodes get no rank hooks (ckpt11: the hooks put rank
+    0's rows in the module before the rerun, whose forward then raised "'0.weight' was
+    assigned after wrapping").  The top of the saved-tensor hooks stack
+    (torch/csrc/autograd/python_saved_variable_hooks.cpp, read without packing a
+    tensor, which would count as one of the region's saved tensors)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if top is not None and getattr(top[1], "__module__", None) == _CKPT:
+        return top[1]
+    return None
+
+
+def _in_checkpoint_region(node, outer=None) -> bool:
+    """Whether ``node`` keeps a saved tensor packed by a non-reentrant checkpoint region
+    opened inside the forward: inside one every saved tensor is (torch.utils.checkpoint
+    packs it into a holder whose unpack runs the recompute); other saved-tensor hooks
+    (offloading, FSDP's) are not, nor is a region around the wrapper (``outer``,
+    :func:`outer_checkpoint`: each region's saved tensors share its unpack hook)."""
     names = _SAVED_ATTRS.get(type(node))
     if names is None:
         names = _SAVED_ATTRS[type(node)] = [a for a in dir(node) if a.startswith("_raw_saved_")]
@@ -110,7 +128,8 @@ def _in_checkpoint_region(node) -> bool:
         saved = getattr(node, a)
         for t in (saved if isinstance(saved, (list, tuple)) else (saved,)):
             hook = getattr(t, "unpack_hook", None)
-            if hook is not None and getattr(hook, "__module__", None) == _CKPT:
+            if hook is not None and hook is not outer and \
+                    getattr(hook, "__module__", None) == _CKPT:
                 return True
     return False
 
@@ -118,13 +137,14 @@ def _in_checkpoint_region(node) -> bool:
 _CKPT = torch.utils.checkpoint.__name__
 
 
-def checkpoint_nodes(outputs, since: int):
+def checkpoint_nodes(outputs, since: int, outer=None):
     """The nodes reachable from ``outputs`` that a forward made (sequence numbers from
     ``since`` on, :func:`seq_mark`) whose backward may run a checkpoint's recompute:
     ``(reentrant, non_reentrant)`` lists.  A reentrant region is its own node
     (``CheckpointFunctionBackward``, which reruns the region and backpropagates through
     it); a non-reentrant region reruns from the first of its nodes that unpacks a saved
-    tensor."""
+    tensor.  ``outer``: a region around the wrapper's forward (:func:`outer_checkpoint`),
+    not one of the module's."""
     stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and
              t.grad_fn is not None]
     seen, reentrant, plain = set(), [], []
@@ -137,7 +157,7 @@ def checkpoint_nodes(outputs, since: int):
             continue
         if type(n).__name__ == "CheckpointFunctionBackward":
             reentrant.append(n)
-        elif _in_checkpoint_region(n):
+        elif _in_checkpoint_region(n, outer):
             plain.append(n)
         stack.extend(f for f, _ in n.next_functions)
     return reentrant, plain
@@ -148,6 +168,48 @@ def hook_nodes(nodes, scope: RankScope) -> None:
     for n in nodes:
         n.register_prehook(scope.pre)
         n.register_hook(scope.post)
+
+
+def _in_reentrant_forward() -> bool:
+    """Whether this call runs inside the forward of a reentrant checkpoint
+    (``CheckpointFunction.forward``, torch/utils/checkpoint.py: the region under
+    ``torch.no_grad()``); looked for only when grad is off, so a training forward pays
+    nothing."""
+    if torch.is_grad_enabled():
+        return False
+    code = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
+
+
+def refuse_outer_reentrant(who: str, args, kwargs) -> None:
+    """``torch.utils.checkpoint.checkpoint(wrapper, x, use_reentrant=True)`` with plain
+    tensor inputs: refused (NotImplementedError naming the fix).  The reentrant checkpoint
+    is a ``torch.autograd.Function`` whose forward runs the wrapper under ``no_grad``; the
+    wrapper on simulated ranks returns a DistTensor, which is no ``torch.Tensor``, so the
+    Function passes it through untracked and no gradient reaches the parameters (ckpt11:
+    backward raised "element 0 of tensors does not require grad").  With a DistTensor
+    input the call runs as use_reentrant=False (..custom_function), and it trains as one
+    device (tests/test_ckpt11.py)."""
+    if not _in_reentrant_forward():
+        return
+    from torch.utils import _pytree as pytree
+    from ..dist_tensor import DistTensor
+    leaves = pytree.tree_leaves((args, kwargs), is_leaf=lambda t: isinstance(t, DistTensor))
+    if any(isinstance(t, DistTensor) for t in leaves):
+        return
+    raise NotImplementedError(
+        f"{who}: called inside torch.utils.checkpoint.checkpoint(..., use_reentrant=True) "
+        "with plain tensor inputs: the reentrant checkpoint is an autograd.Function, and "
+        "the wrapper's output on simulated ranks is a DistTensor (not a torch.Tensor), so "
+        "the Function would pass it through untracked and no gradient would reach the "
+        "parameters.  Pass use_reentrant=False (PyTorch's recommended mode; gives one "
+        "device's gradients), or give the input as a DistTensor "
+        "(wb.shard_tensor(x, mesh, [wb.Shard(0)]).requires_grad_())")
 
 
 def reentrant_error(who: str, n: int) -> NotImplementedError:
@@ -169,7 +231,8 @@ def refuse_checkpoint(outputs, since: int, who: str, n: int) -> None:
     backward would read the module's parameters when they are the shards again, not the
     rank's gathered weights: the recompute under the sharded wrappers is not built."""
     from torch.utils import _pytree as pytree
-    reentrant, plain = checkpoint_nodes(pytree.tree_leaves(outputs), since)
+    reentrant, plain = checkpoint_nodes(pytree.tree_leaves(outputs), since,
+                                        outer_checkpoint())
     if reentrant or plain:
         raise NotImplementedError(
             f"{who} on {n} simulated ranks: the module checkpoints its own activations "

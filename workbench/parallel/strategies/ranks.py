@@ -37,7 +37,8 @@ from ..dist_tensor import DistTensor
 from ..placement import Partial, Replicate, Shard
 from .rank_hooks import as_rank
 from .rank_recompute import (RankScope, checkpoint_nodes, close_open_scopes, hook_nodes,
-                             reentrant_error, seq_mark)
+                             outer_checkpoint, reentrant_error, refuse_outer_reentrant,
+                             seq_mark)
 
 __all__ = ["RankGroup"]
 
@@ -199,9 +200,11 @@ def run_per_rank(group, module, params, args, kwargs, owner: int = 0):
     that rank's inputs; join the outputs into DistTensors.  Only rank ``owner``'s
     forward writes the module's buffers (:func:`rank_buffers`)."""
     check_batch_stats(group, module, "DistributedDataParallel", local_ok=True)
+    refuse_outer_reentrant("DistributedDataParallel", args, kwargs)
     close_open_scopes()         # a backward that raised inside a recompute: parameters back
     per, dim = group.split(args, kwargs)
     outs, snap = [], buffer_snapshot(module)
+    outer = outer_checkpoint()  # checkpoint(wrapper, ...): its rerun is the whole wrapper's
     stacked = dict(module.named_parameters())
     places = [(m, n, p) for m in module.modules() for n, p in m._parameters.items()]
     with one_batch():           # a MoE's last_stats: every rank's part (ops/moe.py)
@@ -220,7 +223,7 @@ def run_per_rank(group, module, params, args, kwargs, owner: int = 0):
                     _restore_places(places)
             # a checkpoint's recompute in backward: with this rank's parameters
             # (rank_recompute.py)
-            reentrant, plain = checkpoint_nodes(pytree.tree_leaves(outs[-1]), since)
+            reentrant, plain = checkpoint_nodes(pytree.tree_leaves(outs[-1]), since, outer)
             if reentrant:
                 raise reentrant_error("DistributedDataParallel", group.n)
             if reentrant or plain:
