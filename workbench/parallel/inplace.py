@@ -405,11 +405,16 @@ def _partial_overlap(x: DistTensor, idx, value) -> None:
     written-to tensor refer to a single memory location", at::assert_no_partial_overlap),
     where here the value is read first.  Decided by the same write on a stand-in of x's
     global strides (one byte per element), for a value that is a getitem view of ``x``
-    and a basic index (ints, slices, None, ...): other aliasing is not told apart."""
+    and a basic index (ints, slices, None, ...), ``x`` or an alias of its memory (``x.data``,
+    ``x.detach()``): other aliasing is not told apart."""
     from . import strides
-    if not isinstance(value, DistTensor) or value._view is None or value._view[0] is not x \
+    if not isinstance(value, DistTensor) or value._view is None \
             or not isinstance(value._view[1], tuple):
         return
+    if value._view[0] is not x:         # x.data[1:] = x[:-1]: x's memory under two handles
+        rx, rv = overlap._chain(x), overlap._chain(value._view[0])
+        if rx[1] or rv[1] or rx[0] is not rv[0]:
+            return
     items = idx if isinstance(idx, tuple) else (idx,)
     if not all(i is None or i is Ellipsis or type(i) in (int, slice) for i in items):
         return
