@@ -7,6 +7,12 @@ share with the written tensor, held to torch on the full tensor.
    of place and written (probe of 48 calls x 9 layouts: 103 of 432 answered otherwise than
    torch before, 20 after this item).  Now the check follows detach / .data to their
    source (``dist_tensor.ALIAS_OF``), and ``x.data[1:] = x[:-1]`` is refused as torch does.
+2. ``expand``: ``x.add_(x[:1].expand(4, 4))`` (torch adds row 0 first and the other rows
+   read the doubled row: its loop order) was computed from values read first; now refused
+   naming clone().  ``x[:1].expand(4, 4).zero_()`` (torch's fill_ writes the shared memory,
+   x's row 0) raised torch's "more than one element" error: now torch's result.  Probe
+   after both items: 2 of 432 unlike torch (a copy-view of uneven 2-d shards not refreshed
+   after a write through detach(), left).
 """
 import pytest
 import torch
@@ -105,3 +111,53 @@ def test_writes_through_detach_and_data_as_torch(mesh, ps):
         f(r)
         f(d)
         torch.testing.assert_close(d.full(), r, rtol=1e-12, atol=1e-12, msg=name)
+
+
+# ---- item 2: expand ------------------------------------------------------------------------
+@pytest.mark.parametrize("mesh,ps", LAYOUTS, ids=IDS)
+def test_input_expanded_from_the_written_tensor(mesh, ps):
+    """``x.add_(x[:1].expand(4, 4))``: torch's result is its loop order's (row 0 doubled
+    first): refused naming clone(), x untouched, the clone() fix torch's.  ``x.copy_(
+    x[0].expand(4, 4))`` and ``x[1:].add_(x[:1].expand(3, 4))`` are order-free: torch's."""
+    d = _d(mesh, ps)
+    before = d.full().clone()
+    r = before.clone()
+    r.add_(r[:1].expand(4, 4))
+    with pytest.raises(NotImplementedError, match=r"clone\(\)"):
+        d.add_(d[:1].expand(4, 4))
+    torch.testing.assert_close(d.full(), before, rtol=0, atol=0)
+    ref = before.clone()
+    ref.add_(ref[:1].expand(4, 4).clone())
+    assert not torch.equal(r, ref)
+    d.add_(d[:1].expand(4, 4).clone())
+    torch.testing.assert_close(d.full(), ref, rtol=1e-12, atol=1e-12)
+    for f in (lambda t: t.copy_(t[0].expand(4, 4)),
+              lambda t: t[1:].add_(t[:1].expand(3, 4)),
+              lambda t: t[1:].add_(t[:1].expand_as(t[1:]))):
+        d = _d(mesh, ps)
+        r = d.full().clone()
+        f(r)
+        f(d)
+        torch.testing.assert_close(d.full(), r, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mesh,ps", LAYOUTS, ids=IDS)
+def test_fill_of_an_expanded_view_writes_the_base(mesh, ps):
+    """torch's fill_ / zero_ do not refuse a stride-0 written-to tensor: the value lands in
+    the shared memory (here it raised "more than one element ... single memory location");
+    add_ into one still raises torch's error, x untouched."""
+    for f in (lambda t: t[:1].expand(4, 4).zero_(),
+              lambda t: t[:, 2:3].expand_as(t).fill_(7.0),
+              lambda t: t[1].unsqueeze(0).expand(3, 4).fill_(-1.0)):
+        d = _d(mesh, ps)
+        r = d.full().clone()
+        e_r, e_d = f(r), f(d)
+        torch.testing.assert_close(d.full(), r, rtol=0, atol=0)
+        torch.testing.assert_close(e_d.full(), e_r, rtol=0, atol=0)
+    d = _d(mesh, ps)
+    before = d.full().clone()
+    with pytest.raises(RuntimeError, match="more than one element"):
+        before.clone()[:1].expand(4, 4).add_(1)
+    with pytest.raises(RuntimeError, match="more than one element"):
+        d[:1].expand(4, 4).add_(1)
+    torch.testing.assert_close(d.full(), before, rtol=0, atol=0)

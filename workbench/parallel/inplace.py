@@ -327,6 +327,17 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
                       getattr(T, op[:-1], None))
     if op in RANDOM:
         return assign(x, _random(x, op, args, kwargs), op)
+    if op in ("zero_", "fill_") and x._view is not None and not _writable(x._local):
+        from .views import expanded
+        shape = expanded(x)
+        if shape is not None:
+            # x[:1].expand(4, 4).zero_(): torch's fill_ does not refuse a written-to tensor
+            # whose elements share memory (ATen's fill_ sets check_mem_overlap false): the
+            # value goes into the memory, all of the base, which an expand covers
+            base = x._view[0]
+            method(base, op, args, kwargs)
+            x._local = dispatch(T.expand, (base, shape), None)._local
+            return x
     if op == "zero_":
         return assign(x, torch.zeros((), dtype=x.dtype, device=x.device), op)
     if op == "fill_":

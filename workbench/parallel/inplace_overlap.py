@@ -26,7 +26,9 @@ its kernel), it raises naming ``clone()``, as ``x[:, 1:] = x[:, :-1]`` does
 What it sees: views made by the view ops this package tracks (``x._view``: getitem,
 reshapes, permutations, diagonals, split / chunk / unbind pieces), and ``x.detach()`` /
 ``x.data`` (``dist_tensor.ALIAS_OF``: ``y = x.detach(); y[1:].add_(x[:-1])`` is refused as
-torch refuses it; before, the detached handle was another memory here).
+torch refuses it; before, the detached handle was another memory here), and ``expand`` /
+``expand_as`` (``views.EXPANDED``: ``x.add_(x[:1].expand(4, 4))`` reads row 0 after torch
+wrote it, refused naming clone()).
 """
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ import torch
 
 from . import storage
 from .dist_tensor import ALIAS_OF, DistTensor
+from .views import expanded
+
+_EXPAND = object()      # a step of _chain: an expand (views.EXPANDED) to the step's shape
 
 __all__ = ["check"]
 
@@ -63,6 +68,10 @@ def _chain(d: DistTensor):
             steps.append((d._view[1], tuple(d.shape)))
             d = d._view[0]
             continue
+        if d._view is not None and expanded(d) is not None:
+            steps.append((_EXPAND, tuple(d.shape)))
+            d = d._view[0]
+            continue
         refs = ALIAS_OF.get(id(d))
         src = refs[1]() if refs is not None and refs[0]() is d else None
         if src is None or not _same_memory(d, src):
@@ -78,6 +87,8 @@ def _view(s: torch.Tensor, index, shape) -> torch.Tensor:
         return s.permute(tuple(index))
     if isinstance(index, Diag):
         return s.diagonal(*index)
+    if index is _EXPAND:
+        return s.expand(shape)
     if isinstance(index, str) and index == WHOLE:
         return s.reshape(shape)          # a view where torch's is one, else a copy
     return s[index]
@@ -181,8 +192,11 @@ def check(x: DistTensor, run, args, kwargs, name: str, func=None) -> None:
                 src = src.broadcast_to(dst.shape)
             except RuntimeError:
                 continue         # torch's shape error comes from the real run
-            clash = bool((torch.isin(src.reshape(-1), dst.reshape(-1)) &
-                          (src != dst).reshape(-1)).any())
+            other = (src != dst).reshape(-1)            # read at another index
+            # copy_ leaves an element it writes from itself as it was
+            # (x.copy_(x[:1].expand(4, 4)): row 0 keeps its values, the rows read them)
+            changed = dst.reshape(-1)[other] if name.strip("_") == "copy" else dst.reshape(-1)
+            clash = bool((torch.isin(src.reshape(-1), changed) & other).any())
         else:
             clash = bool(torch.isin(src.reshape(-1), dst.reshape(-1)).any())
         if clash:
