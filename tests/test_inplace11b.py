@@ -161,3 +161,24 @@ def test_fill_of_an_expanded_view_writes_the_base(mesh, ps):
     with pytest.raises(RuntimeError, match="more than one element"):
         d[:1].expand(4, 4).add_(1)
     torch.testing.assert_close(d.full(), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mesh,ps", LAYOUTS, ids=IDS)
+def test_broadcast_to_is_expand(mesh, ps):
+    """``torch.broadcast_to`` (torch: "equivalent to calling input.expand(shape)") had no
+    rule (NoRuleError); now expand's: torch's values, the same overlap answers."""
+    d = _d(mesh, ps)
+    x = d.full().clone()
+    for f in (lambda t: torch.broadcast_to(t[:1], (4, 4)),
+              lambda t: t.broadcast_to((2, 4, 4))):
+        torch.testing.assert_close(f(d).full(), f(x), rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="more than one element"):
+        torch.broadcast_to(x.clone()[:1], (4, 4)).mul_(2)
+    with pytest.raises(RuntimeError, match="more than one element"):
+        torch.broadcast_to(d[:1], (4, 4)).mul_(2)
+    with pytest.raises(NotImplementedError, match=r"clone\(\)"):
+        d.add_(torch.broadcast_to(d[:1], (4, 4)))
+    torch.testing.assert_close(d.full(), x, rtol=0, atol=0)
+    torch.broadcast_to(d[:1], (4, 4)).zero_()
+    x[:1].expand(4, 4).zero_()
+    torch.testing.assert_close(d.full(), x, rtol=0, atol=0)
