@@ -9,10 +9,12 @@ share with the written tensor, held to torch on the full tensor.
    source (``dist_tensor.ALIAS_OF``), and ``x.data[1:] = x[:-1]`` is refused as torch does.
 2. ``expand``: ``x.add_(x[:1].expand(4, 4))`` (torch adds row 0 first and the other rows
    read the doubled row: its loop order) was computed from values read first; now refused
-   naming clone().  ``x[:1].expand(4, 4).zero_()`` (torch's fill_ writes the shared memory,
-   x's row 0) raised torch's "more than one element" error: now torch's result.  Probe
-   after both items: 2 of 432 unlike torch (a copy-view of uneven 2-d shards not refreshed
-   after a write through detach(), left).
+   naming clone().  ``torch.broadcast_to`` had no rule: now expand's.  ``x[:1].expand(4, 4).zero_()`` (torch's fill_ writes the shared memory,
+   x's row 0) raised torch's "more than one element" error: now torch's result.
+3. Over uneven 2-d shards ``v = x[1:]`` is a copy of x: ``x.detach().add_(1)`` left v
+   stale (now refreshed as a write into x refreshes it), and ``x[1:].detach()[0].add_(1)``
+   changed nothing in x, silently (now refused, naming the fix).  Probe after all items: 1 of
+   432 unlike torch, that refusal.
 """
 import pytest
 import torch
@@ -182,3 +184,38 @@ def test_broadcast_to_is_expand(mesh, ps):
     torch.broadcast_to(d[:1], (4, 4)).zero_()
     x[:1].expand(4, 4).zero_()
     torch.testing.assert_close(d.full(), x, rtol=0, atol=0)
+
+
+# ---- item 3: detach() of x, or of a view that is a copy -------------------------------------
+def test_write_through_detach_reaches_views_that_are_copies():
+    """``v = x[1:]`` over S(0), S(1) on a 2x2 mesh is a copy (uneven shards); a write
+    through ``x.detach()`` / ``x.data`` now reaches it as a write into x does; before, v kept
+    its old values."""
+    for f in (lambda t: t.detach().add_(1), lambda t: t.data.mul_(2),
+              lambda t: t.detach()[0].fill_(5.0)):
+        d = _d(M2, ["S(0)", "S(1)"])
+        v, w = d[1:], d[:, 1:]
+        r = d.full().clone()
+        rv, rw = r[1:], r[:, 1:]
+        f(r)
+        f(d)
+        torch.testing.assert_close(d.full(), r, rtol=0, atol=0)
+        torch.testing.assert_close(v.full(), rv, rtol=0, atol=0)
+        torch.testing.assert_close(w.full(), rw, rtol=0, atol=0)
+
+
+def test_write_into_detach_of_a_copy_view_refused():
+    """``x[1:].detach()[0].add_(1)`` where x[1:] is a copy: the write would not reach x
+    (torch's does): refused naming the fix, x untouched; the fix named is torch's result."""
+    d = _d(M2, ["S(0)", "S(1)"])
+    before = d.full().clone()
+    with pytest.raises(NotImplementedError, match="Write into the view itself"):
+        d[1:].detach()[0].add_(1)
+    with pytest.raises(NotImplementedError, match="Write into the view itself"):
+        d[1:].data.zero_()
+    torch.testing.assert_close(d.full(), before, rtol=0, atol=0)
+    with torch.no_grad():
+        d[1:][0].add_(1)
+    ref = before.clone()
+    ref[1:].detach()[0].add_(1)
+    torch.testing.assert_close(d.full(), ref, rtol=0, atol=0)

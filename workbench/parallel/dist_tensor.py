@@ -443,15 +443,16 @@ def _saved(t: torch.Tensor) -> torch.Tensor:
 # id(a local tensor made by DistTensor.detach) -> (weakref to it, weakref to its source)
 DETACHED: dict = {}
 
-# id(a DistTensor made by detach() / .data) -> (weakref to it, weakref to its source): the
-# two share memory as torch's do (inplace_overlap follows the link while they still do)
+# id(a DistTensor made by detach() / .data) -> (weakref to it, its source): the two share
+# memory as torch's do (inplace_overlap follows the link while they still do); the source
+# lives as long as the alias, as torch's storage does (x[1:].detach() keeps x[1:]'s link)
 ALIAS_OF: dict = {}
 
 
 def alias(out: "DistTensor", src: "DistTensor") -> None:
     """Record that ``out`` is ``src``'s memory under another handle (detach, .data)."""
     key = id(out)
-    ALIAS_OF[key] = (weakref.ref(out, lambda _, k=key: ALIAS_OF.pop(k, None)), weakref.ref(src))
+    ALIAS_OF[key] = (weakref.ref(out, lambda _, k=key: ALIAS_OF.pop(k, None)), src)
 
 
 # ---- construction -------------------------------------------------------------------------

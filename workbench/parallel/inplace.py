@@ -183,10 +183,52 @@ def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
     cast to ``x.dtype``, laid out in ``x.placements``. ``sources``: the op's inputs
     (``x``'s new data must not alias them). Returns ``x``; its views see the new values
     (:func:`.views.refresh`)."""
+    _check_alias_of_copy(x, op)
     before = x._local
     _assign(x, y, op, sources=sources)
     refresh(x, x._local is not before)
+    if x._local is before:
+        _refresh_sources(x)
     return x
+
+
+def _alias_sources(x: DistTensor):
+    """The DistTensors whose memory ``x``'s root is under another handle (``t.detach()``,
+    ``t.data``, and so on up), nearest first."""
+    from .dist_tensor import ALIAS_OF
+    d = x
+    while d._view is not None:
+        d = d._view[0]
+    while True:
+        refs = ALIAS_OF.get(id(d))
+        src = refs[1] if refs is not None and refs[0]() is d else None
+        if src is None or not overlap._same_memory(d, src):
+            return
+        yield src
+        d = src
+
+
+def _check_alias_of_copy(x: DistTensor, op: str) -> None:
+    """``v = t[1:]`` over uneven shards is a copy of ``t`` (the view op moved data; a write
+    into ``v`` goes back through ``t[1:] = ...``); ``v.detach()`` shares the copy's memory,
+    so a write into it would not reach ``t`` (torch's would): refused before anything is
+    written."""
+    for src in _alias_sources(x):
+        if src._view is not None and not src._view[2]:
+            raise NotImplementedError(
+                f"{op}() into a detach() / .data of a view of the DistTensor "
+                f"{src._view[0].notation()} that the view op could not keep in its memory "
+                "(its layout moved data): the write would not reach the base, as torch's "
+                "does. Write into the view itself under torch.no_grad() (v.add_(1)), or "
+                "into the base")
+
+
+def _refresh_sources(x: DistTensor) -> None:
+    """After a write into ``x``'s own memory: where x's root is ``t.detach()`` / ``t.data``
+    (the same memory), ``t``'s views that are copies see the write too, as torch's views of
+    ``t`` do (``v = t[1:]; t.detach().add_(1)`` changes v)."""
+    for src in _alias_sources(x):
+        refresh(src, False)
 
 
 def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
