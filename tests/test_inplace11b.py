@@ -219,3 +219,18 @@ def test_write_into_detach_of_a_copy_view_refused():
     ref = before.clone()
     ref[1:].detach()[0].add_(1)
     torch.testing.assert_close(d.full(), ref, rtol=0, atol=0)
+
+
+def test_detach_does_not_keep_its_source_alive():
+    """``h.detach()`` shares h's memory but, as torch's, not h itself (nor its autograd
+    graph): the overlap link to h is weak for a view that shares its base's memory."""
+    import gc
+    import weakref
+    w = _d(M1, ["S(0)"]).requires_grad_()
+    h = w * 2
+    ref = weakref.ref(h)
+    y = h.detach()
+    del h
+    gc.collect()
+    assert ref() is None
+    torch.testing.assert_close(y.full(), w.full().detach() * 2, rtol=0, atol=0)

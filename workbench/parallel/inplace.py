@@ -201,7 +201,7 @@ def _alias_sources(x: DistTensor):
         d = d._view[0]
     while True:
         refs = ALIAS_OF.get(id(d))
-        src = refs[1] if refs is not None and refs[0]() is d else None
+        src = refs[1]() if refs is not None and refs[0]() is d else None
         if src is None or not overlap._same_memory(d, src):
             return
         yield src

@@ -73,7 +73,7 @@ def _chain(d: DistTensor):
             d = d._view[0]
             continue
         refs = ALIAS_OF.get(id(d))
-        src = refs[1] if refs is not None and refs[0]() is d else None
+        src = refs[1]() if refs is not None and refs[0]() is d else None
         if src is None or not _same_memory(d, src):
             break
         d = src
