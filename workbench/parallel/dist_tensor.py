@@ -323,6 +323,7 @@ class DistTensor:
         out = DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
         out._gstride = getattr(self, "_gstride", None)      # torch's detach keeps strides
         out._ring_order = getattr(self, "_ring_order", None)  # and the values' order
+        alias(out, self)
         return out
 
     def backward(self, gradient=None, retain_graph=None, create_graph=False,
@@ -441,6 +442,21 @@ def _saved(t: torch.Tensor) -> torch.Tensor:
 
 # id(a local tensor made by DistTensor.detach) -> (weakref to it, weakref to its source)
 DETACHED: dict = {}
+
+# id(a DistTensor made by detach() / .data) -> (weakref to it, a callable giving its source
+# or None): the two share memory as torch's do (inplace_overlap follows the link while they
+# still do).  The source is held weakly (a detached activation must not keep its autograd
+# graph alive), except a view that is a copy of its base (uneven shards): held, so that a
+# write into ``x[1:].detach()`` is refused (inplace._check_alias_of_copy), not lost
+ALIAS_OF: dict = {}
+
+
+def alias(out: "DistTensor", src: "DistTensor") -> None:
+    """Record that ``out`` is ``src``'s memory under another handle (detach, .data)."""
+    key = id(out)
+    copy = src._view is not None and not src._view[2]
+    ALIAS_OF[key] = (weakref.ref(out, lambda _, k=key: ALIAS_OF.pop(k, None)),
+                     (lambda: src) if copy else weakref.ref(src))
 
 
 # ---- construction -------------------------------------------------------------------------

@@ -91,8 +91,13 @@ def _get_data(self) -> DistTensor:
         if keep_leaf:
             loc = storage.map_tensors(loc, lambda t: t.detach().requires_grad_())
         self._local = loc
+    from .dist_tensor import alias
     loc = storage.map_tensors(self._local, lambda t: _alias(t))
-    return DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
+    out = DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
+    out._gstride = getattr(self, "_gstride", None)      # torch's .data keeps strides
+    out._ring_order = getattr(self, "_ring_order", None)
+    alias(out, self)
+    return out
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:

@@ -183,10 +183,52 @@ def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
     cast to ``x.dtype``, laid out in ``x.placements``. ``sources``: the op's inputs
     (``x``'s new data must not alias them). Returns ``x``; its views see the new values
     (:func:`.views.refresh`)."""
+    _check_alias_of_copy(x, op)
     before = x._local
     _assign(x, y, op, sources=sources)
     refresh(x, x._local is not before)
+    if x._local is before:
+        _refresh_sources(x)
     return x
+
+
+def _alias_sources(x: DistTensor):
+    """The DistTensors whose memory ``x``'s root is under another handle (``t.detach()``,
+    ``t.data``, and so on up), nearest first."""
+    from .dist_tensor import ALIAS_OF
+    d = x
+    while d._view is not None:
+        d = d._view[0]
+    while True:
+        refs = ALIAS_OF.get(id(d))
+        src = refs[1]() if refs is not None and refs[0]() is d else None
+        if src is None or not overlap._same_memory(d, src):
+            return
+        yield src
+        d = src
+
+
+def _check_alias_of_copy(x: DistTensor, op: str) -> None:
+    """``v = t[1:]`` over uneven shards is a copy of ``t`` (the view op moved data; a write
+    into ``v`` goes back through ``t[1:] = ...``); ``v.detach()`` shares the copy's memory,
+    so a write into it would not reach ``t`` (torch's would): refused before anything is
+    written."""
+    for src in _alias_sources(x):
+        if src._view is not None and not src._view[2]:
+            raise NotImplementedError(
+                f"{op}() into a detach() / .data of a view of the DistTensor "
+                f"{src._view[0].notation()} that the view op could not keep in its memory "
+                "(its layout moved data): the write would not reach the base, as torch's "
+                "does. Write into the view itself under torch.no_grad() (v.add_(1)), or "
+                "into the base")
+
+
+def _refresh_sources(x: DistTensor) -> None:
+    """After a write into ``x``'s own memory: where x's root is ``t.detach()`` / ``t.data``
+    (the same memory), ``t``'s views that are copies see the write too, as torch's views of
+    ``t`` do (``v = t[1:]; t.detach().add_(1)`` changes v)."""
+    for src in _alias_sources(x):
+        refresh(src, False)
 
 
 def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
@@ -327,6 +369,17 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
                       getattr(T, op[:-1], None))
     if op in RANDOM:
         return assign(x, _random(x, op, args, kwargs), op)
+    if op in ("zero_", "fill_") and x._view is not None and not _writable(x._local):
+        from .views import expanded
+        shape = expanded(x)
+        if shape is not None:
+            # x[:1].expand(4, 4).zero_(): torch's fill_ does not refuse a written-to tensor
+            # whose elements share memory (ATen's fill_ sets check_mem_overlap false): the
+            # value goes into the memory, all of the base, which an expand covers
+            base = x._view[0]
+            method(base, op, args, kwargs)
+            x._local = dispatch(T.expand, (base, shape), None)._local
+            return x
     if op == "zero_":
         return assign(x, torch.zeros((), dtype=x.dtype, device=x.device), op)
     if op == "fill_":
@@ -405,11 +458,16 @@ def _partial_overlap(x: DistTensor, idx, value) -> None:
     written-to tensor refer to a single memory location", at::assert_no_partial_overlap),
     where here the value is read first.  Decided by the same write on a stand-in of x's
     global strides (one byte per element), for a value that is a getitem view of ``x``
-    and a basic index (ints, slices, None, ...): other aliasing is not told apart."""
+    and a basic index (ints, slices, None, ...), ``x`` or an alias of its memory (``x.data``,
+    ``x.detach()``): other aliasing is not told apart."""
     from . import strides
-    if not isinstance(value, DistTensor) or value._view is None or value._view[0] is not x \
+    if not isinstance(value, DistTensor) or value._view is None \
             or not isinstance(value._view[1], tuple):
         return
+    if value._view[0] is not x:         # x.data[1:] = x[:-1]: x's memory under two handles
+        rx, rv = overlap._chain(x), overlap._chain(value._view[0])
+        if rx[1] or rv[1] or rx[0] is not rv[0]:
+            return
     items = idx if isinstance(idx, tuple) else (idx,)
     if not all(i is None or i is Ellipsis or type(i) in (int, slice) for i in items):
         return

@@ -24,8 +24,11 @@ its kernel), it raises naming ``clone()``, as ``x[:, 1:] = x[:, :-1]`` does
 (:func:`.inplace._partial_overlap`).
 
 What it sees: views made by the view ops this package tracks (``x._view``: getitem,
-reshapes, permutations, diagonals, split / chunk / unbind pieces).  Memory shared another
-way (``expand``, ``x.data``) is not told apart.
+reshapes, permutations, diagonals, split / chunk / unbind pieces), and ``x.detach()`` /
+``x.data`` (``dist_tensor.ALIAS_OF``: ``y = x.detach(); y[1:].add_(x[:-1])`` is refused as
+torch refuses it; before, the detached handle was another memory here), and ``expand`` /
+``expand_as`` (``views.EXPANDED``: ``x.add_(x[:1].expand(4, 4))`` reads row 0 after torch
+wrote it, refused naming clone()).
 """
 from __future__ import annotations
 
@@ -33,7 +36,11 @@ import warnings
 
 import torch
 
-from .dist_tensor import DistTensor
+from . import storage
+from .dist_tensor import ALIAS_OF, DistTensor
+from .views import expanded
+
+_EXPAND = object()      # a step of _chain: an expand (views.EXPANDED) to the step's shape
 
 __all__ = ["check"]
 
@@ -42,13 +49,34 @@ __all__ = ["check"]
 _NUMBER_READS = ("masked_fill", "index_fill")
 
 
+def _same_memory(a: DistTensor, b: DistTensor) -> bool:
+    """``a`` and ``b`` hold the same elements of the same memory (``a = b.detach()`` or
+    ``b.data`` while neither has taken memory of its own since)."""
+    ta, tb = storage.tensors(a._local), storage.tensors(b._local)
+    return tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype and len(ta) == len(tb) \
+        and all(u.data_ptr() == v.data_ptr() and u.stride() == v.stride() and
+                u.shape == v.shape for u, v in zip(ta, tb))
+
+
 def _chain(d: DistTensor):
-    """``d``'s root (the DistTensor its view chain starts from) and the views down to ``d``:
+    """``d``'s root (the DistTensor its view chain starts from, through ``detach()`` and
+    ``.data``, which share their source's memory) and the views down to ``d``:
     ``[(index, shape), ...]``, root first."""
     steps = []
-    while d._view is not None and d._view[1] is not None:
-        steps.append((d._view[1], tuple(d.shape)))
-        d = d._view[0]
+    while True:
+        if d._view is not None and d._view[1] is not None:
+            steps.append((d._view[1], tuple(d.shape)))
+            d = d._view[0]
+            continue
+        if d._view is not None and expanded(d) is not None:
+            steps.append((_EXPAND, tuple(d.shape)))
+            d = d._view[0]
+            continue
+        refs = ALIAS_OF.get(id(d))
+        src = refs[1]() if refs is not None and refs[0]() is d else None
+        if src is None or not _same_memory(d, src):
+            break
+        d = src
     return d, steps[::-1]
 
 
@@ -59,6 +87,8 @@ def _view(s: torch.Tensor, index, shape) -> torch.Tensor:
         return s.permute(tuple(index))
     if isinstance(index, Diag):
         return s.diagonal(*index)
+    if index is _EXPAND:
+        return s.expand(shape)
     if isinstance(index, str) and index == WHOLE:
         return s.reshape(shape)          # a view where torch's is one, else a copy
     return s[index]
@@ -162,8 +192,11 @@ def check(x: DistTensor, run, args, kwargs, name: str, func=None) -> None:
                 src = src.broadcast_to(dst.shape)
             except RuntimeError:
                 continue         # torch's shape error comes from the real run
-            clash = bool((torch.isin(src.reshape(-1), dst.reshape(-1)) &
-                          (src != dst).reshape(-1)).any())
+            other = (src != dst).reshape(-1)            # read at another index
+            # copy_ leaves an element it writes from itself as it was
+            # (x.copy_(x[:1].expand(4, 4)): row 0 keeps its values, the rows read them)
+            changed = dst.reshape(-1)[other] if name.strip("_") == "copy" else dst.reshape(-1)
+            clash = bool((torch.isin(src.reshape(-1), changed) & other).any())
         else:
             clash = bool(torch.isin(src.reshape(-1), dst.reshape(-1)).any())
         if clash:

@@ -88,6 +88,11 @@ def note_views(name, base, outs, attrs) -> None:
     that a write must reach through ``base[index] = ...`` (getitem) or cannot (others)."""
     if not outs:                # x.unbind(d) of a size-0 dim: no view to remember
         return
+    if name in ("expand", "expand_as"):
+        for o in outs:          # (no index: a write cannot go back through base[index])
+            key = id(o)
+            EXPANDED[key] = (weakref.ref(o, lambda _, k=key: EXPANDED.pop(k, None)),
+                             tuple(o.shape))
     index = _torch_index(attrs["index"]) if name == "getitem" else \
         WHOLE if name in _RESHAPES else \
         Perm(tuple(attrs["dims"])) if name in _PERMUTES else \
@@ -118,6 +123,21 @@ def note_views(name, base, outs, attrs) -> None:
         o._view = (base, ix, aliased)
     if indices[0] is not None:
         _register(base, outs)
+
+
+# id(a DistTensor made by expand / expand_as) -> (weakref to it, its shape): the overlap
+# check (inplace_overlap) redoes the expand on its stand-in; fill_ / zero_ write its base
+EXPANDED: dict = {}
+
+
+def expanded(x):
+    """The shape ``x`` was expanded to from its base (``x._view[0]``), where ``x`` is an
+    expand of it that still shares its memory; else None."""
+    v = x._view
+    refs = EXPANDED.get(id(x))
+    if v is None or v[1] is not None or not v[2] or refs is None or refs[0]() is not x:
+        return None
+    return refs[1]
 
 
 WHOLE = "whole"     # the index of a reshape's view: all of the base, in the base's shape

@@ -200,8 +200,10 @@ def _expand_local(nd, ctx, x, shape):
     return x.expand(target)
 
 
-register("expand", [T.expand], parse=_expand_parse, rule=expand_rule, local=_expand_local,
-         cost=costs.view, op_class="view")
+# (torch.broadcast_to(x, shape) is x.expand(shape): "Equivalent to calling
+# input.expand(shape)", torch docs)
+register("expand", [T.expand, torch.broadcast_to, T.broadcast_to], parse=_expand_parse,
+         rule=expand_rule, local=_expand_local, cost=costs.view, op_class="view")
 register("expand_as", [T.expand_as], parse=lambda x, other: _expand_parse(x, tuple(other.shape)),
          rule=expand_rule, local=_expand_local, cost=costs.view, op_class="view")
 
