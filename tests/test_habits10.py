@@ -297,13 +297,7 @@ def test_an_in_place_write_into_keep_vars_values_trains_as_one_device(kind):
             v.mul_(0.5)
     ro, opt = torch.optim.SGD(ref.parameters(), lr=0.5), wr.optimizer(cls=torch.optim.SGD,
                                                                      lr=0.5)
-    for x, y in batches(2):
-        opt.zero_grad()
-        ro.zero_grad()
-        wr.backward(x, y)
-        ref_backward(ref, x, y)
-        opt.step()
-        ro.step()
+    steps(wr, opt, ref, ro, n=2)
     same_model(wr, ref)
     want = ref.state_dict()
     # (ZeRO-1/2 over TP included: a DistTensor pickles its values, not the optimizer's
