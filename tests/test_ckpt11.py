@@ -37,6 +37,18 @@ def _loss(out, y):
     return ((out - y) ** 2).mean()
 
 
+def _step_both(opt, ro, loss, want):
+    """Backward and one optimizer step of the wrapper's ``loss`` and one device's ``want``,
+    the two losses held equal."""
+    opt.zero_grad()
+    ro.zero_grad()
+    loss.backward()
+    want.backward()
+    close(loss.detach(), want.detach())
+    opt.step()
+    ro.step()
+
+
 def _step_as_one_device(kind, call):
     """Two SGD steps (lr 1: each step moves the weights by the gradient itself) with
     ``call(wrapped, x)`` as the forward; the loss, the gradient (before - after) and the
@@ -45,15 +57,7 @@ def _step_as_one_device(kind, call):
     for x, y in batches(2):
         before, ref_before = full_weights(wr), {k: v.clone() for k, v in
                                                 ref.state_dict().items()}
-        opt.zero_grad()
-        ro.zero_grad()
-        loss = _loss(call(wr, x), y)
-        loss.backward()
-        want = _loss(ref(x), y)
-        want.backward()
-        close(loss.detach(), want.detach())
-        opt.step()
-        ro.step()
+        _step_both(opt, ro, _loss(call(wr, x), y), _loss(ref(x), y))
         after, ref_after = full_weights(wr), ref.state_dict()
         for k in ref_after:
             close(before[k] - after[k], ref_before[k] - ref_after[k])   # the gradient
@@ -119,15 +123,7 @@ def test_an_outer_checkpoint_around_ddp_of_a_module_that_checkpoints_inside():
     opt, ro = torch.optim.SGD(ddp.parameters(), lr=1.0), torch.optim.SGD(ref.parameters(),
                                                                         lr=1.0)
     for x, y in batches(2):
-        opt.zero_grad()
-        ro.zero_grad()
-        loss = _loss(checkpoint(ddp, x, use_reentrant=False), y)
-        loss.backward()
-        want = _loss(ref(x), y)
-        want.backward()
-        close(loss.detach(), want.detach())
-        opt.step()
-        ro.step()
+        _step_both(opt, ro, _loss(checkpoint(ddp, x, use_reentrant=False), y), _loss(ref(x), y))
     got = {k: (v.full() if isinstance(v, wb.DistTensor) else v) for k, v in
            m.state_dict().items()}
     for k, v in ref.state_dict().items():

@@ -42,6 +42,7 @@ import workbench as wb
 
 from .test_habits11 import close
 from .test_habits15 import (KINDS, OVER_TP, Wrapped, batches, full_state, mk, ref_backward)
+from .test_habits18 import train_step
 
 def same_model(wr, ref):
     """The wrapper's model (gathered) equals one device's, entry by entry (``close``)."""
@@ -343,12 +344,7 @@ def steps(wr, opt, ref, ro, n=3, each=None):
     for i, (x, y) in enumerate(batches(n)):
         if each is not None:
             each(i)
-        opt.zero_grad()
-        ro.zero_grad()
-        wr.backward(x, y)
-        ref_backward(ref, x, y)
-        opt.step()
-        ro.step()
+        train_step(wr, opt, ref, ro, x, y)
 
 
 def assert_one_device(wr, ref):
