@@ -73,14 +73,16 @@ def test_eager_block_prices_swiglus_backward_and_autograds_input_gradient_sums()
     t, h, f = 1024, cfg.d_model, cfg.d_ff
     pre = E.kernels("pre_attention", t, h, 32, 8, 128)
 
-    def sec(ops):
-        return sum(compute_time(0, b, prof, "float32", "elementwise", 1) for _, b in ops)
+    def sec(ops, kernel=None):
+        return sum(compute_time(0, b, prof, "float32", "elementwise", 1, kernel=kernel)
+                   for _, b in ops)
 
     def rope(w, back):
         return compute_time(3 * t * w, 2 * 2 * t * w + (4 if back else 2) * 2 * t * 128,
                             prof, "bfloat16", "elementwise", 1)
-    rope_f = sec(pre["forward"]) - rope(4096, False) - rope(1024, False)
-    rope_b = sec(pre["backward"]) - rope(4096, True) - rope(1024, True)
+    # RoPE / repeat_kv at the profile's eager RoPE rates (plan.eager_rates)
+    rope_f = sec(pre["forward"], "eager_rope_forward") - rope(4096, False) - rope(1024, False)
+    rope_b = sec(pre["backward"], "eager_rope_backward") - rope(4096, True) - rope(1024, True)
     assert x["forward"] == pytest.approx(rope_f, rel=1e-9)
     mul2 = sec([("mul", 6 * t * f)] * 2) - compute_time(2 * t * f, 10 * t * f, prof,
                                                          "bfloat16", "elementwise", 1)

@@ -68,12 +68,17 @@ def test_extra_is_eager_minus_the_fused_ops_it_replaces():
     lay = wb.plan.Layout(dp=8, zero=3, recompute="op", micro_batch=1, framework="fsdp")
     x = E.extra_seconds(cfg, lay, H100, "fused_rmsnorm")
     t, f = 2048, cfg.d_ff
-    ks = [E.kernels("pre_attention", t, 4096, 32, 8, 128),
-          E.kernels("swiglu", t, f, 32, 8, 128), E.kernels("input_grads", t, 4096, 32, 8, 128)]
-    eager_f = sum(compute_time(0, b, H100, "float32", "elementwise", 1)
-                  for k in ks for _, b in k["forward"])
-    eager_b = sum(compute_time(0, b, H100, "float32", "elementwise", 1)
-                  for k in ks for _, b in k["backward"])
+    # RoPE and repeat_kv at the eager RoPE rates the profile carries (plan.eager_rates),
+    # SwiGLU and the gradient sums at the plain memory rate
+    ks = [("eager_rope", E.kernels("pre_attention", t, 4096, 32, 8, 128)),
+          (None, E.kernels("swiglu", t, f, 32, 8, 128)),
+          (None, E.kernels("input_grads", t, 4096, 32, 8, 128))]
+    eager_f = sum(compute_time(0, b, H100, "float32", "elementwise", 1,
+                               kernel=n and n + "_forward")
+                  for n, k in ks for _, b in k["forward"])
+    eager_b = sum(compute_time(0, b, H100, "float32", "elementwise", 1,
+                               kernel=n and n + "_backward")
+                  for n, k in ks for _, b in k["backward"])
     # the fused block's RoPE (plan.llama_layer): read + write e bytes, + cos/sin 2 e s d
     def rope(w, back):
         return compute_time(3 * t * w, 2 * 2 * t * w + (4 if back else 2) * 2 * t * 128,

@@ -49,6 +49,17 @@ layer is left as priced (one norm of 2 n_layer + 1).
 
 ASSUMPTION: the GPU runs each aten op as one kernel moving what its inputs and outputs
 hold (no kernel fuses two ops in eager mode; a broadcast input is read once).
+
+The rate each kernel moves its bytes at (``plan.eager_rates``): the norm's kernels (casts,
+broadcast products, reductions) at the rate Hugging Face's eager RMSNorm reached on the
+profile's card in Liger-Kernel's benchmarks, RoPE's and repeat_kv's (broadcasts over
+transposed head views) at the rate its eager rotary embedding reached, forward and
+backward apart, counted the same way (``profile.kernel_bandwidth["eager_rms_norm_forward"]``
+etc.; on the A100 0.65 / 0.75 and 0.44 / 0.58 of the datasheet bandwidth where a plain
+copy reaches 0.88); SwiGLU's and the gradient sums' kernels (contiguous operands of one
+dtype: PyTorch's vectorized path) at the plain memory rate.  A profile without those
+rates prices every kernel at the plain rate.  Before the rates (2026-11-29) every kernel
+was priced at the plain rate: 1.3-2.0x faster than the A100 ran them.
 """
 from __future__ import annotations
 
@@ -59,6 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..sim_mesh.cost import compute_time
+from .eager_rates import kernel_name
 
 __all__ = ["NORM_TYPES", "kernels", "extra_seconds", "check", "assumption"]
 
@@ -217,8 +229,13 @@ def kernels(part: str, tokens: int, h: int, heads: int, kv_heads: int, d: int,
     return out
 
 
-def _seconds(ops, prof) -> float:
-    return sum(compute_time(0.0, nbytes, prof, "float32", "elementwise", 1)
+def _seconds(ops, prof, kind=None, phase="forward") -> float:
+    """Seconds of eager kernels ``ops`` on ``prof``: each one launch moving its bytes at
+    the rate the profile measured for ``kind``'s eager kernels (``eager_rates``:
+    "rms_norm", "rope"; a profile without it, or ``kind=None``, at its plain memory
+    rate)."""
+    kernel = None if kind is None else kernel_name(kind, phase)
+    return sum(compute_time(0.0, nbytes, prof, "float32", "elementwise", 1, kernel=kernel)
                for _, nbytes in ops)
 
 
@@ -278,22 +295,28 @@ def extra_seconds(cfg, lay, prof, norm_type: str) -> dict:
     # (llama_layer.backward_ops; only the replaced ops below are read from this list)
     bwd_ops = L.backward_ops(h, a, g, s, b, t, sp, cfg.d_ff, e, False, "none",
                              regather=False)
-    parts = [kernels("pre_attention", T, h, a // t, g // t, d, b),
-             kernels("swiglu", T, cfg.d_ff // t, a // t, g // t, d),
-             kernels("input_grads", T, h, a // t, g // t, d)]
+    # (the rate kind of ``eager_rates`` each part's kernels run at, its kernels): RoPE and
+    # repeat_kv broadcast over transposed head views, the norm's casts, broadcasts and
+    # reductions; SwiGLU's and the gradient sums' operands contiguous (the plain rate)
+    parts = [("rope", kernels("pre_attention", T, h, a // t, g // t, d, b)),
+             (None, kernels("swiglu", T, cfg.d_ff // t, a // t, g // t, d)),
+             (None, kernels("input_grads", T, h, a // t, g // t, d))]
     replaced = {"rope_q", "rope_k", "rope_q_grad", "rope_k_grad",
                 "silu", "swiglu_mul", "silu_grad", "swiglu_mul_grad"}
     if norm_type == "rmsnorm":
-        parts += [kernels("norm", Tn, h, a // t, g // t, d)] * 2
+        parts += [("rms_norm", kernels("norm", Tn, h, a // t, g // t, d))] * 2
         replaced |= {"attn_norm", "mlp_norm", "attn_norm_grad", "mlp_norm_grad"}
-    ef = sum(_seconds(p["forward"], prof) for p in parts)
-    eb = sum(_seconds(p["backward"], prof) for p in parts)
+    ef = sum(_seconds(p["forward"], prof, k, "forward") for k, p in parts)
+    eb = sum(_seconds(p["backward"], prof, k, "backward") for k, p in parts)
     ff, fb = _fused(replaced, fwd_ops, bwd_ops, prof)
     again = {"none": 0.0, "selective": 0.0, "op": 1.0, "full": 1.0}[lay.recompute]
     fwd = ef - ff
     return {"forward": fwd, "backward": eb - fb + again * fwd,
-            "kernels": sum(len(p["forward"]) for p in parts),
-            "bytes": sum(x for p in parts for _, x in p["forward"])}
+            "kernels": sum(len(p["forward"]) for _, p in parts),
+            "bytes": sum(x for _, p in parts for _, x in p["forward"]),
+            "measured_rates": sorted({kernel_name(k, ph) for k, _ in parts if k
+                                      for ph in ("forward", "backward")}
+                                     & set(prof.kernel_bandwidth))}
 
 
 def assumption(norm_type: str, extra: dict, layers: int) -> str:
@@ -301,10 +324,17 @@ def assumption(norm_type: str, extra: dict, layers: int) -> str:
     ms = 1e3 * (extra["forward"] + extra["backward"])
     norm = "RMSNorm's casts, square, mean, rsqrt and products, " \
         if norm_type == "rmsnorm" else ""
+    got = extra.get("measured_rates", ())
+    rates = ((f"{'the norm' if norm_type == 'rmsnorm' else ''}"
+              f"{' and ' if norm_type == 'rmsnorm' else ''}RoPE / repeat_kv kernels at "
+              f"the rates eager RMSNorm and RoPE reached in Liger-Kernel's benchmarks "
+              f"(plan/eager_rates.py: {', '.join(got)}), the others at the plain memory "
+              f"rate") if got else "every kernel at the profile's plain memory rate "
+             "(no measured eager rates: plan/eager_rates.py)")
     return (f"torchtitan's eager Llama block (plan/titan_eager.py, norm_type={norm_type}): "
             f"{extra['kernels']} forward kernels per block ({norm}RoPE in fp32 complex, "
             f"repeat_kv copies, silu and the product; backward: the product's two "
             f"gradients, autograd's sums of q, k, v's and w1, w3's input gradients) "
             f"counted from the eager code's aten ops, priced memory-bound "
-            f"(one kernel per op ASSUMED): +{ms:.1f} ms per block and micro-batch (with "
-            f"backward and recompute) x {layers} blocks")
+            f"(one kernel per op ASSUMED), {rates}: +{ms:.1f} ms per block and "
+            f"micro-batch (with backward and recompute) x {layers} blocks")
