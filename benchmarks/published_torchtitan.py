@@ -121,6 +121,13 @@ What the comparison says (measured when this module was written; the band in
   cap of the cluster (Touvron et al. 2023, "Llama 2", sec. 2.2.1: 400 W on RSC, 350 W in
   production; which ran these rows is not stated; the MAMF table's A100 PCIe, a 300 W
   part, reads 0.93 .. 0.96 of the 400 W SXM's best burst), FSDP2's eager host overhead.
+- The eager kernels' rate (2026-11-29, ``plan.eager_rates``): ``titan_eager`` priced each
+  counted kernel at the plain memory rate, 1.17-2.11x faster than Liger-Kernel's
+  published benchmarks of the same eager RMSNorm and RoPE code ran on A100s (and an H100
+  NVL); at the measured rates the rows read 1.079 .. 1.160 (median 1.122; were 1.100 ..
+  1.191, 1.145): the 8B rows 1.079 / 1.130 (H100), 1.133 (A100), the 13B 1.155 / 1.160,
+  the 70Bs 1.105 .. 1.113.  What else torchtitan runs per step, checked and priced or
+  negligible: ``benchmarks/torchtitan_breakdown.py``'s docstring.
 - Full AC's recompute, read from the pairs of rows that differ only in recompute and
   local batch (``benchmarks/torchtitan_breakdown.py``, "The pairs' relative errors",
   2026-11-28): torchtitan's non-reentrant checkpoint stops its recompute before w2's GEMM

@@ -96,6 +96,38 @@ gets wrong in their ratio is a component that scales with that knob, not the net
    (``variability.stretch``) gives 128 GPUs a TPS/GPU 1.9% lower (measured 2.7%); the
    module applies it to the A100 profiles' range only and has no H100 distribution, so
    it is a reading, not priced.  No change.
+
+What torchtitan runs, re-read on 2026-11-29 against what is priced (titan12).  One term was
+priced too cheaply and is now from measurements: the eager kernels' rate.  ``titan_eager``
+counted torchtitan's eager RMSNorm / RoPE / repeat_kv kernels exactly but priced every one
+at the plain memory rate (0.88 of the A100's bandwidth); Liger-Kernel's published
+benchmarks of the same eager code (Hugging Face's RMSNorm and rotary embedding, provider
+"huggingface", A100-SXM4-80GB, A100 80GB PCIe, H100 NVL), counted the same way, ran
+1.17-2.11x longer than that price.  Priced at those rates (``plan.eager_rates``): the
+rows 1.100 .. 1.191 (median 1.145) -> 1.079 .. 1.160 (median 1.122), the 13B pair's
+recompute 0.391 -> 0.430 s (measured 0.514; pair 0.892 -> 0.884, measured 0.881).
+Checked and already priced, or too small to price (torchtitan at 9dec370ad2 /
+eb6aa6389): the logits' fp32 cast (``output(h).float()`` in eb6aa6389's model, ``pred.
+float()`` in 9dec370ad2's ``loss_fn``) is inside the measured loss pair (cast +
+cross-entropy, ``ops_table/loss_pricing``); the April 2024 op SAC
+(``_pt2_selective_checkpoint_context_fn_gen``) has 9dec370ad2's save list and
+every-second-mm rule (priced); ``clip_grad_norm_`` (foreach norm and multiply priced,
+``plan.optimizer_step``) reduces one scalar across the group (DTensor's norm partial made
+replicate by ``total_norm + 1e-6``: microseconds, not priced); ``input_ids.to(device)``
+of a pageable tensor synchronizes the host every step (``train.py`` 9dec370ad2:264-265,
+eb6aa6389:279-280), after which the GPU waits only for the first launches of the root's
+all-gather (about a millisecond, under 0.05% of a step: not priced); the data loading
+(``next(data_iterator)``) runs before that sync, while the GPU finishes the previous
+step; the loss ``.item()``s and ``dist_mean`` / ``dist_max`` run every ``log_freq`` = 10
+steps, ``gc.collect(1)`` every 50 (not in steps 81-90, which the H100 figure reads), the
+profiler (``profile_freq`` 100, warm-up 3, active 1) waits in those steps; FSDP2's final
+callback makes the compute stream wait for the last reduce-scatter before the optimizer
+(priced: ``plan.fsdp2_root``).  Still unpriced: the clusters' power caps (500 W H100s;
+350 or 400 W A100s), the rate of torchtitan's Triton ``fused_rmsnorm`` (priced as one
+fused pass each way; its backward loops over rows per SM, not measured: about 17 ms a
+step on the 8B A100 row were it at half the price), the HBM2e H100's eager rates were
+they the NVL's share of its bandwidth rather than its bytes per second
+(``plan.eager_rates``).
 """
 from __future__ import annotations
 
