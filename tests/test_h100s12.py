@@ -165,3 +165,29 @@ def test_tp8_te_layer_is_not_priced_above_te_measured():
     fwd, bwd = lc.fwd_compute + lc.fwd_comm, lc.bwd_compute + lc.bwd_comm
     for got, (lo, hi) in ((fwd, FUSER_TE_TP8["forward"]), (bwd, FUSER_TE_TP8["backward"])):
         assert 0.7 * lo < got <= lo
+
+
+def test_the_32b_line_rate_floor():
+    """benchmarks/tp8_audit.line_rate_floor: the reduce-scatter of the 32B's fp32
+    gradients (3.97G parameters on a rank) and the gather of its bf16 weights over a dp
+    ring of one GPU per node, each through one 400 Gb/s port at its line rate (DGX H100:
+    one NDR port per GPU, 50 GB/s, profiles/h100.json inter_node.bandwidth), no latency:
+    4 x psi x 47/48 / 50e9 and 2 x psi x 47/48 / 50e9; bf16 gradients halve the first;
+    a micro-batch of 2 doubles the windows (last backward, first forward)."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]
+                           / "benchmarks"))
+    import step_audit as SA
+    import tp8_audit as TA
+    r = SA.row("megatron_h100", "GPT 32B", 384)
+    f = TA.line_rate_floor(r)
+    psi = stage_params(GPT32, 8, 1, 0)
+    assert f["reduce_scatter"] == pytest.approx(4 * psi * 47 / 48 / 50e9, rel=1e-12)
+    assert f["all_gather"] == pytest.approx(2 * psi * 47 / 48 / 50e9, rel=1e-12)
+    assert f["floor"] == pytest.approx(
+        f["compute"] + f["reduce_scatter"] - f["last_backward"] + f["all_gather"]
+        - f["first_forward"], rel=1e-12)
+    half = TA.line_rate_floor(r, grad_bytes=2)
+    assert half["reduce_scatter"] == pytest.approx(f["reduce_scatter"] / 2, rel=1e-12)
+    two = TA.line_rate_floor(r, micro_batch=2)
+    assert two["last_backward"] == pytest.approx(2 * f["last_backward"], rel=0.05)
+    assert two["first_forward"] == pytest.approx(2 * f["first_forward"], rel=0.05)
