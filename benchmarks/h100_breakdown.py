@@ -70,6 +70,14 @@ question named is already priced, from its source, and none leaves the 71 ms (1.
   #3523 trim it), by an amount not measured; the host would have to take four to five
   times the 2025-26 figures to pace the 1.7B: the one lead left for the small rows, not
   a priced term;
+- the batch's copy to the device: f2e5db402c builds the causal mask in the data loader
+  by default (``--no-create-attention-mask-in-dataloader`` is opt-out,
+  ``training/arguments.py:1576``), a 4,096 x 4,096 bool per sample, which
+  ``get_batch_on_this_tp_rank`` (``training/utils.py:318-322``) copies host to device on
+  the compute stream before each forward (and broadcasts over tp) though TE's causal
+  kernel never reads it: 16.8 MB a micro-batch, about 0.35 ms at the PCIe Gen5 x16
+  link's 48 GB/s (NCCL's figure for the link, ``src/graph/topo.cc:459``): 1.4 ms of the
+  1.7B's step, 0.3%; not priced;
 - the 1.75B GPT in plain PyTorch on one H100 (h100-sxm-80gb-gpt-step.json, 0.393 s
   for the four micro-batches) is priced at its measured time: the gap is in what the
   48-GPU Megatron + TE run adds beside the device's kernels, not in them.

@@ -107,7 +107,13 @@ TP communication with userbuffers is priced too slow; what was read and what it 
   slowdown beside it hides under the collectives.  Left as a lead for the profile.
 - The gradients' dtype: f2e5db402c forces fp32 for bf16 (``training/arguments.py:
   299-307``) and has no way out: ``--grad-reduce-in-bf16`` first appears in d165a8548b
-  (2025-02-26).
+  (2025-02-26).  Context, not a source for the README's runs: NVIDIA's NeMo documentation
+  of the same season (user guide 24.12, "Communication Overlap") says its reduce-scatter
+  precision is set by ``grad_sync_dtype`` and "reduction in bf16 ensures improved
+  performance at large scale training compared to the default precision of fp32", and
+  describes the DP overlap as "chunked by the granularity of a Transformer layer" (the
+  planner's former block; Megatron-LM's code at the cited commit chunks by
+  ``bucket_size``, which is what is priced).
 - The floor (:func:`line_rate_floor`: everything generous at once: the compute and the
   optimizer the planner charges, no TP collective exposed, the reduce-scatter and the
   gather at the port's 50 GB/s line rate with no per-call latency, hidden by the whole
