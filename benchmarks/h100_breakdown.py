@@ -19,8 +19,9 @@ published step less the predicted compute and optimizer, i.e. what the measured 
 left for everything exposed beside them.
 
 Nothing here feeds the planner: it shows which term moves from row to row.  Read on
-2026-11-27: the 32B row (tp 8, pp 1) is the one whose DP term jumps (0.11 s at 16B,
-0.38 s at 32B, in steps of 0.85 and 1.16 s): its DP group has one rank per node, so its
+2026-11-27 (figures of 2026-11-29, after ``plan.megatron_buckets``): the 32B row (tp 8,
+pp 1) is the one whose DP term jumps (0.12 s at 16B, 0.41 s at 32B, in steps of 0.85 and
+1.19 s): its DP group has one rank per node, so its
 fp32 reduce-scatter of 4e9 gradients runs through one 400 Gb/s NIC (0.32 s) where the
 16B's (two ranks per node, tp 4) runs through two (0.17 s), against a last backward of
 0.12 s in both; the published 32B step leaves 0.11 s of room, which no overlap of a
@@ -28,6 +29,58 @@ fp32 reduce-scatter of 4e9 gradients runs through one 400 Gb/s NIC (0.32 s) wher
 
 The 1.7B row's step kernel by kernel, each charge beside the component figure it rests
 on (and torchtitan's Llama 3.1 8B on 8 H100 beside it): ``benchmarks/step_audit.py``.
+The 32B's: ``benchmarks/tp8_audit.py`` (its docstring's checks of 2026-11-29).
+
+The small rows (1.7B at tp 1: 1.185; 7.1B at tp 2: 1.159), checked on 2026-11-29
+against Megatron-LM f2e5db402c and Transformer Engine of mid-2024; each term the
+question named is already priced, from its source, and none leaves the 71 ms (1.7B) or
+110 ms (7.1B) a step the published runs took beyond the estimate:
+
+- the vocabulary-131,072 head and the fp32 loss: 76 / 57 ms a step, the output layer's
+  GEMMs at the measured grid's rates, Megatron's unfused ``_VocabParallelCrossEntropy``
+  at 52 bytes per logit, 1% from the measured pair (``step_audit.megatron_loss_check``);
+- the distributed optimizer's gathers and reduce-scatters (--overlap-param-gather,
+  --overlap-grad-reduce): what shows is the first bucket's gather (dispatched from
+  ``zero_grad`` before the forward, the embedding's 268M / tp parameters) and the last
+  bucket's reduce-scatter (the embedding's, complete at the end of the backward), the
+  rest hidden one bucket ahead: 10 / 27 ms (``estimate._dp_sync``).  In Megatron-core's
+  buckets (``plan.megatron_buckets``: max(40M, 1M x 48) = 48M parameters): 26 for the
+  1.7B (a layer, 50M, fills one), the same as its layer blocks; 47 for the 7.1B, whose
+  sync is not communication-bound there: +0.1 ms;
+- the optimizer step of the 1.7B over dp 48: 10 ms, nearly all of it the passes over
+  the whole fp32 gradient buffer every rank runs (``zero_``, the per-bucket NaN-check
+  norm, ``*= 1/dp``: 7 GB each, ``plan.optimizer_step``); the sharded Adam on 36M
+  parameters is 0.4 ms;
+- Transformer Engine's fused kernels (the QKV bias in the GEMM epilogue, its gradient
+  from the wgrad GEMM, q/k/v copied for cuDNN's attention): ``layer_cost.TE_SOURCES``;
+- host (CPU) time: not priced.  The host keeps ahead of the device while its time per
+  layer is under the device's (2.9 ms at 1.7B, 4.8 ms at 7.1B, one micro-batch); the
+  per-bucket NaN check (``param_and_grad_buffer.py:111-118``, ``assert not
+  norm.isnan()``) and the loss's (``pretrain_gpt.py:136-141``) drain the queue 26 + 4
+  times a step (1.7B), each costing the host's lead-in to the next kernel (tens of us
+  ASSUMED: about 1-2 ms a step, ``step_audit``).  Transformer Engine's host time per
+  module, measured: a BF16 ``Linear`` forward + backward 311 us, ``LayerNormLinear``
+  398 us on a GB200's Grace CPU before NVIDIA/TransformerEngine pull request #3523
+  (2026) trimmed them, where a plain PyTorch ``Linear`` forward's host time is 13.5 us on
+  an H100 DGX's Xeon against 33-37 us on Grace (#2053, 2025); a Megatron layer's four
+  TE linear modules (two ``LayerNormLinear``, two ``Linear``) take 1.42 ms of Grace host
+  time at those figures, about 0.55 ms on the Xeon at that ratio, beside the 1.7B's
+  2.9 ms of device time; the attention module's host time is not measured there.  The
+  2024 releases (TE 1.7-1.8) are slower on the host than those of 2025-26 (#2053 and
+  #3523 trim it), by an amount not measured; the host would have to take four to five
+  times the 2025-26 figures to pace the 1.7B: the one lead left for the small rows, not
+  a priced term;
+- the batch's copy to the device: f2e5db402c builds the causal mask in the data loader
+  by default (``--no-create-attention-mask-in-dataloader`` is opt-out,
+  ``training/arguments.py:1576``), a 4,096 x 4,096 bool per sample, which
+  ``get_batch_on_this_tp_rank`` (``training/utils.py:318-322``) copies host to device on
+  the compute stream before each forward (and broadcasts over tp) though TE's causal
+  kernel never reads it: 16.8 MB a micro-batch, about 0.35 ms at the PCIe Gen5 x16
+  link's 48 GB/s (NCCL's figure for the link, ``src/graph/topo.cc:459``): 1.4 ms of the
+  1.7B's step, 0.3%; not priced;
+- the 1.75B GPT in plain PyTorch on one H100 (h100-sxm-80gb-gpt-step.json, 0.393 s
+  for the four micro-batches) is priced at its measured time: the gap is in what the
+  48-GPU Megatron + TE run adds beside the device's kernels, not in them.
 """
 import os
 import sys

@@ -63,14 +63,18 @@ is here only when its number was read from the source itself:
   GB/s and may overlap only the last of 4 micro-batches' backward (0.12 s), the bf16
   all-gather (0.16 s) only the first forward (0.06 s): at least 0.31 s exposed beside
   0.71 s of compute, against 0.89 s measured.  In bf16 (Megatron-LM forces fp32 for bf16
-  at f2e5db402c; ASSUMED as that) the H100 rows would read 0.919 .. 1.234.
+  at f2e5db402c, which has no --grad-reduce-in-bf16: that flag first appears in
+  d165a8548b, 2025-02-26) the H100 rows would read 0.919 .. 1.234 (figures of 2026-11-28,
+  before Megatron-core's buckets were priced).
   Not the TP overlap: all the 32B's TP collectives exposed per step are 0.04 s.  The
   micro-batch is not given: at micro-batch 2 (4) the DP sync would hide under a twice
-  (four times) longer last backward and first forward, and the 32B read 0.92 (1.09);
-  not used (no source).  The fused attention's rate is TE's own of 2024 (cuDNN 9.3 on an
+  (four times) longer last backward and first forward, and the 32B read 0.92 (1.09,
+  before the buckets); not used (no source).  At the most generous floor (the ports'
+  line rate, no per-call latency, no TP collective exposed:
+  ``tp8_audit.line_rate_floor``) the 32B as priced reads 0.881 at best.  The fused attention's rate is TE's own of 2024 (cuDNN 9.3 on an
   H100 SXM, tests/test_h100mg.py): not the small rows' gap either.
   ``benchmarks/h100_breakdown.py`` prints each row's terms (tests/test_h100rows.py): from
-  16B to 32B only the DP term jumps (0.11 -> 0.38 s; compute 0.70 -> 0.71, TP exposed
+  16B to 32B only the DP term jumps (0.12 -> 0.41 s; compute 0.70 -> 0.71, TP exposed
   0.01 -> 0.04): the 16B's DP group has two ranks per node (two NICs: its fp32
   reduce-scatter 0.17 s), the 32B's one (0.32 s), for the same 4e9 gradients per rank.
   Neither is the loss the 1.7B's gap: Megatron-LM's unfused vocabulary-parallel
@@ -84,6 +88,15 @@ is here only when its number was read from the source itself:
   1.75B GPT in plain PyTorch measured 0.393 s for the same 4 micro-batches on one H100
   (h100-sxm-80gb-gpt-step.json), the README's run 0.452 s at dp 48: the gap is in what
   the run does beyond the kernels priced here, not found in the sources read.
+  The DP collectives run in Megatron-core's buckets (``plan.megatron_buckets``:
+  max(40M, 1M x dp) parameters, formed in reverse parameter order, f2e5db402c
+  ``distributed_data_parallel.py:51-54``, ``param_and_grad_buffer.py``), each paying
+  NCCL's ring latency: 74 for the 32B where one per layer (50) was priced, 0.771 ->
+  0.750; 16B 1.007 -> 0.997; the 1.7B's 26 are its layers (unchanged).  What else was
+  checked for these rows (the optimizer's passes, the first and last bucket, the host's
+  time beside TE's measured per-module figures, the tp-8 layer against TE's measured
+  one, the SMs NCCL holds for a one-rank-per-node ring): ``h100_breakdown.py`` and
+  ``tp8_audit.py``, their docstrings.
 
 - ``mt_nlg``: Megatron-Turing NLG 530B (Smith et al. 2022, arXiv 2201.11990, sec. 2.4):
   global batch 1,920 on 280, 350 and 420 DGX A100 servers, 60.1, 50.2 and 44.4 s per

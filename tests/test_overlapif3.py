@@ -138,9 +138,13 @@ def test_estimate_overlap_grad_reduce_uses_dp_group(world, own):
     """Megatron-LM's --overlap-grad-reduce (ZeRO-1: reduce-scatters beside the last
     backward, gathers beside the next forward) at the dp group's figure."""
     lay = Layout(dp=world, tp=1, pp=1, global_batch=2 * world, zero=1)
+    # layers of 50M parameters: one Megatron-core bucket each (max(40M, 1M x dp),
+    # plan.megatron_buckets), so the reduce-scatters overlap the backward (with CFG's
+    # 12.6M layers the whole model is one bucket, reduced after the backward)
+    cfg = get_config("gpt3-175b", n_layer=2, d_model=2048, n_head=16, seq_len=1024)
 
     def price(prof):
-        return estimate(CFG, lay, Cluster(prof, world), attention="flash",
+        return estimate(cfg, lay, Cluster(prof, world), attention="flash",
                         overlap_grad_reduce=True).details["dp_sync"]
     _uses_group_figure(price, own)
 

@@ -54,8 +54,10 @@ def test_megatron_core_gathers_one_bucket_ahead():
     est = P.estimate(cfg, lay, cl, overlap_grad_reduce=True)
     prof, ranks = cl.profile, tuple(lay.dp_ranks(0, 0))
     layer = C.layer_cost(cfg, 1, 8, True, "selective", prof)
+    from workbench.plan import megatron_buckets as MB
     blocks = Z.stage_blocks(cfg, lay, 0, layer, C.head_cost(cfg, 1, 8, True, prof),
                             edge_times(cfg, 1, 8, True, prof))
+    blocks = MB.buckets(cfg, lay, 0, blocks)          # Megatron-core's DP buckets
     gather = lambda n: C.group_price("all_gather", 2 * n, ranks, prof)  # noqa: E731
     g32 = lambda n: C.group_price("reduce_scatter", 4 * n, ranks, prof)  # noqa: E731
     r = overlap_rate(prof, ranks)

@@ -29,8 +29,9 @@ data-parallel synchronisation + the optimizer step, where
   a reduce-scatter of them and an all-gather of the updated 16-bit weights (the same
   volume, ZeRO sec. 7.2.1); with ``overlap_grad_reduce=True`` (later Megatron-LM's
   ``--overlap-grad-reduce`` / ``--overlap-param-gather``, torch DDP) those run module by
-  module beside the last micro-batch's backward and, ZeRO-1's gather, the next forward,
-  on the stream model below; ZeRO-2 and ZeRO-3 (pp = 1), DeepSpeed's: every
+  module (ZeRO-1 on the first stage: in Megatron-core's buckets of max(40M, 1M x dp)
+  parameters, ``plan.megatron_buckets``) beside the last micro-batch's backward and,
+  ZeRO-1's gather, the next forward, on the stream model below; ZeRO-2 and ZeRO-3 (pp = 1), DeepSpeed's: every
   micro-batch, each module's gradient reduce-scattered once backward has completed it
   (ZeRO-3 also gathers each module's weights before its forward and its backward,
   prefetched; 1.5x the volume, ZeRO sec. 7.2.2), waited for at the end of each backward,
@@ -88,6 +89,7 @@ from . import comm_memory as CM
 from . import allocator as AL
 from . import megatron_2021 as M21
 from . import megatron_hook_add as HA
+from . import megatron_buckets as MB
 from . import titan_eager as TE
 from . import optimizer_step as OS
 from . import fp8 as _fp8
@@ -455,7 +457,8 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
             return bwd, wire_bytes("all_reduce", g, dp)
         # Megatron-core gathers one bucket ahead (``_finish_param_sync_helper``: "We
         # can't pre-launch all-gathers for all buckets at once", f2e5db402c), the first
-        # from zero_grad, just before the forward; a block stands for a bucket
+        # from zero_grad, just before the forward; a block is one of its buckets on the
+        # first stage with ZeRO-1 (plan.megatron_buckets), else a layer
         ahead = 1 if lay.engine == "megatron" else float("inf")
         fwd, _ = Z.zero_exposed(blocks, 3, gather, lambda n: 0.0,
                                 prefetch_numel=ahead, rate=r)
@@ -697,6 +700,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                                 recipe=lay.engine == "workbench", remat=remat,
                                 ring=EC.ring_program(cfg, lay, prof, attention, fp8)) \
             if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp * lay.cp > 1 else None
+        if blocks and MB.applies(cfg, lay, s, overlap_grad_reduce):
+            blocks = MB.buckets(cfg, lay, s, blocks)    # Megatron-core's DP buckets
         side = copies = None
         if lay.engine == "fsdp":  # FSDP2's copy kernels (plan.fsdp2_cost)
             copies = FS.stage_copies(blocks or Z.stage_blocks(cfg, lay, s, layer, head, edge),
