@@ -64,7 +64,7 @@ test_published_bloom.py`` guards the spread, never a target):
   the run may have been slower than 0.405 where it lost (DP rings of the node's 4 TP
   ranks sharing adapters as NCCL picks them, CUDA_LAUNCH_BLOCKING=1's launch gaps): not
   sourced, not priced.  The TP 8 row (1.198) is the one beyond 15%.
-- memory: stage 0's reserved memory plus the context is 0.922 .. 0.987 of nvidia-smi's
+- memory: stage 0's reserved memory plus the context is 0.923 .. 0.988 of nvidia-smi's
   reading (0.915 .. 0.984 before ds12 counted what the pipeline engine holds beyond the
   layers, below; 0.812 .. 0.855 with the live peak alone, before ``plan.allocator``;
   0.767 .. 0.827 before bloom3 counted DeepSpeed's partitioned pipeline outputs and the
@@ -76,8 +76,8 @@ test_published_bloom.py`` guards the spread, never a target):
   micro-batches in flight: 5 layer inputs, the embedding's dropout mask, the input its
   LayerNorm saves, bigscience-workshop/Megatron-DeepSpeed b1359ee0 ``--embed-layernorm``:
   ``ModelConfig.embed_norm``, and the engine's 1/4 output partition; the 13 pipe
-  buffers' loaded tokens, positions and 4 MiB causal mask, 0.05: ``plan.deepspeed_pipe_
-  memory``), the embedding gradient's fp32 cast in ``update_hp_grads`` 3.4 beside the
+  buffers' loaded tokens, positions and 4 MiB causal mask, 0.05, and the 1/4 slice its
+  gradient is received into, 0.03: ``plan.deepspeed_pipe_memory``), the embedding gradient's fp32 cast in ``update_hp_grads`` 3.4 beside the
   micro-batch's restored output and rebuilt gradient the engine holds until after it,
   0.22 (DeepSpeed 56c522386 ``_exec_backward_pass``: ``deepspeed_pipe_memory.
   backward_held_bytes``); and the allocator's cached segment for the DP sync's bf16
@@ -88,7 +88,7 @@ test_published_bloom.py`` guards the spread, never a target):
   BF16_Optimizer frees when it flattens them (8 GB) leave, the layers' backward's
   activation-gradient temporaries (no source gives their peak).  The prequel's other
   shapes (195B, 184B, 178B, 203B, 12 rows with a reading) go from 0.807 .. 0.856 to
-  0.928 .. 0.987 alike; the micro-batch-4 rows are the lowest (0.922 here), as
+  0.928 .. 0.988 alike; the micro-batch-4 rows are the lowest (0.923 here), as
   fragmentation that grows with the activations would leave.  The last stage also keeps
   the fp32 logits of its two pipe buffers' latest micro-batches (GPTModelPipe ends in
   ``float16_to_fp32``; its loss works in place on that tensor; the last stage's
@@ -104,14 +104,14 @@ test_published_bloom.py`` guards the spread, never a target):
   per-activation term: the 203B (NHIDDEN=13312, NLAYERS=94: 4.56e9 parameters on stage
   0 where the 206B has 4.60e9, the same 128 heads, 32 a rank) ran at 67 GB and the 195B
   at micro-batch 4 at 79 GB; the planner prices the 203B's and the 206B's stage 0 alike
-  (65.9 and 66.1 GiB reserved with the context, every other stage within 1.5%), so a
+  (65.9 and 66.2 GiB reserved with the context, every other stage within 1.5%), so a
   term that took the 206B past 79.25 GiB would take the 203B and the 195B mb4 past it
   too.  Read for it, at the commits the rows ran (DeepSpeed 56c522386; bigscience-
   workshop/Megatron-DeepSpeed b1359ee0; torch 1.11's caching allocator) and found
   either counted, too small, or not at the peak: the pipeline engine's buffers
   (``num_pipe_buffers`` = min(pp - stage + 1, m): partitioned outputs, loaded inputs,
   the persistent ``grad_layer`` and ``pipe_recv_buf`` of 1/t slices, the restored output
-  and gradients in backward: counted since ds12, 0.27 GiB on stage 0); the attention
+  and gradients in backward: counted since ds12, 0.30 GiB on stage 0); the attention
   mask (built once into ``args.attn_mask``, not sent between stages); the fp32 tied
   embedding gradient (a view into BF16_Optimizer's flat fp32 buffer, all-reduced in
   place by ``ReduceTiedGrads``); the ZeRO-1 all-gather (``all_gather_dp_groups``' 5e8-

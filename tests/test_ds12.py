@@ -47,10 +47,11 @@ def test_backward_held_bytes_per_stage():
     _, one = _ds(global_batch=4)
     assert DPM.backward_held_bytes(cfg, one, 3) == {
         "loss": 0.0, "backward": logits, "update": logits + sbh2}
-    # the same tensors whole with tp = 1 (not partitioned: kept or received whole)
+    # tp = 1 (not partitioned): the output is one the engine keeps whole and the gradient
+    # lands in the persistent grad_layer, both counted there; the input's gradient stays
     _, lay1 = _ds(tp=1)
-    assert DPM.backward_held_bytes(cfg, lay1, 1) == {"loss": 0.0, "backward": 2 * sbh2,
-                                                     "update": 3 * sbh2}
+    assert DPM.backward_held_bytes(cfg, lay1, 1) == {"loss": 0.0, "backward": 0.0,
+                                                     "update": sbh2}
 
 
 def test_backward_held_bytes_only_in_deepspeeds_pipeline():
@@ -160,11 +161,13 @@ def test_after_the_pipeline_the_buffers_keep_inputs_and_logits():
     cfg, lay = _ds(global_batch=64)              # m = 16
     cfg = cfg.replace(vocab_size=250880)
     logits = 4 * 512 * 2 * 250880 / 4
-    assert DPM.after_pipeline_bytes(cfg, lay, 3) == 2 * logits + 2 * 12 * 512 * 2
-    assert DPM.after_pipeline_bytes(cfg, lay, 1) == 0.0
-    assert DPM.after_pipeline_bytes(cfg, lay, 0) == DPM.loaded_input_bytes(cfg, lay, 0)
+    recv = 2 * 512 * 2 * 1024 / 4                # a receive buffer: the 1/t slice
+    assert DPM.after_pipeline_bytes(cfg, lay, 3) == 2 * logits + 2 * 12 * 512 * 2 + recv
+    assert DPM.after_pipeline_bytes(cfg, lay, 1) == 2 * recv
+    assert DPM.after_pipeline_bytes(cfg, lay, 0) == DPM.loaded_input_bytes(cfg, lay, 0) \
+        + recv
     _, one = _ds(global_batch=4)                 # m = 1: one buffer ever written
-    assert DPM.after_pipeline_bytes(cfg, one, 3) == logits + 2 * 12 * 512 * 2
+    assert DPM.after_pipeline_bytes(cfg, one, 3) == logits + 2 * 12 * 512 * 2 + recv
     nl = lay.stage_layers(cfg.n_layer)[3]
     mem = MEM.stage_memory(cfg, lay, 3)
     sync = 2 * MEM.stage_params(cfg, 4, 4, 3, nl)
@@ -173,3 +176,46 @@ def test_after_the_pipeline_the_buffers_keep_inputs_and_logits():
     states = mem["params"] + mem["grads"] + mem["optimizer"] + mem["buffers"] \
         + mem.get("comm_buffers", 0.0)
     assert mem["total"] >= states + sync + 2 * logits
+
+
+def test_receive_buffers_and_tp1_copies():
+    """pipe_recv_buf (stages after the first) and grad_layer (stages before the last):
+    one buffer each of the received tensor, the 1/t slice or (tp = 1) the whole; with
+    tp = 1 a receiving stage keeps its received input beside the clone its layers save,
+    and its whole outputs."""
+    cfg, lay = _ds()
+    sbh2 = 2 * 512 * 2 * 1024
+    assert [DPM.receive_buffer_bytes(cfg, lay, st) for st in range(4)] == [
+        sbh2 / 4, 2 * sbh2 / 4, 2 * sbh2 / 4, sbh2 / 4]
+    assert DPM.kept_input_bytes(cfg, lay, 2, 2) == 0.0           # tp 4: one copy
+    _, lay1 = _ds(tp=1, dp=8)
+    assert [DPM.receive_buffer_bytes(cfg, lay1, st) for st in range(4)] == [
+        sbh2, 2 * sbh2, 2 * sbh2, sbh2]
+    assert [DPM.kept_input_bytes(cfg, lay1, st, 3) for st in range(4)] == [
+        0.0, 3 * sbh2, 3 * sbh2, 3 * sbh2]
+    assert DPM.partitioned_output_bytes(cfg, lay1, 1, 3) == 3 * sbh2
+    assert DPM.partitioned_output_bytes(cfg, lay1, 3, 1) == 0.0
+    for bad in (-1, True, None):
+        with pytest.raises(ValueError, match="held"):
+            DPM.kept_input_bytes(cfg, lay1, 1, bad)
+    _, meg = _ds(framework="megatron")
+    assert DPM.receive_buffer_bytes(cfg, meg, 1) == 0.0
+    assert DPM.kept_input_bytes(cfg, meg, 1, 2) == 0.0
+
+
+def test_tp1_stage_memory_counts_the_whole_copies(monkeypatch):
+    """A middle stage at tp = 1: its activations hold, beyond the layers' and the states,
+    the kept whole outputs and received inputs of the micro-batches in flight and the two
+    whole receive buffers."""
+    cfg, lay = _ds(tp=1, dp=8, global_batch=64)              # m = 4
+    sbh2 = 2 * 512 * 2 * 1024
+    held = MEM.in_flight(lay.schedule, lay.pp, lay.m, lay.v, 1)
+    with_term = MEM.stage_memory(cfg, lay, 1)["activations"]
+    for name in ("partitioned_output_bytes", "kept_input_bytes"):
+        monkeypatch.setattr(DPM, name, lambda c, l, st, h: 0.0)
+    monkeypatch.setattr(DPM, "receive_buffer_bytes", lambda c, l, st: 0.0)
+    MEM._LAST[0] = (None, None, None, None, {})
+    without = MEM.stage_memory(cfg, lay, 1)["activations"]
+    MEM._LAST[0] = (None, None, None, None, {})
+    assert held == 3
+    assert with_term - without == 2 * held * sbh2 + 2 * sbh2

@@ -1,5 +1,7 @@
-"""What DeepSpeed's pipeline engine keeps of a stage's outputs between its forward and
-backward (``framework="deepspeed"``, pp > 1, tp > 1).
+"""What DeepSpeed's pipeline engine keeps beyond the layers' saved activations: a stage's
+outputs between its forward and backward, its receive buffers, what it holds through a
+backward, the loaded micro-batches and the last stage's logits (``framework="deepspeed"``,
+pp > 1).
 
 Source: microsoft/DeepSpeed 56c522386 (2022-04-19, v0.6.2; BLOOM-176B's BF16_Optimizer
 commit, ``plan.bf16_optimizer``), ``deepspeed/runtime/pipe/engine.py``:
@@ -18,6 +20,18 @@ whole copy).  16-bit values, 2 bytes, as ``plan.memory``'s activations (Korthika
 al. 2022's accounting).  The same code in v0.5.4 (bc7778ea5b), the engine
 ``plan.deepspeed_pipe`` prices.
 
+Without tensor slicing (tp = 1: ``is_pipe_partitioned`` False) the same line stores the
+whole output (:func:`partitioned_output_bytes`), and a receiving stage keeps in
+``pipe_buffers['inputs']`` the ``recvd = buffer.clone().detach()`` of
+``_exec_recv_activations`` (lines 1040-1068) while ``_exec_forward_pass`` runs the layers
+on a further ``clone()`` of it (lines 624-627), which their checkpoint saves: a second whole
+input per micro-batch in flight (:func:`kept_input_bytes`; with tp > 1 the buffer takes
+the rebuilt ``full()`` input the layers run on: one copy).  Both receive buffers are
+allocated once, ``num_buffers=1``, and kept (:func:`receive_buffer_bytes`):
+``pipe_recv_buf`` (``_recv_tensor_meta``, lines 882-907) on every stage but the first and
+``grad_layer`` (``_exec_recv_grads``, lines 1093-1125) on every stage but the last, each
+the received tensor: the 1/t slice (and its meta), the whole with tp = 1.
+
 What the engine holds through a micro-batch's backward (:func:`backward_held_bytes`;
 56c522386 ``runtime/pipe/engine.py`` lines 700-765, the same in v0.5.4 lines 640-685):
 on every stage but the last ``_exec_backward_pass`` first restores the stage's whole
@@ -27,8 +41,8 @@ s b h) and rebuilds the whole received gradient (``grad_tensors = (part_grad.ful
 already: the output kept in ``pipe_buffers['outputs']``, the gradient in the persistent
 ``grad_layer``), runs ``torch.autograd.backward`` with them, then (bf16, 56c522386)
 ``self.optimizer.update_hp_grads(clear_lp_grads=False)``, and only then frees both
-(``output_tensors`` / ``outputs`` set to None, ``grad_tensors = None``): 2 x 2 s b h
-bytes live at the layers' backward (the stage's last layer, recomputed first, runs
+(``output_tensors`` / ``outputs`` set to None, ``grad_tensors = None``): with tp > 1,
+2 x 2 s b h bytes live at the layers' backward (the stage's last layer, recomputed first, runs
 beside them) and at ``update_hp_grads``' fp32 cast (``plan.bf16_optimizer``).  A stage
 after the first also holds then its input's whole gradient (``inputs[0].requires_grad =
 True`` after ``full()``: a leaf, so autograd's AccumulateGrad keeps its gradient as
@@ -55,14 +69,15 @@ earlier micro-batches' logits, min(2, m - 1) of them, are live beside its own (w
 ``update_hp_grads`` its own (which the head's backward does not free, as
 ``memory.workspace_bytes`` would otherwise take) and the other buffer's, min(1, m - 1);
 after the pipeline has drained (BF16_Optimizer's DP sync, ``plan.bf16_optimizer``) the
-buffers still hold the last min(2, m) micro-batches' logits, and the first stage its
-buffers' loaded inputs (:func:`loaded_input_bytes`): :func:`after_pipeline_bytes`.
+buffers still hold the last min(2, m) micro-batches' logits, every stage its receive
+buffers and the first its buffers' loaded inputs (:func:`loaded_input_bytes`):
+:func:`after_pipeline_bytes`.
 
 What the first and last stages keep of the loaded micro-batches (:func:`loaded_input_bytes`):
 ``_exec_load_micro_batch`` (56c522386 lines 775-812) stores a ``clone()`` of each input
 tensor in ``pipe_buffers['inputs'][buffer_id]`` on the first stage, and the labels tuple
 in ``pipe_buffers['labels'][buffer_id]`` on the last; ``_exec_forward_pass`` runs the
-module on clones of the inputs (line 624), and on the first stage nothing frees the
+module on clones of the inputs (lines 624-627), and on the first stage nothing frees the
 buffer (``_exec_send_grads``, which sets it to None, runs on the other stages only), so
 each of the stage's ``TrainSchedule.num_pipe_buffers()`` = max(2, min(pp - stage + 1,
 m)) buffers (``pipe/schedule.py`` line 243) keeps its last micro-batch's inputs for the
@@ -76,8 +91,9 @@ loss_mask): int64 and float32 [b, s], 12 s b bytes.
 """
 from __future__ import annotations
 
-__all__ = ["partitioned_output_bytes", "backward_held_bytes", "loaded_input_bytes",
-           "after_pipeline_bytes", "pipe_buffers", "SOURCE", "BACKWARD_SOURCE"]
+__all__ = ["partitioned_output_bytes", "receive_buffer_bytes", "kept_input_bytes",
+           "backward_held_bytes", "loaded_input_bytes", "after_pipeline_bytes",
+           "pipe_buffers", "SOURCE", "BACKWARD_SOURCE"]
 
 BACKWARD_SOURCE = ("microsoft/DeepSpeed 56c522386 (2022-04-19) runtime/pipe/engine.py "
                    "_exec_backward_pass (lines 700-765): the restored whole output and the "
@@ -89,16 +105,46 @@ SOURCE = ("microsoft/DeepSpeed 56c522386 (2022-04-19) runtime/pipe/engine.py "
           "(PartitionedTensor) until that micro-batch's backward")
 
 
-def partitioned_output_bytes(cfg, lay, stage: int, held: float) -> float:
-    """Bytes of the 1/t output partitions a rank of ``stage`` keeps for the ``held``
-    micro-batches in flight (module docstring); 0 where the engine keeps none: another
-    framework, no pipeline, tp == 1 (no partitioning), or the last stage."""
+def _check_held(fn: str, held) -> None:
     if isinstance(held, bool) or not isinstance(held, (int, float)) or held < 0:
-        raise ValueError(f"partitioned_output_bytes: held={held!r} must be the micro-batches "
-                         f"in flight on the stage, a number >= 0")
-    if lay.engine != "deepspeed" or lay.pp == 1 or lay.tp == 1 or stage == lay.pp - 1:
+        raise ValueError(f"{fn}: held={held!r} must be the micro-batches in flight on the "
+                         f"stage, a number >= 0")
+
+
+def partitioned_output_bytes(cfg, lay, stage: int, held: float) -> float:
+    """Bytes of the outputs a rank of ``stage`` keeps for the ``held`` micro-batches in
+    flight (module docstring): their 1/t partitions, or with tp == 1 (no partitioning:
+    ``_exec_forward_pass`` stores the output itself in ``pipe_buffers['outputs']``) the
+    whole outputs; 0 where the engine keeps none: another framework, no pipeline, or the
+    last stage."""
+    _check_held("partitioned_output_bytes", held)
+    if lay.engine != "deepspeed" or lay.pp == 1 or stage == lay.pp - 1:
         return 0.0
     return 2.0 * cfg.seq_len * lay.micro_batch * cfg.d_model / lay.tp * held
+
+
+def receive_buffer_bytes(cfg, lay, stage: int) -> float:
+    """Bytes of the engine's two receive buffers on a rank of ``stage``, allocated once
+    (``_allocate_buffer(..., num_buffers=1)``) and kept all run (module docstring):
+    ``pipe_recv_buf`` on every stage but the first, ``grad_layer`` on every stage but
+    the last, each the 1/t slice of an [s, b, h] 16-bit tensor (the whole tensor with
+    tp == 1; the slice's int64 meta, a few dozen bytes, not counted); 0 where the engine
+    does not run."""
+    if lay.engine != "deepspeed" or lay.pp == 1:
+        return 0.0
+    part = 2.0 * cfg.seq_len * lay.micro_batch * cfg.d_model / lay.tp
+    return part * ((stage > 0) + (stage < lay.pp - 1))
+
+
+def kept_input_bytes(cfg, lay, stage: int, held: float) -> float:
+    """With tp == 1, bytes of the received inputs a rank of ``stage`` (not the first)
+    keeps for the ``held`` micro-batches in flight beside the clone its layers run on and
+    save (module docstring): whole, 2 s b h each; 0 with tp > 1 (the rebuilt ``full()``
+    input is stored in the buffer and is the one the layers save)."""
+    _check_held("kept_input_bytes", held)
+    if lay.engine != "deepspeed" or lay.pp == 1 or lay.tp > 1 or stage == 0:
+        return 0.0
+    return 2.0 * cfg.seq_len * lay.micro_batch * cfg.d_model * held
 
 
 def backward_held_bytes(cfg, lay, stage: int) -> dict:
@@ -119,7 +165,10 @@ def backward_held_bytes(cfg, lay, stage: int) -> dict:
     whole = 2.0 * cfg.seq_len * lay.micro_batch * cfg.d_model    # one s b h, 16-bit
     input_grad = 0.0 if stage == 0 else whole
     if stage < lay.pp - 1:
-        return {"loss": 0.0, "backward": 2 * whole, "update": 2 * whole + input_grad}
+        # with tp == 1 the output is one of those partitioned_output_bytes keeps and the
+        # gradient is received into grad_layer (receive_buffer_bytes): counted there
+        rebuilt = 2 * whole if lay.tp > 1 else 0.0
+        return {"loss": 0.0, "backward": rebuilt, "update": rebuilt + input_grad}
     logits = 4.0 * cfg.seq_len * lay.micro_batch * cfg.vocab_size / lay.tp   # fp32
     nbuf = pipe_buffers(lay, stage)
     earlier = min(nbuf, lay.m - 1)               # at the loss: the buffers' older logits
@@ -150,10 +199,11 @@ def loaded_input_bytes(cfg, lay, stage: int) -> float:
 
 def after_pipeline_bytes(cfg, lay, stage: int) -> float:
     """Bytes the engine's buffers still hold on a rank of ``stage`` once its pipeline has
-    drained (module docstring): the loaded inputs (:func:`loaded_input_bytes`) and, on
+    drained (module docstring): the loaded inputs (:func:`loaded_input_bytes`), the
+    receive buffers (:func:`receive_buffer_bytes`) and, on
     the last stage, the fp32 logits of its last min(2, m) micro-batches (4 s b V / t
     each); 0 where the engine does not run."""
-    out = loaded_input_bytes(cfg, lay, stage)
+    out = loaded_input_bytes(cfg, lay, stage) + receive_buffer_bytes(cfg, lay, stage)
     if lay.engine == "deepspeed" and lay.pp > 1 and stage == lay.pp - 1:
         logits = 4.0 * cfg.seq_len * lay.micro_batch * cfg.vocab_size / lay.tp
         out += min(pipe_buffers(lay, stage), lay.m) * logits

@@ -445,6 +445,8 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
                                       lay.engine)
     act += _ds_pipe.partitioned_output_bytes(tcfg, lay, stage, held)   # its 1/t outputs
     act += _ds_pipe.loaded_input_bytes(tcfg, lay, stage)   # its buffers' loaded inputs
+    act += _ds_pipe.receive_buffer_bytes(tcfg, lay, stage)   # pipe_recv_buf, grad_layer
+    act += _ds_pipe.kept_input_bytes(tcfg, lay, stage, held)   # tp = 1: inputs twice
     mem["activations"] = act
     terms = workspace_terms(tcfg, lay, stage, attention, unreduced, fusion)
     mem["workspace"] = terms["workspace"]
