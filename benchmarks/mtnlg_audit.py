@@ -91,6 +91,44 @@ each.  The ratios grow with dp because that fixed 6.4 s is a larger share of a s
 step (m = 240, 192, 160), not because the DP sync grows: priced, it grows 0.50 -> 0.52 s
 from dp 8 to 12, as a ring over more nodes does.
 
+Checked again (ds12, 2026-11-29) for sourced components not in the table above; none
+found that moves a row, so the rows stay as they are:
+
+- The engine's instruction set per step, read line by line at 56c522386
+  (``runtime/pipe/engine.py``, ``pipe/schedule.py`` ``TrainSchedule.steps``): LoadMicroBatch,
+  Forward/BackwardPass, Send/RecvActivation, Send/RecvGrad, ReduceTiedGrads, ReduceGrads,
+  OptimizerStep; every one is a row of the table.  What the engine holds through a
+  backward (the restored output, the rebuilt gradient, the last stage's fp32 logits) is
+  memory (``plan.deepspeed_pipe_memory.backward_held_bytes``), not time: the copies that
+  make them (``full()``'s zeros, copy-in, all-gather and clone) are already the
+  "PartitionedTensor" rows.
+- ``CUDA_LAUNCH_BLOCKING=1`` (BLOOM's rows: tr11-176B-ml.slurm line 203, the 02-28 runs
+  likewise): every launch waits for its kernel, so no kernel overlaps the host's work.
+  It is not priced, and a source says it need not be: BigScience measured it on the same
+  cluster with the same framework (bigscience-workshop/bigscience 9e64edec2a
+  ``train/tr11-176B-ml/chronicles-prequel.md``, "dealing with JZ hanging on the large
+  model", 200B, TP 8, PP 10, micro-batch 1): 84.59 TFLOPs blocking / 84.44 async at 160
+  GPUs (GBS 512), 90.29 / 90.25 (GBS 2048): no difference at two or more replicas
+  ("it surprisingly has no impact on this framework at this scale"); the one 6.3% gap
+  (91.04 / 97.20) is a single replica at GBS 512.  The rows here run 4-8 replicas.
+- BLOOM's a64-tp8-mb2 row (1.198 where its tp4 sibling is 1.065; published 121.63 s
+  against 102.03 s, the planner 101.5 s against 95.8 s, the TP collectives 8.6 s against
+  3.6 s, the layers' compute 73.5 s against 68.8 s, ``python benchmarks/mtnlg_audit.py``'s
+  functions on those rows): the head dimension is the sibling's (a64: 224); Megatron's
+  fused-softmax condition the prequel states, (heads / TP) x MBS % 4 == 0, holds (8 x 2);
+  the TP 8 all-reduces run inside one node over NVLink, priced at the A100 node's NCCL
+  figures because the cluster's own logs hold no single-node A100 measurement
+  (``experiments/bandwidth/``: only the 32-rank, 2-channel all-reduce across 4 nodes and
+  V100 nodes; its intra-node edges "via P2P/IPC/read").  The 14 s a step the row lacks
+  has no source here.
+- MT-NLG's 6.4 s a step: the run's DeepSpeed config and its 2021 bf16 code are not
+  public (Smith et al. 2022 name neither bucket sizes nor the optimizer's code); the
+  terms a config would set (``allgather_bucket_size``, ``reduce_bucket_size``, the
+  ZeRO-1 optimizer's ``reduce_scatter``, which DeepSpeed's stage-1/2 optimizer runs as
+  one ``dist.reduce`` per rank's slice, v054 ``runtime/zero/stage2.py`` ``average_tensor``)
+  would change the DP sync, whose whole priced cost is 0.5 s: it cannot reach 6.4 s at
+  nccl-tests' HDR rate.
+
 Nothing here feeds the planner.
 """
 from __future__ import annotations

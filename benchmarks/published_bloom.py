@@ -64,42 +64,69 @@ test_published_bloom.py`` guards the spread, never a target):
   the run may have been slower than 0.405 where it lost (DP rings of the node's 4 TP
   ranks sharing adapters as NCCL picks them, CUDA_LAUNCH_BLOCKING=1's launch gaps): not
   sourced, not priced.  The TP 8 row (1.198) is the one beyond 15%.
-- memory: stage 0's reserved memory plus the context is 0.915 .. 0.982 of nvidia-smi's
-  reading (0.812 .. 0.855 with the live peak alone, before ``plan.allocator``; 0.767 ..
-  0.827 before bloom3 counted DeepSpeed's partitioned pipeline outputs and the embedding
-  LayerNorm's saved input).  What the planner counts there (final layout, GiB): bf16
-  weights 7.5, bf16 gradients 7.5, Adam on the 1/8 partition 5.6, BF16_Optimizer's fp32
-  gradients 14.9, NCCL 1.2 (``plan.comm_memory``: the cluster's own NCCL 2.10.3 log,
-  2 channels across nodes, no GPUDirect RDMA, rings and trees connected at init; the
-  TP group and DeepSpeed's slice group 0.56 each), activations 8.9 (12 micro-batches in flight: 5 layer inputs,
-  the embedding's dropout mask, the input its LayerNorm saves, bigscience-workshop/
-  Megatron-DeepSpeed b1359ee0 ``--embed-layernorm``: ``ModelConfig.embed_norm``, and the
-  engine's 1/4 output partition, ``plan.deepspeed_pipe_memory``), the embedding
-  gradient's fp32 cast 3.4; and the allocator's cached segment for the DP sync's bf16
+- memory: stage 0's reserved memory plus the context is 0.923 .. 0.988 of nvidia-smi's
+  reading (0.915 .. 0.984 before ds12 counted what the pipeline engine holds beyond the
+  layers, below; 0.812 .. 0.855 with the live peak alone, before ``plan.allocator``;
+  0.767 .. 0.827 before bloom3 counted DeepSpeed's partitioned pipeline outputs and the
+  embedding LayerNorm's saved input).  What the planner counts there (final layout,
+  GiB): bf16 weights 7.5, bf16 gradients 7.5, Adam on the 1/8 partition 5.6,
+  BF16_Optimizer's fp32 gradients 14.9, NCCL 1.2 (``plan.comm_memory``: the cluster's own
+  NCCL 2.10.3 log, 2 channels across nodes, no GPUDirect RDMA, rings and trees connected
+  at init; the TP group and DeepSpeed's slice group 0.56 each), activations 8.9 (12
+  micro-batches in flight: 5 layer inputs, the embedding's dropout mask, the input its
+  LayerNorm saves, bigscience-workshop/Megatron-DeepSpeed b1359ee0 ``--embed-layernorm``:
+  ``ModelConfig.embed_norm``, and the engine's 1/4 output partition; the 13 pipe
+  buffers' loaded tokens, positions and 4 MiB causal mask, 0.05, and the 1/4 slice its
+  gradient is received into, 0.03: ``plan.deepspeed_pipe_memory``), the embedding gradient's fp32 cast in ``update_hp_grads`` 3.4 beside the
+  micro-batch's restored output and rebuilt gradient the engine holds until after it,
+  0.22 (DeepSpeed 56c522386 ``_exec_backward_pass``: ``deepspeed_pipe_memory.
+  backward_held_bytes``); and the allocator's cached segment for the DP sync's bf16
   copy of the fp32 gradients, 7.5 (made after the pipeline's activations are freed, but
   no freed block is as large: ``torch`` 1.11 does not merge blocks of different
   segments, so it is a cudaMalloc of its own, kept cached).  Not counted: the
   fragmentation of the segments the activations and the per-tensor bf16 weights
-  BF16_Optimizer frees when it flattens them (8 GB) leave, the backward's gradient
-  temporaries.  The prequel's other shapes (195B, 184B, 178B, 203B, 12 rows with a
-  reading) go from 0.807 .. 0.856 to 0.919 .. 0.984 alike; the micro-batch-4 rows are
-  the lowest (0.915 here), as fragmentation that grows with the activations would leave.
+  BF16_Optimizer frees when it flattens them (8 GB) leave, the layers' backward's
+  activation-gradient temporaries (no source gives their peak).  The prequel's other
+  shapes (195B, 184B, 178B, 203B, 12 rows with a reading) go from 0.807 .. 0.856 to
+  0.928 .. 0.988 alike; the micro-batch-4 rows are the lowest (0.923 here), as
+  fragmentation that grows with the activations would leave.  The last stage also keeps
+  the fp32 logits of its two pipe buffers' latest micro-batches (GPTModelPipe ends in
+  ``float16_to_fp32``; its loss works in place on that tensor; the last stage's
+  backward never clears its output buffer): 1.9 GiB more at its loss and its DP sync,
+  on a stage that is not the busiest here.
 - out of memory: 5 of the 6 layouts reported OOM are called not fitting.  The 206B
   (NHIDDEN=14336, NLAYERS=82, 128 heads, DP 8, TP 4, PP 12, micro-batch 2) is called
-  fitting, 55.7 GiB live on its busiest rank of 73.8 usable; the same table's neighbours
-  do not explain it either: the 203B (NHIDDEN=13312, NLAYERS=94: 4.56e9 parameters on
-  stage 0 where the 206B has 4.60e9) ran at 67 GB and the 195B at micro-batch 4 at 79
-  GB; the planner prices the 203B's and the 206B's stage 0 alike (65.6 and 65.9 GiB
-  reserved with the context; bloom3 read the 203B row too).  No component read in
-  DeepSpeed 56c522386 (BF16_Optimizer, its flattening, ``buffered_allreduce_fallback``'s
-  one-tensor buckets, the pipeline engine's buffers, its activation checkpointing),
-  Megatron-DeepSpeed or torch 1.11's caching allocator (whose cached segments are
-  released before it reports out of memory, so they do not decide ``fits``) accounts
-  for the difference; it is reported, not fitted (``tests/test_published_bloom.py``:
-  xfail, strict).  The 79 GB reading of a run that ran also says the card holds more
-  than the datasheet's 80 GB read as 8e10 bytes: the profile's ``memory_bytes`` is the
-  79.25 GiB CUDA reports (a100-jeanzay.json; usable 73.8 GiB, 69.2 with 8e10 B); the
-  closest OOM row, the 181B dp32-tp2-pp6-mb1, is 74.4 GiB live: not fitting either way.
+  fitting, 56.0 GiB live on its busiest rank (stage 0) of 73.8 usable.  Its shape is the
+  table's (``NHIDDEN=14336; NLAYERS=82; Model size: 206B``: 82 (12 h^2 + 13 h) + V h
+  with V = 250,880 is 205.8e9; stages (82 + 2) / 12 = 7 slots, so [6, 7, .., 7, 6]);
+  128 heads are 32 a rank, (32 x 2) % 4 == 0: Megatron's fused softmax runs as in the
+  rows that ran.  The same table's neighbours rule out any per-parameter or
+  per-activation term: the 203B (NHIDDEN=13312, NLAYERS=94: 4.56e9 parameters on stage
+  0 where the 206B has 4.60e9, the same 128 heads, 32 a rank) ran at 67 GB and the 195B
+  at micro-batch 4 at 79 GB; the planner prices the 203B's and the 206B's stage 0 alike
+  (65.9 and 66.2 GiB reserved with the context, every other stage within 1.5%), so a
+  term that took the 206B past 79.25 GiB would take the 203B and the 195B mb4 past it
+  too.  Read for it, at the commits the rows ran (DeepSpeed 56c522386; bigscience-
+  workshop/Megatron-DeepSpeed b1359ee0; torch 1.11's caching allocator) and found
+  either counted, too small, or not at the peak: the pipeline engine's buffers
+  (``num_pipe_buffers`` = min(pp - stage + 1, m): partitioned outputs, loaded inputs,
+  the persistent ``grad_layer`` and ``pipe_recv_buf`` of 1/t slices, the restored output
+  and gradients in backward: counted since ds12, 0.30 GiB on stage 0); the attention
+  mask (built once into ``args.attn_mask``, not sent between stages); the fp32 tied
+  embedding gradient (a view into BF16_Optimizer's flat fp32 buffer, all-reduced in
+  place by ``ReduceTiedGrads``); the ZeRO-1 all-gather (``all_gather_dp_groups``' 5e8-
+  element shards, the ds_config sets no bucket size: its flat 1 GB temporary falls in
+  the sync's cached 2 psi segment, freed by then); ``buffered_allreduce_fallback``'s
+  one-tensor bucket (a view; its bf16 cast is the counted sync copy); the loss's fp32
+  logits at V / 4 = 62,720 (the last stage, 50-52 GiB here); NCCL (counted from the
+  cluster's log); allocator fragmentation (an ASSUMPTION kept back from the usable
+  memory, 5% in a100-jeanzay.json, not moved to flip a row); torch 1.11 releases cached segments before it
+  reports out of memory, so they do not decide ``fits``.  The OOM is reported, not
+  fitted (``tests/test_published_bloom.py``: xfail, strict).  The 79 GB reading of a run
+  that ran also says the card holds more than the datasheet's 80 GB read as 8e10
+  bytes: the profile's ``memory_bytes`` is the 79.25 GiB CUDA reports (a100-jeanzay.json;
+  usable 73.8 GiB, 69.2 with 8e10 B); the closest OOM row, the 181B dp32-tp2-pp6-mb1,
+  is 75.3 GiB live: not fitting either way.
 
 Left out: the 24-node phase after 2022-07-04 (DP 4; no throughput published for it),
 the batch-size ramp-up figures (8 TFLOPs at batch 16: a pipeline never filled), the

@@ -124,16 +124,22 @@ def test_partitioned_outputs_counted_on_every_stage_but_the_last():
         per = MEM.layer_activation_bytes(cfg, b, t, False, "full")
         edge = MEM._edge_activation_bytes(cfg, b, t, False, stage, lay.pp, held, 1)
         act = MEM.stage_memory(cfg, lay, stage)["activations"]
-        assert act == pytest.approx(per * nl * held + edge + want, rel=1e-12), stage
+        # ds12: the buffers' loaded inputs, the receive buffers (1/t slices)
+        loaded = DPM.loaded_input_bytes(cfg, lay, stage) + DPM.receive_buffer_bytes(
+            cfg, lay, stage)
+        assert act == pytest.approx(per * nl * held + edge + want + loaded, rel=1e-12), stage
     assert DPM.partitioned_output_bytes(cfg, lay, 0, 4) == 4 * 2 * s * b * h / t
 
 
 def test_partitioned_outputs_only_where_the_engine_partitions():
     from workbench.plan import deepspeed_pipe_memory as DPM
     cfg, _ = _ds_layout()
-    for kw in (dict(tp=1), dict(framework="megatron"), dict(pp=1, dp=8)):
+    for kw in (dict(framework="megatron"), dict(pp=1, dp=8)):
         _, lay = _ds_layout(**kw)
         assert DPM.partitioned_output_bytes(cfg, lay, 0, 4) == 0.0, kw
+    # tp = 1 (ds12): not partitioned, the engine keeps the whole outputs
+    _, lay = _ds_layout(tp=1)
+    assert DPM.partitioned_output_bytes(cfg, lay, 0, 4) == 4 * 2 * 512 * 2 * 1024
     _, lay = _ds_layout()
     for bad in (-1, True, "2", None):
         with pytest.raises(ValueError, match="held"):

@@ -153,7 +153,9 @@ def reserved_bytes(cfg, lay, stage: int, psi: float, layers: int, memory: dict,
     (``memory.stage_memory``): the live peak of the pipeline phase, whose segments stay
     cached, plus the segment :func:`cached_bytes` adds at the DP sync; at least the live
     peak.  ``memory["workspace"]`` holds the sync's bf16 copy where the copy sets the
-    peak (``sync - activations``): that share is the copy itself, inside the new segment,
+    peak (``sync + after - activations``, ``after`` what the pipeline engine's buffers
+    keep, ``deepspeed_pipe_memory.after_pipeline_bytes``): that share is the copy itself,
+    inside the new segment,
     so the pipeline phase's peak takes the workspace without it (the loss's, a
     recompute's, ``update_hp_grads``' fp32 cast; ``memory.workspace_bytes``).  None where
     the allocator is not modelled (:func:`modelled`)."""
@@ -164,9 +166,12 @@ def reserved_bytes(cfg, lay, stage: int, psi: float, layers: int, memory: dict,
         return memory["total"]
     from .ep_cp import token_cfg
     from .memory import workspace_bytes
+    from .deepspeed_pipe_memory import backward_held_bytes
+    tcfg = token_cfg(cfg, lay)
     during, _ = _bf16.transient_bytes(psi, _bf16.largest_numel(cfg, lay.tp, lay.pp, stage,
                                                                layers))
-    pipe_ws = min(max(workspace_bytes(token_cfg(cfg, lay), lay, stage, attention), during),
+    during += backward_held_bytes(tcfg, lay, stage)["update"]    # as memory.stage_memory
+    pipe_ws = min(max(workspace_bytes(tcfg, lay, stage, attention), during),
                   memory["workspace"])
     pipeline = memory["total"] - memory["workspace"] + pipe_ws
     return max(memory["total"], pipeline + cache)

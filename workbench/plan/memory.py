@@ -30,7 +30,8 @@ stage holds at once (:func:`in_flight`), plus the first stage's embedding dropou
 mask (and the input of its LayerNorm with ``cfg.embed_norm``, BLOOM's, 2 sbh) and the
 last stage's final-LayerNorm and head inputs (2 sbh each) and fp32 logits for the loss
 (4 s b V / t), counted the same way; DeepSpeed's pipeline engine also
-keeps each in-flight micro-batch's output as a 1/t partition, 2 sbh / t
+keeps each in-flight micro-batch's output as a 1/t partition, 2 sbh / t, and on the
+first and last stages the loaded inputs of each of its pipe buffers
 (``plan.deepspeed_pipe_memory``).
 
 ``comm_buffers``: the communication library's device buffers for the communicators
@@ -443,6 +444,9 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
                                       held, lay.m if lay.schedule == "gpipe" else 1,
                                       lay.engine)
     act += _ds_pipe.partitioned_output_bytes(tcfg, lay, stage, held)   # its 1/t outputs
+    act += _ds_pipe.loaded_input_bytes(tcfg, lay, stage)   # its buffers' loaded inputs
+    act += _ds_pipe.receive_buffer_bytes(tcfg, lay, stage)   # pipe_recv_buf, grad_layer
+    act += _ds_pipe.kept_input_bytes(tcfg, lay, stage, held)   # tp = 1: inputs twice
     mem["activations"] = act
     terms = workspace_terms(tcfg, lay, stage, attention, unreduced, fusion)
     mem["workspace"] = terms["workspace"]
@@ -465,7 +469,13 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     if _bf16.applies(cfg, lay):       # its fp32 cast of a gradient; its bf16 copy for the sync
         during, sync = _bf16.transient_bytes(psi, _bf16.largest_numel(cfg, lay.tp, lay.pp,
                                                                       stage, nl))
-        mem["workspace"] = max(mem["workspace"], during, sync - act)
+        # the cast runs in update_hp_grads, before the engine frees the micro-batch's
+        # restored output and gradients (deepspeed_pipe_memory.backward_held_bytes)
+        during += _ds_pipe.backward_held_bytes(tcfg, lay, stage)["update"]
+        # the sync copy once the pipeline has drained: only what the engine's buffers still
+        # hold stays of the activations (deepspeed_pipe_memory.after_pipeline_bytes)
+        mem["workspace"] = max(mem["workspace"], during,
+                               sync + _ds_pipe.after_pipeline_bytes(tcfg, lay, stage) - act)
     mem["total"] = sum(mem.values())
     if mem["workspace"] != terms["workspace"]:      # a framework's own peak set it
         terms = dict(terms, workspace=mem["workspace"])
@@ -501,7 +511,9 @@ def workspace_bytes(cfg, lay, stage: int, attention: str = "materialized",
     - the loss, on the last stage: ``frameworks.loss_extra_bytes`` per logit of one
       micro-batch (s b V / t), the fp32 working copies the framework's cross-entropy
       holds beside the saved softmax (Megatron-LM's in-place kernel 2 bytes, PyTorch's
-      ``F.cross_entropy`` on upcast logits 8);
+      ``F.cross_entropy`` on upcast logits 8), and in DeepSpeed's pipeline engine the
+      earlier micro-batches' fp32 logits its output buffers keep
+      (``deepspeed_pipe_memory.backward_held_bytes``);
     - the layers' backward, at a layer's first weight gradient (the MLP's output
       projection, fc2 / w2): what a recompute made again (a recomputed layer saves,
       during its backward, what it would have kept without recompute: torch.utils.
@@ -513,7 +525,10 @@ def workspace_bytes(cfg, lay, stage: int, attention: str = "materialized",
       attention core, Korthikanti et al. 2022 sec. 5, re-run after the MLP's backward,
       so beside no fresh weight gradient), plus the gradients live then that the
       states do not hold (:func:`_live_gradient_bytes`: that weight gradient whole, a
-      tied head's gradient autograd holds, FSDP2's previous reduce-scatter input), less
+      tied head's gradient autograd holds, FSDP2's previous reduce-scatter input;
+      DeepSpeed's pipeline engine: the micro-batch's restored output and rebuilt
+      received gradient, on the last stage the fp32 logits its buffers keep,
+      ``deepspeed_pipe_memory.backward_held_bytes``), less
       ``unreduced`` (the whole gradients ``buffers`` already counts: live here only as
       far as the terms before say), less the head's saved tensors of one micro-batch on
       the last stage (final norm and head inputs, fp32 logits: the head's backward,
@@ -528,7 +543,9 @@ def workspace_terms(cfg, lay, stage: int, attention: str = "materialized",
                     unreduced: float = 0.0, fusion: "bool | None" = None) -> dict:
     """The terms of :func:`workspace_bytes` (bytes): "recompute", the fresh
     "weight gradient", the "tied head gradient", FSDP2's "previous reduce-scatter
-    input", "counted in buffers" (``unreduced``), "head freed", the two instants
+    input", DeepSpeed's pipeline "engine's output and gradient" (the last stage: its
+    buffers' logits through the backward) and "engine's kept logits" (at the loss),
+    "counted in buffers" (``unreduced``), "head freed", the two instants
     "layers' backward" and "loss", and "workspace", the larger of them and 0."""
     b = lay.micro_batch
     remat = 0.0
@@ -545,12 +562,19 @@ def workspace_terms(cfg, lay, stage: int, attention: str = "materialized",
     if stage == lay.pp - 1:     # one micro-batch's head tensors, freed by the head's backward
         head = (_edge_activation_bytes(cfg, b, lay.tp, lay.sp, stage, lay.pp, 0.0, 1)
                 - _edge_activation_bytes(cfg, b, lay.tp, lay.sp, stage, lay.pp, 0.0, 0))
+    # DeepSpeed's pipeline engine: the restored output and the rebuilt received gradient
+    # live through the micro-batch's backward (deepspeed_pipe_memory.backward_held_bytes)
+    held = _ds_pipe.backward_held_bytes(cfg, lay, stage)
+    engine = held["backward"]
     layers = (core + live["tied head gradient"] + live["previous reduce-scatter input"]
-              - unreduced - head)
+              + engine - unreduced - head)
     loss = 0.0
     if stage == lay.pp - 1:
         loss = loss_extra_bytes(lay.engine, lay.tp) * cfg.seq_len * b * cfg.vocab_size / lay.tp
-    return {"recompute": remat, **live, "counted in buffers": float(unreduced),
+        loss += held["loss"]          # DeepSpeed's engine: earlier micro-batches' logits
+    return {"recompute": remat, **live, "engine's output and gradient": engine,
+            "engine's kept logits": held["loss"],
+            "counted in buffers": float(unreduced),
             "head freed": head, "layers' backward": layers, "loss": loss,
             "workspace": max(0.0, layers, loss)}
 
