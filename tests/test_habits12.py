@@ -305,3 +305,44 @@ def test_a_random_fill_after_wrapping_keeps_torchs_refusals(kind):
             nn.init.trunc_normal_(w, mean=2.0, a=1.0, b=3.0)
     after = full_state(wr.m.state_dict())
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+# ---- p.grad *= c on DistTensor parameters ------------------------------------------------
+@pytest.mark.parametrize("kind", ["tp", "zero_tp"])
+def test_scaling_a_dist_tensor_gradient_in_place_is_torchs(kind):
+    """``for p in model.parameters(): p.grad *= 0.5`` (a hand-made gradient scale): Python
+    assigns the in-place result back to ``p.grad``, which raised "set .grad to None" on a
+    tensor-parallel model's DistTensor parameters and ZeRO-1's (they were scaled first);
+    now the same gradient given back is taken, and the steps are one device's.  A new
+    tensor assigned (``p.grad = p.grad * 0.5``) still raises, naming the in-place forms."""
+    from .test_habits15 import Wrapped, batches, full_state, mk
+    ref = mk()
+    ref.eval()
+    if kind == "tp":
+        m = mk()
+        wb.parallelize_module(m, TP_MESH(), {"0": wb.ColwiseParallel(),
+                                             "2": wb.RowwiseParallel()})
+        m.eval()
+        params, opt = list(m.parameters()), torch.optim.SGD(m.parameters(), lr=0.1)
+        out = lambda x: _full(m(wb.distribute_tensor(x, TP_MESH(), [Replicate()])))  # noqa
+    else:
+        wr = Wrapped(kind)
+        wr.w.eval()
+        m, params, opt, out = wr.m, wr.params(), wr.optimizer(cls=torch.optim.SGD, lr=0.1), \
+            wr.out
+    ro = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in batches(2):
+        for o in (opt, ro):
+            o.zero_grad()
+        ((out(x) - y) ** 2).mean().backward()
+        ((ref(x) - y) ** 2).mean().backward()
+        for ps in (params, list(ref.parameters())):
+            for p in ps:
+                p.grad *= 0.5
+        with pytest.raises(ValueError, match=r"in place \(p\.grad\.mul_"):
+            params[0].grad = params[0].grad * 0.5
+        opt.step()
+        ro.step()
+    got = full_state(m.state_dict())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
