@@ -266,8 +266,13 @@ def test_normal_init_after_wrapping_is_one_devices_draw(kind):
     train(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), data)
     train(w, optimizer(kind, w, mesh), data, mesh)
     assert_same(w, ref)
-    with pytest.raises(RuntimeError, match="in-place init"):
-        w.module[0].reset_parameters()           # a fan read from the storage: still refused
+    # reset_parameters: was refused (a fan read from the storage); now one device's draw,
+    # its fans the module's (habits12)
+    torch.manual_seed(12)
+    ref[0].reset_parameters()
+    torch.manual_seed(12)
+    w.module[0].reset_parameters()
+    assert_same(w, ref)
 
 
 # ---- DDP over DistTensor parameters (beside tensor parallelism) ----------------------------

@@ -218,15 +218,30 @@ def _wrapped_linears():
 @pytest.mark.parametrize("init", [
     lambda t: nn.init.kaiming_uniform_(t, a=math.sqrt(5)), nn.init.xavier_normal_,
     lambda t: nn.init.trunc_normal_(t, std=0.02), lambda t: t.normal_(0.0, 0.02)])
-def test_random_init_after_wrapping_raises_and_leaves_the_values(which, init):
+def test_random_init_after_wrapping_is_one_devices_draw(which, init):
+    """Was refused (habits12 made it one device's): the values one device draws in the
+    module's shape with the same seed, the generator advanced as far; the module's own
+    reset_parameters too, but on Zero3's templates over DistTensors (still refused)."""
     lin, w = _wrapped_linears()[which]
     params = list(w.parameters())
-    before = [p.detach().clone() for p in params]
-    with pytest.raises(RuntimeError, match="Initialize the module before wrapping"):
-        with torch.no_grad():
-            init(params[0])
-    assert all(torch.equal(a, b) for a, b in zip(before, w.parameters()))
+    want = torch.empty(params[0]._wb_shape)
+    torch.manual_seed(5)
+    init(want)
+    after = torch.rand(())
+    torch.manual_seed(5)
+    with torch.no_grad():
+        init(params[0])
+    assert torch.equal(torch.rand(()), after)
+    assert torch.equal(params[0].full_tensor(), want)
     if which < 2:                           # the module's own reset_parameters too
+        ref = nn.Linear(6, 4)
+        torch.manual_seed(6)
+        ref.reset_parameters()
+        torch.manual_seed(6)
+        lin.reset_parameters()
+        for a, b in zip(w.full_state_dict().values(), ref.state_dict().values()):
+            assert torch.equal(a, b)
+    else:
         with pytest.raises(RuntimeError, match="before wrapping"):
             lin.reset_parameters()
 

@@ -182,19 +182,21 @@ def test_init_after_fully_shard_before_the_first_forward_is_one_devices(how):
 def test_random_fill_through_data_raises_instead_of_each_chunk_its_own_draw():
     """p.data.normal_(0, 0.2) over named_parameters() (Hugging Face's _init_weights
     habit): before, each dp rank's flat chunk took its own draw, silently (the model
-    then differed from one device's same init by up to 0.95); now it raises as p.normal_
-    does, naming the fix, the values untouched.  nn.init.normal_(p.data) is one device's
+    then differed from one device's same init by up to 0.95); then it raised as p.normal_
+    did; now (habits12) it is one device's draw.  nn.init.normal_(p.data) is one device's
     draw, as nn.init.normal_(p); elementwise writes through .data stay one device's."""
     m, ref, mesh = _tp_fully_shard()
     params = dict(m.named_parameters())
-    before = {n: p.detach().clone() for n, p in params.items()}
+    rparams = dict(ref.named_parameters())
+    # habits12: a whole parameter's random fill through .data is one device's draw (was
+    # refused here)
     for fill in (lambda t: t.normal_(0.0, 0.2), lambda t: t.uniform_(-0.2, 0.2)):
-        with pytest.raises(RuntimeError, match="in-place init of a parameter after "
-                           "wrapping: .*Initialize the module before wrapping"):
+        for p in (params["blocks.0.up.weight"], rparams["blocks.0.up.weight"]):
+            torch.manual_seed(4)
             with torch.no_grad():
-                fill(params["blocks.0.up.weight"].data)
-    for n, p in params.items():
-        assert torch.equal(p.detach(), before[n]), n
+                fill(p.data)
+        torch.testing.assert_close(params["blocks.0.up.weight"].full_tensor(),
+                                   rparams["blocks.0.up.weight"].detach(), rtol=0, atol=0)
     for model in (m, ref):
         torch.manual_seed(5)
         with torch.no_grad():
@@ -209,15 +211,18 @@ def test_random_fill_through_data_raises_instead_of_each_chunk_its_own_draw():
 
 def test_data_of_ddp_rows_keeps_the_guard_too():
     """The same .data alias on DistributedDataParallel's rows (simulated ranks): a random
-    fill raised through p but drew each row on its own through p.data; now it raises,
-    and p.data.copy_(t) of the module's shape is every row's."""
+    fill raised through p but drew each row on its own through p.data; then it raised,
+    now (habits12) one device's draw in every row; p.data.copy_(t) of the module's shape
+    is every row's."""
     mesh = wb.Mesh.grid(2, ["dp"])
     torch.manual_seed(0)
     ddp = wb.DistributedDataParallel(torch.nn.Linear(6, 4), mesh)
     p = ddp.module.weight
-    with pytest.raises(RuntimeError, match="Initialize the module before wrapping"):
-        with torch.no_grad():
-            p.data.uniform_(-1, 1)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        p.data.uniform_(-1, 1)       # habits12: one device's draw in every row (was refused)
+    torch.manual_seed(3)
+    assert torch.equal(p.full_tensor(), torch.empty(4, 6).uniform_(-1, 1))
     t = torch.arange(24.0).reshape(4, 6)
     p.data.copy_(t)
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))

@@ -510,10 +510,14 @@ def test_a_tie_after_wrapping_raises_naming_the_fix_or_is_one_devices(kind, colw
 def test_named_parameters_and_modules_are_the_modules_with_torchs_prefix(kind):
     """``named_parameters()`` / ``named_modules()`` / ``state_dict()`` keys: the plain
     module's names, with ``module.`` where torch's DDP puts it (its module is a child);
-    fully_shard / FSDP2 keeps the module's own names (torch's FSDP1 hides its
-    ``_fsdp_wrapped_module.`` prefix in named_parameters and state_dict, as here; its
-    named_modules would show it, ours does not: FullyShardedDataParallel holds no nested
-    wrapper modules).  A guard: it passed before."""
+    fully_shard / FSDP2 keeps the module's own names, and so does our
+    FullyShardedDataParallel.  (torch 2.13's FSDP1, measured on one gloo process with
+    ``device_id=cpu``, ``use_orig_params=True``: named_modules ``['',
+    '_fsdp_wrapped_module', '_fsdp_wrapped_module.0', ...]``, named_parameters
+    ``'_fsdp_wrapped_module.0.weight'`` (the prefix stripped only inside
+    ``summon_full_params``), state_dict ``'0.weight'``; by default its parameters are one
+    ``'_fsdp_wrapped_module._flat_param'``.  Ours holds no nested wrapper module and keeps
+    the plain names everywhere (habits12).)  A guard: it passed before."""
     ref, wr = mk(), Wrapped(kind)
     pre = "module." if kind in ("ddp", "zero", "ddp_tp") else ""
     want = [pre + n for n, _ in ref.named_parameters()]

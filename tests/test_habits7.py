@@ -54,18 +54,30 @@ RANDOM_FILLS = {"normal_": lambda t: t.normal_(0.0, 0.2),
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp", "fully_shard"])
 @pytest.mark.parametrize("fill", list(RANDOM_FILLS))
-def test_random_fill_through_detach_raises_as_through_data(kind, fill):
+def test_random_fill_through_detach_is_one_devices_draw(kind, fill):
     """Before: each rank's row / chunk its own draw, silently (DDP's replicas then differ,
-    FSDP's model is not one device's init)."""
+    FSDP's model is not one device's init); then refused; now (habits12) one device's draw
+    of the module's shape, its fans the module's, the generator advanced as far, the other
+    parameters untouched."""
     mesh, w = wrap(kind, mlp())
     before = {n: p.detach().clone() for n, p in w.named_parameters()}
-    p = dict(w.named_parameters())[[n for n in before if n.endswith("0.weight")][0]]
-    with pytest.raises(RuntimeError, match="in-place init of a parameter after wrapping: "
-                       ".*Initialize the module before wrapping"):
+    name = [n for n in before if n.endswith("0.weight")][0]
+    p = dict(w.named_parameters())[name]
+    want = mlp()[0].weight.detach()
+    for t in (want, p.detach()):
+        torch.manual_seed(2)
         with torch.no_grad():
-            RANDOM_FILLS[fill](p.detach())
+            RANDOM_FILLS[fill](t)
+        after = torch.rand(())
+    again = mlp()[0].weight.detach()       # (mlp seeds the generator itself)
+    torch.manual_seed(2)
+    RANDOM_FILLS[fill](again)
+    assert torch.equal(torch.rand(()), after)
+    got = full(w)
+    assert torch.equal(got[name.removeprefix("module.")], want)
     for n, q in w.named_parameters():
-        assert torch.equal(q.detach(), before[n]), n
+        if n != name:
+            assert torch.equal(q.detach(), before[n]), n
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp", "fully_shard"])
@@ -89,15 +101,20 @@ def test_init_normal_and_elementwise_writes_through_detach_are_one_devices(kind)
 
 
 def test_detach_of_fully_shard_over_dist_tensors_keeps_the_guard():
-    """fully_shard over tensor-parallel DistTensors (torchtitan's order): the same."""
+    """fully_shard over tensor-parallel DistTensors (torchtitan's order): the same (a
+    random fill through detach() one device's draw)."""
     from tests.test_fixlist7 import _trains_as_one_device, _tp_fully_shard
     m, ref, mesh = _tp_fully_shard()
     params = dict(m.named_parameters())
     before = {n: p.detach().clone() for n, p in params.items()}
-    with pytest.raises(RuntimeError, match="Initialize the module before wrapping"):
-        params["blocks.0.up.weight"].detach().normal_(0.0, 0.2)
+    torch.manual_seed(1)              # habits12: one device's draw (was refused)
+    params["blocks.0.up.weight"].detach().normal_(0.0, 0.2)
+    torch.manual_seed(1)
+    want = torch.empty(params["blocks.0.up.weight"].full_tensor().shape).normal_(0.0, 0.2)
+    assert torch.equal(params["blocks.0.up.weight"].full_tensor(), want)
     for n, p in params.items():
-        assert torch.equal(p.detach(), before[n]), n
+        if n != "blocks.0.up.weight":
+            assert torch.equal(p.detach(), before[n]), n
     for model in (m, ref):
         torch.manual_seed(5)
         for n, p in model.named_parameters():

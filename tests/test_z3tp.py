@@ -6,6 +6,7 @@ split: ``wb.FullyShardedDataParallel`` and ``Zero3`` on a ``wb.parallelize``'d m
 ``fully_shard`` after TP, ``Hybrid(zero=3)`` with and without a pipeline.  Before, with
 tp they silently kept the values at wrapping (fsdp_dist_views).  Every value is held to a
 plain single-device torch model."""
+import copy
 from collections import Counter
 
 import pytest
@@ -104,12 +105,27 @@ def test_the_modules_parameters_read_the_trained_values_after_1_2_3_steps(kind, 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_other_dtypes_read_the_trained_values(dtype):
+    """In bfloat16 a gradient element near 0 (one device's -1.8e-4, float64's -1.1e-4) can
+    round to 0 or the other sign on the sharded run (its dp parts rounded apart), which
+    AdamW's first step turns into a whole lr (0.0098): each read is held to the trained
+    model read exactly, and to one device within rounding in the mean, within one step's
+    lr at most (a stale value is an lr off in every element; measured mean 1.9e-4 at most)."""
     model, w, opt, mesh, pl = wrapped("fsdp", dtype=dtype)
     ref, ropt = reference(dtype)
-    tol = dict(rtol=1e-2, atol=4e-3) if dtype == torch.bfloat16 else {}
     for k in range(2):
         step(w, opt, mesh, pl, ref, ropt, k, dtype)
-        assert_reads(model, ref, f"after step {k + 1}", **tol)
+        if dtype != torch.bfloat16:
+            assert_reads(model, ref, f"after step {k + 1}")
+            continue
+        trained = copy.deepcopy(ref)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                trained.get_submodule(n.rpartition(".")[0]).get_parameter(
+                    n.rpartition(".")[2]).copy_(p.full())
+        assert_reads(model, trained, f"after step {k + 1}")
+        for (n, p), q in zip(trained.named_parameters(), ref.parameters()):
+            d = (p.detach().double() - q.detach().double()).abs()
+            assert d.mean() < 1e-3 and d.max() <= 1.01e-2, (n, k, d.mean(), d.max())
 
 
 def test_an_optimizer_step_records_no_collective():

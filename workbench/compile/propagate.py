@@ -143,12 +143,30 @@ class _Pricer:
         v = self.g.values[vid]
         return TensorSpec(v.shape, self.mesh, ps, v.dtype, _trusted=True)
 
+    def run_dtype(self, vid):
+        """The dtype the run gives value ``vid``: the graph's, but under CPU autocast (the
+        capture records none of its casts) ``search.effective_dtypes``'."""
+        eff = self.__dict__.get("_eff")
+        if eff is None:
+            eff = {}
+            if any(n.amp is not None for n in self.g.nodes):
+                from .search import effective_dtypes
+                eff = effective_dtypes(self.g)
+            self._eff = eff
+        return eff.get(vid, self.g.values[vid].dtype)
+
     def decision(self, node, in_ps):
         key = (node.nid, in_ps)
         d = self._dec.get(key)
         if d is None:
-            specs = tuple(None if vid is None else self.spec(vid, ps)
-                          for vid, ps in zip(node.inputs, in_ps))
+            # an elementwise rule is asked with the dtypes the run gives (a bf16 P(sum)
+            # under autocast passes no add: ops_table/pointwise.py _sixteen_bit_result), as
+            # the dispatcher asks it at run time
+            run = TABLE[node.op].op_class == "elementwise"
+            specs = tuple(None if vid is None else TensorSpec(
+                self.g.values[vid].shape, self.mesh, ps,
+                self.run_dtype(vid) if run else self.g.values[vid].dtype, _trusted=True)
+                for vid, ps in zip(node.inputs, in_ps))
             d = self._dec[key] = (specs, infer_on(self.pname, node.op, *specs, **node.attrs))
         return d
 

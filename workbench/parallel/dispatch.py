@@ -180,6 +180,8 @@ def _writes(func, args, kwargs):
             return _writes(func, args, kwargs)
     if isinstance(kwargs.get("out"), DistTensor):
         return inplace.out_call(func, args, kwargs)
+    if isinstance(kwargs.get("out"), torch.Tensor):
+        return _plain_out(func, args, kwargs)
     if kwargs.get("out") is not None:
         raise TypeError(f"{getattr(func, '__name__', func)}(out={type(kwargs['out']).__name__})"
                         " with DistTensor inputs: give a DistTensor out, or assign the result")
@@ -190,6 +192,22 @@ def _writes(func, args, kwargs):
             return inplace.inplace_kwarg(func, args, kwargs)
         return inplace.method(args[0], func.__name__, args[1:], kwargs)
     return _no_rule(func, args, kwargs, getattr(func, "__name__", str(func)))
+
+
+def _plain_out(func, args, kwargs):
+    """``func(..., out=t)`` with DistTensor inputs and a plain tensor ``t`` (torch's
+    ``parametrizations.spectral_norm`` power iteration: ``F.normalize(torch.mv(W, v),
+    out=self._u)``, its buffer plain, W tensor-parallel: habits12, was a TypeError): each
+    DistTensor input gathered whole (``full_tensor()``: an all-gather every rank joins) and
+    torch's own ``func`` run into ``t``, as on one device (its resize, dtype and autograd
+    rules: torch raises where an input requires grad)."""
+    def whole(a):
+        if isinstance(a, DistTensor):
+            return a.full_tensor()
+        if isinstance(a, (list, tuple)) and any(isinstance(b, DistTensor) for b in a):
+            return type(a)(whole(b) for b in a)
+        return a
+    return func(*[whole(a) for a in args], **{k: whole(v) for k, v in kwargs.items()})
 
 
 _NUMPY_NAMES = (("axis", "dim"), ("keepdims", "keepdim"))

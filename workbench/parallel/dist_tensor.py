@@ -271,14 +271,31 @@ class DistTensor:
 
     @grad.setter
     def grad(self, value) -> None:
+        if value is not None and self._holds_grad(value):
+            return      # p.grad *= c: the in-place result given back (torch: the same tensor)
         if value is not None:
-            raise ValueError("set .grad to None (zero_grad); assign gradients through backward()")
+            raise ValueError(
+                "p.grad = value on a DistTensor: set .grad to None (zero_grad), assign "
+                "gradients through backward(), or change the gradient in place "
+                "(p.grad.mul_(c), p.grad.copy_(value), p.grad *= c)")
         of = _grad_source(storage.tensors(self._local))
         if of is not None:
             of.clear()
             return
         for t in storage.tensors(self._local):
             t.grad = None
+
+    def _holds_grad(self, value) -> bool:
+        """Is ``value`` this DistTensor's gradient itself (the same local tensors: what
+        ``p.grad *= c`` assigns back after its in-place multiply; habits12: it raised,
+        where torch's ``p.grad *= c`` scales the gradient)?"""
+        cur = self.grad if isinstance(value, DistTensor) else None
+        if cur is None or cur.mesh != value.mesh or tuple(cur.shape) != tuple(value.shape):
+            return False
+        a, b = storage.tensors(cur._local), storage.tensors(value._local)
+        return len(a) == len(b) and all(
+            x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride()
+            for x, y in zip(a, b))
 
     def _grad_placements(self, unsummed=()):
         # The gradient of a Partial("sum") value is the same on every rank: Replicate.

@@ -117,3 +117,16 @@ def install(cls):
     cls.T = property(lambda self: dispatch(T.permute, (self, tuple(reversed(range(self.ndim)))),
                                            None))
     cls.mT = property(lambda self: dispatch(T.transpose, (self, -2, -1), None))
+    cls.H = property(lambda self: _adjoint(self, "H"))
+    cls.mH = property(lambda self: _adjoint(self, "mH"))
+
+
+def _adjoint(d, name):
+    """``d.H`` / ``d.mH`` (the conjugate transpose; ``parametrizations.spectral_norm``'s
+    power iteration reads ``W.H``: habits12, an AttributeError on a tensor-parallel
+    weight): torch's own checks and warnings on a meta tensor of the global shape (H: 0-d
+    or 2-d only; mH: 0-d or >= 2-d), then the transpose of the last two dims, conjugated
+    where complex."""
+    getattr(torch.empty(tuple(d.shape), dtype=d.dtype, device="meta"), name)
+    out = d if d.ndim == 0 else d.transpose(-2, -1)
+    return out.conj() if d.dtype.is_complex else out

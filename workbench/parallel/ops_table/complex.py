@@ -18,7 +18,7 @@ import torch
 
 from ..placement import Partial, Replicate, Shard
 from . import costs
-from .pointwise import add_rule, nonlinear_rule, pointwise_local
+from .pointwise import nonlinear_rule, pointwise_local, pointwise_rule
 from .samples import Sample
 from .strategy import combine
 from .table import register
@@ -66,8 +66,10 @@ register("view_as_real", [torch.view_as_real], parse=lambda z: ((z,), {}),
          rule=view_as_real_rule, local=_as_real_local, cost=costs.view, op_class="view",
          sample=lambda g: [Sample(torch.view_as_real,
                                   (torch.complex(g.rn(5, 3), g.rn(5, 3)),))])
-# complex(re, im): one write per element; polar(r, theta): r cos, r sin (4 FLOPs)
-register("complex", [torch.complex], parse=lambda re, im: ((re, im), {}), rule=add_rule,
+# complex(re, im): one write per element, exact (P(sum) passes in any dtype); polar(r,
+# theta): r cos, r sin (4 FLOPs)
+register("complex", [torch.complex], parse=lambda re, im: ((re, im), {}),
+         rule=pointwise_rule("all"),
          local=pointwise_local(torch.complex), cost=costs.movement, op_class="elementwise",
          sample=lambda g: [Sample(torch.complex, (g.rn(5, 6), g.rn(5, 6)))])
 register("polar", [torch.polar], parse=lambda a, theta: ((a, theta), {}), rule=nonlinear_rule,

@@ -211,6 +211,14 @@ def dot(input, other):
     return (input * other).sum()
 
 
+def vdot(input, other):
+    """``torch.vdot``: ``dot(conj(input), other)`` (``parametrizations.spectral_norm``'s
+    sigma, ``vdot(u, W @ v)``: habits12, was NoRuleError on a tensor-parallel W)."""
+    torch.vdot(torch.empty(tuple(input.shape), dtype=input.dtype, device="meta"),
+               torch.empty(tuple(other.shape), dtype=other.dtype, device="meta"))  # its checks
+    return ((input.conj() if input.dtype.is_complex else input) * other).sum()
+
+
 def outer(input, vec2):
     """``torch.outer``: ``input[:, None] * vec2[None, :]``."""
     torch.outer(torch.empty(tuple(input.shape), dtype=input.dtype, device="meta"),
@@ -219,6 +227,7 @@ def outer(input, vec2):
 
 
 COMPOSITES = {torch.logsumexp: logsumexp, T.logsumexp: logsumexp, torch.dot: dot, T.dot: dot,
+              torch.vdot: vdot, T.vdot: vdot,
               torch.outer: outer, T.outer: outer, torch.ger: outer, T.ger: outer,
               torch.var: var, T.var: var, torch.std: std, T.std: std,
               F.mse_loss: mse_loss, F.nll_loss: nll_loss}

@@ -55,7 +55,7 @@ def _swiglu_local(nd, ctx, x, dim):
 def rotary_rule(x, cos, sin, **_):
     """rotary: elementwise on every dim but the last (D whole); linear in x."""
     last = x.ndim - 1
-    opts = [o for o in pointwise_options([x, cos, sin], "first")
+    opts = [o for o in pointwise_options([x, cos, sin], "first", rounds=True)
             if not (o[1][0].is_shard() and o[1][0].dim == last)]
     return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 3)
 

@@ -12,6 +12,8 @@ row relies on is the comment):
     P + 1, relu(P), exp(P), P * P            not linear: reduce first (a constant added
                                              on every rank would be added p times)
     P(float32) + bfloat16 -> bfloat16        reduce first: each part would round alone
+    P(bf16) + P(bf16), P(bf16) * c           reduce first: each part would round to 16 bits at
+                                             its own size (``rounds``; exact copies pass)
     P(max) -> P(max), P(min) -> P(min) for non-decreasing ops of one input (relu, exp,
                      clamp...)                 # max_i f(a_i) = f(max_i a_i)
 
@@ -40,7 +42,7 @@ from ..strides import canonical_contiguous
 from .strategy import Strategy, combine
 from .table import TABLE, register
 
-__all__ = ["pointwise_options", "pointwise_rule", "add_rule", "mul_rule", "div_rule",
+__all__ = ["pointwise_options", "pointwise_rule", "add_rule", "mul_rule", "copy_rule", "div_rule",
            "nonlinear_rule", "monotone_rule", "with_deferred", "pointwise_local"]
 
 T = torch.Tensor
@@ -68,13 +70,17 @@ def _broadcast_shape(specs):
     return tuple(out)
 
 
-def pointwise_options(specs, partial_inputs: str = "none", monotone=False):
+def pointwise_options(specs, partial_inputs: str = "none", monotone=False, rounds=False):
     """Per-mesh-dim options for an elementwise op.
 
     partial_inputs: "all" (linear in all inputs jointly: add/sub; only when every input
     is a tensor), "one" (linear in each input separately: mul by a replicated factor),
     "first" (linear in the first input only: div), "none". ``monotone``: P(max) and
-    P(min) of the first input pass (the others replicated)."""
+    P(min) of the first input pass (the others replicated).  ``rounds``: the op rounds
+    its result (add, mul...; not neg or a copy), so with a 16-bit float result no P(sum)
+    passes (:func:`_sixteen_bit_result`)."""
+    if rounds and partial_inputs != "none" and _sixteen_bit_result(specs):
+        partial_inputs = "none"
     shape = _broadcast_shape(specs)
     n = len(specs)
     opts = [(tuple(None if s is None else R for s in specs), (R,), "replicated")]
@@ -124,6 +130,36 @@ def _narrowed(specs) -> tuple:
                  and torch.finfo(s.dtype).bits > torch.finfo(out).bits)
 
 
+_SIXTEEN = (torch.bfloat16, torch.float16)
+
+
+def _sixteen_bit_result(specs) -> bool:
+    """Is the op's result a bfloat16 / float16 tensor?  Then a partial sum kept partial
+    through it has each rank's part rounded to 16 bits at the part's own size, and the
+    parts summed after: with cancelling parts (``x @ w1 + x @ w2``, x Shard(1), w Shard(0))
+    the error is the parts' rounding, far above the sum's.  One device rounds each product
+    once (its matmul accumulates in float32) and adds the two rounded products: reducing
+    each partial first (torch.sum of the ranks' 16-bit parts accumulates in float32, one
+    rounding) gives that.  Measured (habits12), softmax(x @ w1 + x @ w2), 16 x 64 on 4
+    ranks: bfloat16 0.150 off one device kept partial, 0.0010 reduced first; float16
+    0.0068 -> 0.0002.  wb.compile's O1 search leaves out the same candidates
+    (``compile/search.py`` ``_narrow_partial_sum``)."""
+    real = [s for s in specs if s is not None]
+    dtypes = {s.dtype for s in real}
+    if not dtypes & set(_SIXTEEN):
+        return False
+    if len(dtypes) == 1:
+        return True
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+    try:
+        _, out = elementwise_dtypes(
+            *[torch.empty((1,) if s.ndim else (), dtype=s.dtype, device="meta") for s in real],
+            type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return out in _SIXTEEN
+
+
 def with_deferred(specs, strategies):
     """Attach to each strategy the reductions its partial output defers beyond those of
     its partial inputs: a partial input broadcast to a bigger output (see the module
@@ -155,11 +191,11 @@ def _esize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def pointwise_rule(partial_inputs="none", monotone=False):
+def pointwise_rule(partial_inputs="none", monotone=False, rounds=False):
     def rule(*specs, **attrs):
         real = [s for s in specs if s is not None]
         mesh = real[0].mesh
-        opts = pointwise_options(specs, partial_inputs, monotone)
+        opts = pointwise_options(specs, partial_inputs, monotone, rounds)
         sts = combine(mesh.ndim, [opts] * mesh.ndim, len(specs))
         return with_deferred(specs, sts) if partial_inputs != "none" else sts
     rule.__doc__ = (f"elementwise: S passes; P(sum) passes {partial_inputs!s} linear inputs"
@@ -167,11 +203,12 @@ def pointwise_rule(partial_inputs="none", monotone=False):
     return rule
 
 
-add_rule = pointwise_rule("all")
-mul_rule = pointwise_rule("one")
+add_rule = pointwise_rule("all", rounds=True)
+mul_rule = pointwise_rule("one", rounds=True)
+copy_rule = pointwise_rule("one")        # neg, a copy, detach: exact, P(sum) passes any dtype
 nonlinear_rule = pointwise_rule("none")
 monotone_rule = pointwise_rule("none", monotone=True)
-_div_first = pointwise_rule("first")
+_div_first = pointwise_rule("first", rounds=True)
 
 
 def div_rule(*specs, rounding_mode=None, **attrs):
@@ -306,7 +343,7 @@ UNARY = {
     "sqrt": ((torch.sqrt, T.sqrt), 1, nonlinear_rule, POS),
     "rsqrt": ((torch.rsqrt, T.rsqrt), 1, nonlinear_rule, POS),
     "abs": ((torch.abs, T.abs, T.__abs__), 1, nonlinear_rule, X),
-    "neg": ((torch.neg, T.neg, T.__neg__), 1, mul_rule,                       # linear
+    "neg": ((torch.neg, T.neg, T.__neg__), 1, copy_rule,                       # linear
             lambda g: [(g.rn(5, 6),), (g.ints(7, 2),)]),
     "square": ((torch.square, T.square), 1, nonlinear_rule, X),
     "sin": ((torch.sin, T.sin), 1, nonlinear_rule, X),
@@ -327,9 +364,9 @@ UNARY = {
     "isnan": ((torch.isnan, T.isnan), 1, nonlinear_rule, None),
     "isfinite": ((torch.isfinite, T.isfinite), 1, nonlinear_rule, None),
     "logical_not": ((torch.logical_not, T.logical_not), 1, nonlinear_rule, None),
-    "clone": ((torch.clone, T.clone), None, mul_rule,                         # a copy
+    "clone": ((torch.clone, T.clone), None, copy_rule,                         # a copy
               lambda g: [(g.rn(7, 3, dtype=torch.float64),)]),
-    "contiguous": ((T.contiguous,), None, mul_rule, X),
+    "contiguous": ((T.contiguous,), None, copy_rule, X),
 }
 # contiguous: shards with a contiguous tensor's strides, size-1 dims too (d.stride(), .strides)
 _LOCALS = {"contiguous": lambda nd, ctx, x, **kw: canonical_contiguous(x, **kw)}
@@ -338,13 +375,13 @@ for _n, (_fs, _fl, _rule, _args) in UNARY.items():
               sample=_args and (lambda g, f=_fs[0], a=_args: [Sample(f, x) for x in a(g)]),
               local=_LOCALS.get(_n))
 
-register("positive", [torch.positive, T.positive], parse=_parse, rule=mul_rule,
+register("positive", [torch.positive, T.positive], parse=_parse, rule=copy_rule,
          local=_local(torch.positive), cost=costs.view, op_class="view")
 # detach: the same values on the same storage, cut from autograd: every placement passes
 # (R, S and P alike: no value changes) and no kernel runs.  Reached through the op table
 # by ``torch.detach(d)`` and by a compiled program (``wb.compile`` captures ``x.detach()``);
 # ``d.detach()`` on a DistTensor is its own method (the in-place init idioms it keeps).
-register("detach", [torch.detach, T.detach], parse=_parse, rule=mul_rule,
+register("detach", [torch.detach, T.detach], parse=_parse, rule=copy_rule,
          local=_local(torch.detach), cost=costs.view, op_class="view",
          sample=lambda g: [Sample(torch.detach, (g.rn(5, 6),))])
 

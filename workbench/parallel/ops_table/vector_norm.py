@@ -23,6 +23,8 @@ first on meta tensors of the global shapes.
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from ._util import wrap_dims
 from .blas import torch_check
 
-__all__ = ["NORMS", "vector_norm"]
+__all__ = ["NORMS", "vector_norm", "norm_except_dim", "weight_norm"]
 
 T = torch.Tensor
 _LOW = (torch.float16, torch.bfloat16)
@@ -248,6 +250,59 @@ def cdist(x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary"):
     return out if out.dtype == want else out.to(want)   # no row: x1's dtype (torch 2.13)
 
 
-NORMS = {torch.cdist: cdist, torch.dist: dist, T.dist: dist, torch.linalg.vector_norm: vector_norm, torch.linalg.matrix_norm: matrix_norm,
+def norm_except_dim(v, pow=2, dim=0):
+    """``torch.norm_except_dim`` as torch 2.13 computes it (aten ``WeightNorm.cpp``
+    ``norm_except_dim``): the ``pow``-norm over every dim but ``dim``, that dim kept and the
+    others of size 1 (``dim=-1``: the whole tensor's norm, 0-d).  The hook-based
+    ``nn.utils.weight_norm`` calls it (habits12: NoRuleError on a tensor-parallel weight)."""
+    _refuse_parametrization_after_wrapping()
+    if dim == -1:
+        return vector_norm(v, pow)
+    d = wrap_dims(dim, v.ndim)[0]
+    others = tuple(k for k in range(v.ndim) if k != d)
+    if not others:                              # 1-d: each element alone
+        return vector_norm(v.unsqueeze(-1), pow, -1)
+    return vector_norm(v, pow, others, keepdim=True)
+
+
+_PARAMETRIZATIONS = os.path.join("torch", "nn", "utils", "parametrizations.py")
+
+
+def _refuse_parametrization_after_wrapping():
+    """``parametrizations.weight_norm(layer)`` of a layer whose weight is already a
+    DistTensor: its ``right_inverse`` computes ``g`` here, then torch's parametrize refuses
+    the result ("'right_inverse' must return a Tensor ... Got DistTensor": its
+    ``ParametrizationList`` keeps only ``torch.Tensor`` originals).  Raise first, naming the
+    fixes."""
+    f = sys._getframe(2)
+    for _ in range(12):
+        if f is None:
+            return
+        if f.f_code.co_name == "right_inverse" and f.f_code.co_filename.endswith(
+                _PARAMETRIZATIONS):
+            raise RuntimeError(
+                "torch.nn.utils.parametrizations.weight_norm on a layer whose weight is a "
+                "DistTensor (after parallelize_module / fully_shard): torch's parametrize "
+                "keeps only torch.Tensor originals.  Apply the parametrization before "
+                "wrapping (its original0 / original1 are then laid out as the weight: one "
+                "device's values and gradients), or use the hook-based "
+                "torch.nn.utils.weight_norm, which works after")
+        f = f.f_back
+
+
+def weight_norm(v, g, dim=0):
+    """``torch._weight_norm`` (``nn.utils.parametrizations.weight_norm`` /
+    ``nn.utils.weight_norm``): ``v * (g / norm_except_dim(v, 2, dim))``, aten's composite
+    form (``WeightNorm.cpp`` ``_weight_norm``; its fused CPU kernel for dim 0 / last
+    computes the same, equal up to rounding).  On a tensor-parallel weight (Colwise:
+    ``v`` Shard(0), ``g`` Shard(0)) the norm of each row is local; a sharded reduced dim
+    (Rowwise, dim 0) leaves the power sum partial, reduced once before the root."""
+    if v.ndim == 0 and dim not in (-1, 0):
+        raise IndexError(f"_weight_norm: dim={dim} on a 0-d tensor")
+    return v * (g / norm_except_dim(v, 2, dim))
+
+
+NORMS = {torch.cdist: cdist, torch.norm_except_dim: norm_except_dim,
+         torch._weight_norm: weight_norm, torch.dist: dist, T.dist: dist, torch.linalg.vector_norm: vector_norm, torch.linalg.matrix_norm: matrix_norm,
          torch.linalg.norm: linalg_norm, torch.norm: norm, T.norm: norm,
          F.normalize: normalize}

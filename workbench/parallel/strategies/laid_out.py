@@ -12,7 +12,8 @@ values; FSDP cuts the module's values), so these parameters are a subclass of
 methods every ``torch.nn.init`` random init ends in: ``uniform_``, ``normal_``...; the
 ``nn.init`` functions torch lets a subclass override; ``torch.eye(out=...)``) and passes
 every other function through unchanged (plain results, as ``nn.Parameter``'s).
-``fill_`` / ``zero_`` / ``nn.init.constant_`` are elementwise and stay allowed.  ``p.data``
+``fill_`` / ``zero_`` / ``nn.init.constant_`` are elementwise and stay allowed; a whole
+parameter's random fill is one device's draw (below).  ``p.data``
 and ``p.detach()`` keep these guards (:class:`_LaidOutData`: torch's are plain tensors,
 which drew each rank's row or chunk on its own), and so does every view of the storage
 (``p.view(-1)``, ``p[0]``, ``p.flatten()``, ``p.T``, ``p.narrow``, ``p.unbind()``...:
@@ -27,8 +28,12 @@ Read into a plain tensor of the module's shape by an in-place op (an EMA's
 out-of-place pointwise op beside a tensor of the module's shape (a custom
 ``AveragedModel(avg_fn=...)``'s ``0.1 * ema + 0.9 * p``: :mod:`.laid_out_reads`).
 
-``nn.init.normal_(p, mean, std)`` (GPT-2's init) is one device's: one draw of the
-module's shape written into every row or chunk (:func:`_one_draw`).
+``nn.init.normal_(p, mean, std)`` (GPT-2's init), and every other random ``nn.init``
+(``uniform_``, ``kaiming_*``, ``xavier_*``, ``trunc_normal_``, ``Linear.reset_parameters``)
+and random fill of ``p`` or ``p.data`` (``p.data.normal_(0, 0.02)``, Hugging Face's) is one
+device's: one draw of the module's shape written into every row or chunk
+(:func:`_one_draw`), the fans read from the module's shape (habits12; before, only
+``normal_`` was, the rest raised).
 
 ``torch.autograd.grad`` over DDP's rows raises (:func:`_check_autograd_grad`: each row
 would be its own rank's gradient, never averaged; torch DDP does not support it).
@@ -64,7 +69,7 @@ from .flat_shards import flat_padded, unflat
 from .laid_out_copies import guard_copy, in_place, map_sharers
 from .laid_out_grad_reads import grad_assignment
 from .laid_out_hooks import HOOKS, register
-from .laid_out_replica_init import refuse_laid_out_init
+from .laid_out_replica_init import LAID_OUT_DRAWS, laid_out_draw, refuse_laid_out_init
 from .laid_out_reads import (LIKES, LaidOutValue, keep_layout, module_shaped_sources,
                              pointwise_reads)
 from .laid_out_whole import check_view_as, module_dims, module_flat_view, whole_reads
@@ -159,12 +164,12 @@ class LaidOutParameter(nn.Parameter):
             target = args[0] if args else kwargs.get("tensor")
         elif func is torch.eye:
             target = kwargs.get("out")
-        if func is init.normal_ and isinstance(target, _LAID_OUT) and \
+        if func in LAID_OUT_DRAWS and isinstance(target, _PARAMS) and \
                 _draw_store(target) is not None:
-            before_write(_owner(target))
-            out = _one_draw(func, target, args, kwargs)
-            after_write(_owner(target))     # every row the draw (DDP): what is seen now
-            return out
+            # one device's draw of the module's shape (laid_out_replica_init.laid_out_draw)
+            out = laid_out_draw(func, target, args, kwargs, _drawn)
+            if out is not None:
+                return out
         if isinstance(target, _LAID_OUT):
             raise RuntimeError(
                 f"in-place init of a parameter after wrapping: {target._wb_layout}"
@@ -366,13 +371,19 @@ def _owner(t):
     return getattr(t, "_wb_param", t)
 
 
+def _drawn(func, p, args, kwargs):
+    before_write(_owner(p))
+    out = _one_draw(func, p, args, kwargs)
+    after_write(_owner(p))     # every row the draw (DDP): what is seen now
+    return out
+
+
 def _one_draw(func, p, args, kwargs):
-    """``nn.init.normal_(p, mean, std)`` after wrapping: one draw of the module's shape
-    (the random numbers one device draws, its generator advanced as far), written into
-    every rank's row or chunk.  Only ``normal_``: its arguments do not depend on the
-    shape, while ``uniform_`` / ``kaiming_*`` / ``xavier_*`` read bounds or fans from the
-    tensor they are given (``nn.Linear.reset_parameters`` reads the bias bound from the
-    weight's storage shape), so those keep raising."""
+    """``nn.init.normal_(p, mean, std)`` (or another of
+    :data:`.laid_out_replica_init.LAID_OUT_DRAWS`) after wrapping: one draw of the
+    module's shape (the random numbers one device draws, its generator advanced as far),
+    written into every rank's row or chunk.  The bounds and fans ``nn.init`` computes
+    first read the module's shape (:func:`.laid_out_shape.module_shape_read`)."""
     kw = {k: v for k, v in kwargs.items() if k != "tensor"}
     fresh = torch.empty(p._wb_shape, dtype=p.dtype, device=p.device)
     with torch._C.DisableTorchFunctionSubclass():

@@ -29,8 +29,8 @@ from torch.nn import init
 
 from .laid_out_views import users_call
 
-__all__ = ["INIT_CALLS", "one_draw", "from_init", "refuse_init_index",
-           "refuse_laid_out_init", "trunc_layout"]
+__all__ = ["INIT_CALLS", "LAID_OUT_DRAWS", "one_draw", "from_init", "laid_out_draw",
+           "refuse_init_index", "refuse_laid_out_init", "trunc_layout"]
 
 _T = torch.Tensor
 RANDOM_FILLS = (_T.uniform_, _T.normal_, _T.bernoulli_, _T.exponential_, _T.cauchy_,
@@ -42,17 +42,18 @@ INIT_CALLS = frozenset(RANDOM_FILLS + (init.uniform_, init.normal_, init.kaiming
 _INIT = os.path.abspath(init.__file__)
 
 
-def _init_frame():
+def _init_frame(depth: int = 0):
     """The ``torch/nn/init.py`` function that makes the call being served itself (its fan
     reads, its first touch), or None (a call from deeper down, e.g. workbench's own code
-    under ``nn.init.zeros_`` of a DistTensor, reads the storage)."""
-    f = sys._getframe(3)
+    under ``nn.init.zeros_`` of a DistTensor, reads the storage).  ``depth``: frames
+    between the caller's ``__torch_function__`` and the one asking, beyond one."""
+    f = sys._getframe(3 + depth)
     return f.f_code.co_name if f is not None and f.f_code.co_filename == _INIT else None
 
 
-def from_init() -> bool:
+def from_init(depth: int = 0) -> bool:
     """Is the call being served made by ``torch/nn/init.py`` itself (a fan read)?"""
-    return _init_frame() is not None
+    return _init_frame(depth) is not None
 
 
 def _target(func, args, kwargs):
@@ -94,6 +95,50 @@ def one_draw(func, args, kwargs, cls):
         func(*args, **kwargs)
         t.copy_(store(fresh))
     return t
+
+
+# on DDP's rows and FSDP's / fully_shard's / Zero3's flat chunks (.laid_out): the random
+# fills and the nn.init functions torch lets a subclass override, one draw of the module's
+# shape written into every row or chunk (habits12: only nn.init.normal_ did; uniform_,
+# kaiming_*, xavier_*, trunc_normal_, reset_parameters and p.data.normal_ raised)
+LAID_OUT_DRAWS = frozenset(RANDOM_FILLS + (init.uniform_, init.normal_, init.kaiming_uniform_))
+
+
+def laid_out_draw(func, t, args, kwargs, draw):
+    """``func`` (:data:`LAID_OUT_DRAWS`) of a whole laid-out parameter ``t`` (or its
+    ``.data``): ``draw(func, t, args, kwargs)`` runs it on a tensor of the module's shape
+    and lays the value out (``laid_out._one_draw``); the fans ``nn.init`` computes
+    before its fill read the module's shape (``laid_out_shape.module_shape_read``), so
+    ``kaiming_normal_`` / ``xavier_*`` / ``Linear.reset_parameters``' bias bound are one
+    device's.  ``trunc_normal_``: its first fill runs the whole of it on the fresh tensor
+    (after it the storage holds no rejected element, so torch's loop draws nothing more);
+    its narrow-interval branch (mass <= 0.3: more draws after the first) and, on padded
+    chunks, an interval without 0 (the padding would be rejected and redrawn in the
+    storage's shape) raise, nothing drawn.  None where it is not such a call (a fill with
+    a tensor argument: ``bernoulli_(p)`` of a tensor ``p``)."""
+    name = _init_frame()
+    if name == _TRUNC:
+        loc = sys._getframe(2).f_locals
+        a, b = loc["a"], loc["b"]
+        if loc["p"] <= 0.3 or not (a <= 0 <= b or getattr(t, "_wb_rows", None)):
+            raise RuntimeError(
+                f"nn.init.trunc_normal_(mean={loc['mean']}, std={loc['std']}, a={a}, b={b}) "
+                f"of a parameter after wrapping: {t._wb_layout}, and "
+                + ("this interval holds little of the distribution, so torch draws again "
+                   "in the storage's shape" if loc["p"] <= 0.3 else
+                   "the chunks' padding (0) lies outside [a, b], so torch would redraw it")
+                + ".  Initialize the module before wrapping it, or load full tensors with "
+                "the wrapper's load_state_dict")
+        return draw(init.trunc_normal_, t, (t, loc["mean"], loc["std"], a, b),
+                    {"generator": loc["generator"]})
+    if func in RANDOM_FILLS and any(isinstance(v, torch.Tensor) for v in
+                                    (*args[1:], *kwargs.values())):
+        return None
+    if func in RANDOM_FILLS and torch.is_grad_enabled() and t.requires_grad and t.is_leaf:
+        # torch's own refusal (the draw runs under no_grad: it would pass silently)
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place "
+                           "operation.")
+    return draw(func, t, args, kwargs)
 
 
 _BY_INDEX = ("sparse_", "dirac_", "orthogonal_")

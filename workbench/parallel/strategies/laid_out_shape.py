@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from .laid_out_replica_init import from_init
 from .laid_out_views import users_call
 from .laid_out_whole import storage_shape
 
@@ -61,8 +62,8 @@ def module_shape_read(func, args, classes):
     """``(True, answer)`` for a user's ``p.shape`` / ``p.size(...)`` / ``len(p)`` of a
     laid-out ``p`` (of ``classes``): the module's; else ``(False, None)``."""
     if not args or not (func == _SHAPE or func is _T.size or func is _T.__len__) or \
-            not _laid_out(args[0], classes) or not users_call(direct=True):
-        return False, None
+            not _laid_out(args[0], classes) or not (users_call(direct=True) or from_init(1)):
+        return False, None     # (nn.init's fan reads: the module's too, habits12)
     shape = torch.Size(args[0]._wb_shape)
     if func is _T.__len__:
         if not shape:
