@@ -28,7 +28,7 @@ import torch
 
 from ..parallel.dist_tensor import DistTensor
 from ..parallel import storage
-from ..parallel.load_back import write_back
+from ..parallel.load_back import loading, write_back
 from ..parallel.layout import shard_bounds
 from ..sim_mesh import backends as _B
 from . import format as F
@@ -236,7 +236,8 @@ def load(path, state, *, strict: bool = True) -> LoadReport:
             box = tuple((0, n) for n in target.shape)
             writes.append((target, None, _fill(box, dtype, key, pieces, files, report, me)))
     # every piece read and checked: now write into the targets
-    with torch.no_grad():
+    # (a tied weight's two keys: one the storage itself, one a copy of it: ``loading``)
+    with torch.no_grad(), loading(t for t, _, _ in writes):
         for target, r, value in writes:
             dest = target.local(r) if isinstance(target, DistTensor) else target
             dest.copy_(value)

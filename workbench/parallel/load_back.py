@@ -34,7 +34,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["mark", "write_back", "flush", "values_kept"]
+__all__ = ["mark", "write_back", "flush", "values_kept", "loading"]
 
 _BACK = WeakIdKeyDictionary()      # state-dict value -> {tag: how to write it back}
 _WATCH = WeakIdKeyDictionary()     # a copy -> [its versions, its source, the source's version]
@@ -175,6 +175,55 @@ class values_kept:
             if got is not None and w[2] == got[2] and _same(got[0].detach(), got[1]):
                 w[2] = w[1]._version
         return False
+
+
+class loading:
+    """A load in place of ``targets`` (``wb.checkpoint.load``'s writes, DCP's through
+    ``dcp_interop``): a target that is the module's storage itself (a tied weight's
+    second key, e.g. the GPT's ``lm_head.weight`` beside a ZeRO-3 copy of
+    ``tok_emb.weight``) changes a watched copy's source, and the copy, written by the
+    same load, would then read as taken before the model changed and be refused.  Inside
+    this block such a copy stays current when the load left its source holding the very
+    values the load wrote into the copy (bitwise): writing it back changes nothing the
+    load did not.  Other values (a checkpoint whose two keys of one tied parameter
+    differ) stay stale, refused at the write back as before."""
+
+    def __init__(self, targets):
+        self.targets = list(targets)
+
+    def __enter__(self):
+        flush(release=False)            # earlier writes into copies land first, as torch's
+        self.before = []
+        for v in self.targets:
+            w = _WATCH.get(v)
+            if w is not None and w[1]._version == w[2]:
+                self.before.append((v, w[2]))
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is not None:
+            return False
+        for v, version in self.before:
+            w = _WATCH.get(v)
+            if w is not None and w[2] == version and w[1]._version != version:
+                now = _whole(w[1], v.shape)
+                if now is not None and _same(v, now):
+                    w[2] = w[1]._version
+        return False
+
+
+def _whole(source, shape):
+    """``source``'s value in the module's shape ``shape``, or None where it is not at hand
+    (a flat chunk of it; another process's parts)."""
+    full = getattr(source, "_wb_full", None)
+    try:
+        if full is not None:
+            value = source.full_tensor()        # a laid-out parameter (strategies.laid_out)
+        else:
+            value = source.detach()
+    except NotImplementedError:
+        return None
+    return value if tuple(value.shape) == tuple(shape) else None
 
 
 register_optimizer_step_pre_hook(_step_pre_hook)

