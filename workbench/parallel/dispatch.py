@@ -576,6 +576,10 @@ def _moves(cand, expand):
 def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
     dec = prep.dec
     cand = prep.cand or dec.chosen
+    for x in inputs:               # positions read in ring order: refused (seq_order.py)
+        if type(x) is DistTensor and getattr(x, "_ring_order", None) is not None:
+            _seq_order.check_op(opdef, inputs, specs, cand.plans, attrs)
+            break
     outs_ps = cand.strategy.outputs
     even = prep.even
     locs = []

@@ -296,9 +296,14 @@ class ContextParallel(Hybrid):
             yield
             return
         cos, sin = model.rope_cos, model.rope_sin
-        perm = slot_positions(S, self.cp, self.balanced).to(cos.device)
-        model.rope_cos = torch.cat([cos[:S][perm], cos[S:]])
-        model.rope_sin = torch.cat([sin[:S][perm], sin[S:]])
+        mesh = self.meshes[0]
+
+        def laid(t):        # the first S rows on the ring, their order recorded (seq_order)
+            whole = shard_tensor(t[:S], mesh, [Replicate()] * mesh.ndim)
+            return to_ring_layout(whole, "cp", 0, self.balanced)
+        # a plain table in ring order would look like one in the sequence's own order, which
+        # an op meeting the ring-ordered q refuses (seq_order.check_op); laid out, it is known
+        model.rope_cos, model.rope_sin = laid(cos), laid(sin)
         try:
             yield
         finally:

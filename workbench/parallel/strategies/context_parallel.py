@@ -75,7 +75,7 @@ from .. import autocast as _autocast
 from ..dist_tensor import DistTensor
 from ..placement import Replicate, Shard
 from ..reshard import reshard
-from ..seq_order import RingOrder, check_order, ring_order_of, set_ring_order
+from ..seq_order import RingOrder, check_order, reordering, ring_order_of, set_ring_order
 from ..ops_table.ring_attention import (block_pairs, check_ring, ring_attention_step,
                                         slot_chunks, slot_positions)
 from .. import storage
@@ -243,7 +243,8 @@ def to_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool = 
                          "a second reordering would scramble it. Fix: use x as it is, or "
                          "undo the first with from_ring_layout")
     perm = slot_positions(x.shape[dim], p, balanced).to(x.device)
-    y = torch.index_select(x, dim, perm)
+    with reordering():                  # (the reordering the record will say)
+        y = torch.index_select(x, dim, perm)
     ps = list(y.placements)
     ps[axis] = Shard(dim)
     return set_ring_order(reshard(y, y.mesh, ps), RingOrder(axis, p, dim, balanced))
@@ -264,7 +265,8 @@ def from_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool 
     ps[axis] = Replicate()
     y = reshard(x, x.mesh, ps)
     inv = torch.argsort(slot_positions(x.shape[dim], p, balanced)).to(x.device)
-    return set_ring_order(torch.index_select(y, dim, inv), None)
+    with reordering():                  # (undoing the recorded order)
+        return set_ring_order(torch.index_select(y, dim, inv), None)
 
 
 # ---- the context manager ----------------------------------------------------------------------
@@ -335,10 +337,12 @@ class context_parallel(TorchFunctionMode):
                 f"their own order")
         pos = slot_positions(logits.shape[1], p, True)
         pos = pos.to(logits.device)                     # ring slot -> original position
-        z = torch.index_select(logits, 1, torch.argsort(pos))
+        with reordering():              # (the recorded order undone, then redone)
+            z = torch.index_select(logits, 1, torch.argsort(pos))
         kwargs = {n: v for n, v in kwargs.items() if n != "logits"}
         w, e, slots, aux = func(z, *rest, **kwargs)
-        w, e, slots = (torch.index_select(t, 1, pos) for t in (w, e, slots))
+        with reordering():
+            w, e, slots = (torch.index_select(t, 1, pos) for t in (w, e, slots))
         return w, e, slots, aux
 
     def _refuse_ring_ordered(self, func, q, args, kwargs):
