@@ -31,7 +31,9 @@ sec. 3.3.2): every step after the first, every rank computes exactly half a bloc
 queries against one K/V chunk, or its second query chunk against both), and fully
 masked chunk pairs are skipped (``ops_table/ring_attention.py``). A sequence is laid out
 so with :func:`to_ring_layout` (``x[:, slot_positions(S, p)]``); its positions (RoPE
-tables, learned position ids) must follow the same order.
+tables, learned position ids) must be laid out the same way, with ``to_ring_layout``
+(a plain table, a natural-order causal mask, and an op reading positions along the
+ring order are refused: ``seq_order.check_op``).
 
 ``context_parallel(mesh, "cp")`` is PyTorch's ``torch.distributed.tensor.experimental.
 context_parallel`` idea: while it is active, attention on DistTensors whose query is
@@ -132,7 +134,8 @@ def ring_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: boo
     label = f"ring attention K/V on {mesh.dim_names[axis]}"
 
     def forward(q, k, v):
-        return _ring_forward(q, k, v, axis, p, causal, balanced, scale, label)
+        with reordering():          # the ring's own steps: the order is checked above
+            return _ring_forward(q, k, v, axis, p, causal, balanced, scale, label)
     order = ring_order_of(q)                # the output's rows are q's: its order too
     if not torch.is_grad_enabled() or not any(storage.requires_grad(t._local)
                                               for t in (q, k, v)):
@@ -341,8 +344,9 @@ class context_parallel(TorchFunctionMode):
             z = torch.index_select(logits, 1, torch.argsort(pos))
         kwargs = {n: v for n, v in kwargs.items() if n != "logits"}
         w, e, slots, aux = func(z, *rest, **kwargs)
-        with reordering():
-            w, e, slots = (torch.index_select(t, 1, pos) for t in (w, e, slots))
+        with reordering():              # (back in the logits' order: recorded so)
+            w, e, slots = (set_ring_order(torch.index_select(t, 1, pos), got)
+                           for t in (w, e, slots))
         return w, e, slots, aux
 
     def _refuse_ring_ordered(self, func, q, args, kwargs):
