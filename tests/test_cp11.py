@@ -106,8 +106,9 @@ def test_to_ring_layout_programs_keep_their_exact_results(op, comm, p, balanced)
 
 def test_the_order_survives_the_ops_a_layer_runs_and_is_lost_where_it_is_not_known():
     """(B, S, h) ids-like input in ring order -> linear -> view -> transpose -> RoPE's
-    products (tables in ring order) -> causal attention: one device's. A sequence
-    gathered and reordered (index_select), or sharded afresh, is refused."""
+    products (tables laid out on the ring: a plain ring-ordered table is refused, as
+    test_cp12 holds) -> causal attention: one device's. A sequence sharded afresh is
+    refused by attention; reordering one by position (index_select), by the op itself."""
     p, h, hd = 2, 16, 8
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(2, S, h, generator=g), torch.randn(3 * h, h, generator=g) / h ** 0.5
@@ -122,16 +123,20 @@ def test_the_order_survives_the_ops_a_layer_runs_and_is_lost_where_it_is_not_kno
     mesh = _mesh(p)
     perm = cp.slot_positions(S, p)
     xr = cp.to_ring_layout(wb.distribute_tensor(x, mesh, [wb.Replicate()]), "cp", 1)
+    cos_r, sin_r = (cp.to_ring_layout(wb.distribute_tensor(t, mesh, [wb.Replicate()]), "cp", 0)
+                    for t in (cos, sin))
     with cp.context_parallel(mesh, "cp"):
-        out = layer(xr, cos[perm], sin[perm])
+        out = layer(xr, cos_r, sin_r)
     torch.testing.assert_close(out.full()[:, :, torch.argsort(perm)], ref,
                                rtol=1e-5, atol=1e-5)
-    lost = [torch.index_select(wb.reshard(xr, mesh, [wb.Replicate()]), 1, torch.arange(S)),
-            wb.distribute_tensor(cp.ring_order(x, p), mesh, [wb.Shard(1)])]
+    # reordering it by position (index_select) is refused since test_cp12 (it was: lost)
+    with pytest.raises(ValueError, match="index_select reads positions along dim 1"):
+        torch.index_select(wb.reshard(xr, mesh, [wb.Replicate()]), 1, torch.arange(S))
+    lost = [wb.distribute_tensor(cp.ring_order(x, p), mesh, [wb.Shard(1)])]
     for y in lost:
         assert ring_order_of(y) is None
         with cp.context_parallel(mesh, "cp"), pytest.raises(ValueError, match="to_ring_layout"):
-            layer(wb.reshard(y, mesh, [wb.Shard(1)]), cos[perm], sin[perm])
+            layer(wb.reshard(y, mesh, [wb.Shard(1)]), cos_r, sin_r)
     # a reshard keeps it (the global tensor is unchanged), and so does detach
     assert ring_order_of(wb.reshard(xr, mesh, [wb.Replicate()])) == RingOrder(0, p, 1, True)
     assert ring_order_of(xr.detach()) == RingOrder(0, p, 1, True)

@@ -165,6 +165,7 @@ def _cast(x, to):
 def _same_order(out, y):
     """``out`` (y's values) with y's recorded sequence order (seq_order.py)."""
     out._ring_order = getattr(y, "_ring_order", None)
+    out._ring_also = getattr(y, "_ring_also", ())
     return out
 
 

@@ -594,6 +594,11 @@ def _moves(cand, expand):
 def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
     dec = prep.dec
     cand = prep.cand or dec.chosen
+    for x in inputs:               # positions read in ring order: refused (seq_order.py)
+        if type(x) is DistTensor and (getattr(x, "_ring_order", None) is not None
+                                      or getattr(x, "_ring_also", ())):
+            _seq_order.check_op(opdef, inputs, specs, cand.plans, attrs)
+            break
     outs_ps = cand.strategy.outputs
     even = prep.even
     locs = []
@@ -711,6 +716,11 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
     for x in inputs:               # a sequence in ring order stays so (seq_order.py)
         if type(x) is DistTensor and getattr(x, "_ring_order", None) is not None:
             _seq_order.propagate(inputs, specs, cand.plans, outs_ps, out_shapes, wrapped)
+            break
+    for x in inputs:               # and the other dims in that order (seq_order.py)
+        if type(x) is DistTensor and (getattr(x, "_ring_order", None) is not None
+                                      or getattr(x, "_ring_also", ())):
+            _seq_order.propagate_whole(opdef, inputs, out_shapes, wrapped)
             break
     for h in _HOOKS:
         h(dec, specs, wrapped, cost)

@@ -48,10 +48,12 @@ class DistTensor:
     through the SPMD rules (:mod:`workbench.parallel.dispatch`).
     """
     __slots__ = ("mesh", "placements", "shape", "dtype", "_local", "names", "_spec",
-                 "_view", "_is_param", "_gstride", "_ring_order", "__weakref__")
+                 "_view", "_is_param", "_gstride", "_ring_order", "_ring_also",
+                 "__weakref__")
     # _is_param: set by nn.Parameter(d); _gstride: the global strides where the shards
     # cannot tell them (strides.py), else None; _ring_order: the order its sequence is
-    # in, where context parallelism laid it out (seq_order.py), else None
+    # in, where context parallelism laid it out (seq_order.py), else None; _ring_also: other
+    # dims known to be in that order, whole on the ring's mesh dim (seq_order.py)
 
     def __init__(self, local, mesh: Mesh, placements, shape, dtype=None, names=None):
         self.mesh = mesh
@@ -66,6 +68,7 @@ class DistTensor:
         self._view = None       # (base, index or None, aliased): see parallel/inplace.py
         self._gstride = None    # strides.py
         self._ring_order = None  # seq_order.py
+        self._ring_also = ()
 
     # ---- facts -----------------------------------------------------------------------
     @property
@@ -340,6 +343,7 @@ class DistTensor:
         out = DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
         out._gstride = getattr(self, "_gstride", None)      # torch's detach keeps strides
         out._ring_order = getattr(self, "_ring_order", None)  # and the values' order
+        out._ring_also = getattr(self, "_ring_also", ())
         alias(out, self)
         return out
 

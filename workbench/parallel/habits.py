@@ -96,6 +96,7 @@ def _get_data(self) -> DistTensor:
     out = DistTensor(loc, self.mesh, self.placements, self.shape, self.dtype, self.names)
     out._gstride = getattr(self, "_gstride", None)      # torch's .data keeps strides
     out._ring_order = getattr(self, "_ring_order", None)
+    out._ring_also = getattr(self, "_ring_also", ())
     alias(out, self)
     return out
 
@@ -198,8 +199,14 @@ def _like(fn):
         kwargs.setdefault("dtype", d.dtype)
         g = fn(torch.empty(tuple(d.shape), dtype=d.dtype, device=d.device), *args, **kwargs)
         out = shard_tensor(g, d.mesh, _placements_for(d, g.dtype), src_data_rank=None)
+        if fn in _ONE_VALUE:      # one value everywhere: in d's sequence order too, so an
+            out._ring_order = getattr(d, "_ring_order", None)   # op on it knows (seq_order)
+            out._ring_also = getattr(d, "_ring_also", ())
         return out.requires_grad_() if rg else out
     return like
+
+
+_ONE_VALUE = (torch.zeros_like, torch.ones_like, torch.full_like)
 
 
 def _new(fn):

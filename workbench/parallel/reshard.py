@@ -285,6 +285,7 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
         _rb.mark(out, plan.src, t)   # its gradient's way back: reshard_backward.py
         # the global tensor is unchanged, so is the order of its sequence (seq_order.py)
         out._ring_order = getattr(t, "_ring_order", None)
+        out._ring_also = getattr(t, "_ring_also", ())
     if out is not t and (getattr(t, "_gstride", None) is not None or strides.lost_dims(out)) \
             and strides.known(t):
         strides.keep(out, strides.global_stride(t))    # DTensor.redistribute keeps them

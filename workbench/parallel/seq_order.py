@@ -17,11 +17,33 @@ tensor as a :class:`RingOrder` (``x._ring_order``), and kept exactly where it is
   in the input's order.  Everything else (an op whose rule gathers the sequence, an
   ``index_select`` along it, a view that merges it with another dim, an input sharded
   there whose order is not recorded) gives an output with no recorded order.
-  A plain tensor in such an op (RoPE's cos/sin tables, a bias) is taken as it is given:
-  tables along the sequence must come in the same order (the recipe reorders them,
-  ``recipes/context_parallel.py`` ``_ring_positions``; PyTorch's ``buffers=`` shards
-  them), which no record can check; a DistTensor that the op would slice along the
-  ordered dim counts as an input sharded there.
+  A DistTensor that the op would slice along the ordered dim counts as an input sharded
+  there.
+* other dims in that order, whole on the ring's mesh dim, are recorded beside it
+  (``_ring_also``, :func:`propagate_whole`): a matmul's output columns are its second
+  input's last dim (the keys of ``q @ k.transpose(-2, -1)``, gathered by the rule), its
+  rows its first input's; elementwise ops and norms (softmax) keep a same-shaped input's.
+* :func:`check_op` (the dispatcher, before the op runs) refuses, naming the fix, what
+  would give another answer than one device on the sequence in its own order: an op
+  that reads positions along a recorded dim (:func:`sensitive_dims`: scans, flip, roll,
+  slices and picks, index_select / gather, argmax / sort / topk, pad, convolutions and
+  pools, tril / triu, split / cat; causal attention outside ``context_parallel``), and
+  an op where a recorded dim meets a tensor varying along it whose order is not recorded
+  the same: a plain tensor (a causal mask ``torch.triu(torch.ones(S, S), 1)``, a
+  key-padding mask, RoPE's cos/sin tables from positions 0..S-1), a DistTensor with no
+  record that is whole on the ring's mesh dim, or one recorded on another dim (a mask
+  laid out along its rows, whose keys are not); a DistTensor sharded there by hand with
+  no record is taken as given, as above (its output has no record).  Permuting such a plain tensor "into" the order would be exact only if it were
+  in the sequence's own order, and one put in ring order by hand (``cos[perm]``, this
+  module's earlier advice) looks the same: refused either way, with the fix
+  (``F.scaled_dot_product_attention(..., is_causal=True)`` inside ``context_parallel``;
+  a table laid out with ``to_ring_layout``, as PyTorch's ``context_parallel(buffers=,
+  buffer_seq_dims=)`` shards the buffers it is handed, and the recipe's
+  ``_ring_positions`` now does; or ``from_ring_layout`` first).  A tensor of one value
+  along the dim (``torch.ones``, ``full``; ``ones_like`` of a recorded tensor carries its
+  record) is order-free and passes.  PyTorch's ``context_parallel`` runs any of these on
+  its sharded buffers without a word.  Contiguous slots (``balanced=False``) are the
+  sequence's own order and one rank is its own: neither is checked.
 
 A tensor with no recorded order may still be in ring order (laid out by hand,
 ``shard_tensor(ring_order(t, p, 2), ...)``): "not recorded" means "not known", and
@@ -35,14 +57,17 @@ placement itself.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
 from .dist_tensor import DistTensor
+from .placement import Shard
 
 __all__ = ["RingOrder", "ring_order_of", "set_ring_order", "same_order", "propagate",
-           "check_order"]
+           "check_order", "check_op", "sensitive_dims", "reordering", "orders_of",
+           "propagate_whole"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +108,63 @@ def same_order(out, x):
     """``out``, a new wrapper of ``x``'s values (a hook's, an autograd function's), with
     x's recorded order; returns ``out``."""
     out._ring_order = getattr(x, "_ring_order", None)
+    out._ring_also = getattr(x, "_ring_also", ())
     return out
+
+
+def orders_of(x) -> tuple:
+    """Every recorded order of DistTensor ``x``'s dims: its sequence's (``_ring_order``)
+    and other dims known to be in that order, whole on the ring's mesh dim
+    (``_ring_also``: the keys of a score matrix ``q @ k.transpose(-2, -1)``)."""
+    if type(x) is not DistTensor:
+        return ()
+    o = getattr(x, "_ring_order", None)
+    also = getattr(x, "_ring_also", ())
+    return ((o,) + tuple(also)) if o is not None else tuple(also)
+
+
+_MATMULS = frozenset(("matmul", "bmm", "mm"))
+
+
+def _also(w, orders):
+    """Record ``orders`` on output ``w`` beside its sequence's (one per dim)."""
+    if type(w) is not DistTensor:
+        return
+    main = getattr(w, "_ring_order", None)
+    have = {o.dim for o in ((main,) if main is not None else ())}
+    keep = []
+    for o in orders:
+        if o.dim not in have and 0 <= o.dim < w.ndim:
+            have.add(o.dim)
+            keep.append(o)
+    if keep:
+        w._ring_also = tuple(getattr(w, "_ring_also", ())) + tuple(keep)
+
+
+def propagate_whole(opdef, inputs, out_shapes, wrapped) -> None:
+    """The dims in ring order that are whole on the ring's mesh dim, or that the op's rule
+    gathered: a matmul's output columns are its second input's last dim (``q @ k^T``:
+    the keys), its rows its first input's rows; an elementwise op or a norm (position by
+    position along every dim, or a softmax / normalisation along one: its output in the
+    input's order) keeps its same-shaped input's. Every other op loses them (nothing
+    known). ``check_op`` holds an op to them as to the sequence's."""
+    if len(wrapped) != 1:
+        return
+    w, shape = wrapped[0], out_shapes[0]
+    if opdef.name in _MATMULS and len(inputs) >= 2:
+        a, b = inputs[0], inputs[1]
+        got = []
+        if type(a) is DistTensor and a.ndim >= 2:
+            got += [RingOrder(o.mesh_dim, o.ring, len(shape) - 2, o.balanced)
+                    for o in orders_of(a) if o.dim == a.ndim - 2]
+        if type(b) is DistTensor and b.ndim >= 2:
+            got += [RingOrder(o.mesh_dim, o.ring, len(shape) - 1, o.balanced)
+                    for o in orders_of(b) if o.dim == b.ndim - 1]
+        _also(w, got)
+    elif opdef.op_class in ("elementwise", "norm"):
+        for x in inputs:
+            if type(x) is DistTensor and tuple(x.shape) == tuple(shape):
+                _also(w, orders_of(x))
 
 
 def propagate(inputs, specs, plans, outs_ps, out_shapes, wrapped) -> None:
@@ -165,3 +246,198 @@ def check_order(qkv, axis, p, balanced, causal, where, *, known=False):
             f"out with to_ring_layout(..., balanced={balanced}) on {cp!r} (undo another "
             f"layout with from_ring_layout), or set balanced={got.balanced} to match, "
             f"with the sequence on dim 2")
+
+
+# ---- ops that read positions along a dim in ring order -------------------------------------
+
+_REORDERING = [0]
+
+
+@contextlib.contextmanager
+def reordering():
+    """The layers that handle the ring order themselves: those that put a sequence in or
+    out of it (``to_ring_layout`` / ``from_ring_layout``, Ulysses' local reordering, the
+    capacity router's, MoE's sequence order: their ``index_select`` along the recorded dim
+    is the point) and the ring's own steps (``ring_attention``, whose inputs'
+    order :func:`check_order` checked); :func:`check_op` lets their ops pass."""
+    _REORDERING[0] += 1
+    try:
+        yield
+    finally:
+        _REORDERING[0] -= 1
+
+
+# ops whose output reads positions along their ``dim`` / ``dims`` attribute (None: every
+# dim, a flattened index): scans, reversals and shifts, slicing and picking by position,
+# indices of extremes and of a sort, splitting and joining along it
+_ALONG = frozenset((
+    "cumsum", "cumprod", "logcumsumexp", "cummax", "cummin", "flip", "roll",
+    "argmax", "argmin", "sort", "argsort", "msort", "topk", "kthvalue_rows", "median_rows",
+    "nanmedian", "chunk", "split", "unbind", "cat", "gather", "index_select", "index_add",
+    "index_fill", "scatter", "scatter_add", "repeat_interleave", "take", "multinomial",
+    "nanmedian_all"))
+_LAST_TWO = frozenset(("tril", "triu"))           # a triangle of positions (rows, columns)
+_SPATIAL = frozenset(("conv1d", "conv2d", "conv3d", "convolution", "avg_pool1d",
+                      "avg_pool2d", "max_pool1d", "max_pool2d", "adaptive_avg_pool1d",
+                      "adaptive_avg_pool2d"))    # neighbours along the last k dims
+
+
+def _dims_of(v, ndim):
+    if v is None:
+        return set(range(ndim))
+    if isinstance(v, int):
+        return {v % ndim} if ndim else set()
+    return {d % ndim for d in v if isinstance(d, int)}
+
+
+def sensitive_dims(name, attrs, i, ndim):
+    """The dims of input ``i`` (of ``ndim`` dims) whose positions op ``name`` reads (its
+    answer changes when they are permuted, beyond permuting its output the same way)."""
+    if name in _ALONG:
+        if i != 0 and name != "cat":
+            return set()                 # an index, a source: taken position by position
+        if "dim" in attrs:
+            return _dims_of(attrs["dim"], ndim)
+        if "dims" in attrs:
+            return _dims_of(attrs["dims"], ndim)
+        return set(range(ndim))          # take, nanmedian_all, multinomial: flattened
+    if name == "searchsorted":
+        return {ndim - 1} if i == 0 else set()
+    if i != 0:
+        return set()
+    if name in _LAST_TWO:
+        return {ndim - 2, ndim - 1} if ndim >= 2 else set()
+    if name == "diagonal":
+        return _dims_of((attrs.get("dim1", 0), attrs.get("dim2", 1)), ndim)
+    if name in _SPATIAL:
+        k = attrs.get("k", 1)
+        return set(range(ndim - k, ndim))
+    if name == "pad":
+        pad = attrs.get("pad") or ()
+        return {ndim - 1 - j // 2 for j in range(len(pad)) if pad[j]}
+    if name == "getitem":
+        idx, d, out = attrs.get("index", ()), 0, set()
+        for item in idx if isinstance(idx, tuple) else ():
+            if not (isinstance(item, tuple) and item):
+                return set(range(ndim))  # an index the table did not normalize
+            if item[0] == "new":
+                continue
+            if item[0] != "all":
+                out.add(d)
+            d += 1
+        return out
+    return set()
+
+
+def _fix(x, o, where):
+    axis = x.mesh.dim_names[o.mesh_dim] if o.mesh_dim < x.mesh.ndim else o.mesh_dim
+    return (f"Fix: undo the layout first, y = from_ring_layout(x, {axis!r}, {o.dim}) (the "
+            f"sequence in its own order, whole on {axis!r}), run {where} on it, and lay "
+            f"the result out again with to_ring_layout where the sequence goes on")
+
+
+def _varies(y, e) -> bool:
+    """Plain tensor ``y`` is not one value along its dim ``e`` (a table of ones, a full()
+    bias, is order-free)."""
+    with torch.no_grad():
+        first = y.narrow(e, 0, 1)
+        return not bool((y == first).all()) if y.numel() else False
+
+
+def _aligned_dim(opdef, x, o, y, i, j, cand_dst):
+    """The dim of input ``y`` (input ``j``) the op takes together with ``x``'s (input
+    ``i``) ordered dim, or None."""
+    if opdef.op_class == "attention":             # (q, k, v, mask): the mask's rows are
+        if j != 3 or i > 2 or o.dim != 2:         # q's positions, its columns k's and v's
+            return None
+        e = y.ndim - 2 if i == 0 else y.ndim - 1
+        return e if e >= 0 else None
+    if opdef.name in _MATMULS:                    # the contracted dims: x's last, y's rows
+        if i == 0 and j == 1 and o.dim == x.ndim - 1 and y.ndim >= 2:
+            return y.ndim - 2
+        if i == 1 and j == 0 and x.ndim >= 2 and o.dim == x.ndim - 2:
+            return y.ndim - 1
+        if not (o.dim == x.ndim - 1 if i == 0 else o.dim == x.ndim - 2):
+            return None                          # a row or column dim: the output's own
+    if opdef.op_class == "elementwise":           # broadcasting, right-aligned
+        e = o.dim - (x.ndim - y.ndim)
+        return e if 0 <= e < y.ndim else None
+    ps, mine = cand_dst[j], cand_dst[i]           # sliced along with it over the ring
+    if ps is None or mine is None or len(ps) <= o.mesh_dim or len(mine) <= o.mesh_dim \
+            or mine[o.mesh_dim] != Shard(o.dim):
+        return None
+    p = ps[o.mesh_dim]
+    return p.dim % y.ndim if p.is_shard() else None
+
+
+def check_op(opdef, inputs, specs, plans, attrs) -> None:
+    """Refuse an op that would give a silently wrong answer on a sequence in load-balanced
+    ring order (module docstring): one that reads positions along the recorded dim
+    (:func:`sensitive_dims`: a scan, a flip, a slice, an argmax, a pad, a convolution, a
+    causal triangle), or one that meets the recorded dim with a tensor whose order is not
+    known to be the same (a plain causal mask or RoPE table, built in the sequence's own
+    order, varying along it). Contiguous slots are the sequence's own order, and one rank
+    is its own order: both pass. Called by the dispatcher before the op runs."""
+    if _REORDERING[0] or opdef.name == "ring_attention_step":   # (the ring's own steps)
+        return
+    name = opdef.name
+    dst = [None if s is None else
+           (pl.dst if pl is not None and pl.steps else s.placements)
+           for s, pl in zip(specs, plans)]
+    for i, x, o in ((i, x, o) for i, x in enumerate(inputs) for o in orders_of(x)):
+        if not o.balanced or o.ring < 2:
+            continue
+        if o.dim in sensitive_dims(name, attrs, i, x.ndim):
+            raise ValueError(
+                f"{name}: input {i} (shape {tuple(x.shape)}) has its {o} (to_ring_layout), "
+                f"and {name} reads positions along dim {o.dim}: on the ring's order it would "
+                f"give another answer than on the sequence's own (a causal triangle, a scan, "
+                f"a slice or an index would count positions in the wrong order). "
+                + _fix(x, o, name) + (
+                    "; for causal attention call F.scaled_dot_product_attention(q, k, v, "
+                    "is_causal=True) (inside context_parallel it runs as the load-balanced "
+                    "ring)" if name in _LAST_TWO else ""))
+        if opdef.op_class == "attention" and o.dim == 2 and i < 3 and (
+                attrs.get("causal") or attrs.get("pattern") is not None):
+            axis = x.mesh.dim_names[o.mesh_dim] if o.mesh_dim < x.mesh.ndim else o.mesh_dim
+            raise ValueError(
+                f"{name}: causal (or patterned) attention on {'qkv'[i]} (shape "
+                f"{tuple(x.shape)}) whose {o} (to_ring_layout), outside context_parallel: "
+                f"its mask would compare positions in the ring's order as if they were the "
+                f"sequence's. Fix: run it inside `with context_parallel(mesh, {axis!r}):` "
+                f"(load-balanced ring attention, which knows the order), or "
+                + _fix(x, o, name)[5:])
+        for j, y in enumerate(inputs):
+            if j == i or not isinstance(y, (torch.Tensor, DistTensor)) or y.ndim == 0:
+                continue
+            e = _aligned_dim(opdef, x, o, y, i, j, dst)
+            if e is None or y.shape[e] == 1:
+                continue
+            rs = orders_of(y)
+            if RingOrder(o.mesh_dim, o.ring, e, o.balanced) in rs:
+                continue                         # laid out the same way, recorded
+            r = rs[0] if rs else None
+            if type(y) is not DistTensor and not _varies(y, e):
+                continue                         # one value along it: order-free
+            if r is None and type(y) is DistTensor and len(y.placements) > o.mesh_dim \
+                    and y.placements[o.mesh_dim] == Shard(e):
+                continue    # sharded there by hand, taken as given (shard_tensor(ring_order(
+                #             t, p, 2), ...)): the output has no record (propagate)
+            what = "a plain tensor" if type(y) is not DistTensor else (
+                f"a DistTensor recorded as {r}" if r is not None else
+                "a DistTensor with no record of its sequence's order")
+            mask = opdef.name in ("masked_fill", "where", "add", "sub") or y.dtype == torch.bool
+            raise ValueError(
+                f"{name}: input {j}, {what} (shape {tuple(y.shape)}), meets input {i} (shape "
+                f"{tuple(x.shape)}) along its dim {o.dim}, which is in {o} (to_ring_layout), "
+                f"and varies along it (its dim {e}): a causal mask or a position table "
+                f"(RoPE cos/sin) built in the sequence's own order would meet the wrong "
+                f"positions, and a ring-ordered copy looks the same. "
+                + ("Fix: for causal attention call F.scaled_dot_product_attention(q, k, v, "
+                   "is_causal=True) (inside context_parallel it runs as the load-balanced "
+                   "ring; a mask's keys are in ring order too), or " if mask else
+                   "Fix: lay the table out as the sequence, whose order is then recorded: "
+                   f"to_ring_layout(distribute_tensor(t, mesh, [Replicate()] * mesh.ndim), "
+                   f"'cp', {e}) (PyTorch's context_parallel(buffers=[t], buffer_seq_dims="
+                   f"[{e}])), or ")
+                + _fix(x, o, name)[5:])

@@ -23,8 +23,9 @@ What changes against :class:`~workbench.recipes.hybrid.Hybrid` (pp = 1):
   the norms' partial gradients are summed over tp once per step;
 * positions follow the chunks: the GPT looks its learned position embeddings up at the
   ring order's positions, sharded as the ids (so each token keeps its own), the Llama's
-  RoPE tables are put in ring order for the step (as PyTorch's
-  ``context_parallel(..., buffers=[freqs_cis])`` shards them);
+  RoPE tables are laid out with ``to_ring_layout`` for the step, their order recorded
+  (as PyTorch's ``context_parallel(..., buffers=[freqs_cis])`` shards them; a plain
+  table beside the ring-ordered q is refused, ``seq_order.check_op``);
 * the targets are put in the same ring order and sharded the same way, so the
   cross-entropy over the cp-sharded logits is the global mean over every token, exactly;
 * gradients: the parameters are data-parallel replicas over dp x cp (one copy per
@@ -261,7 +262,7 @@ class ContextParallel(Hybrid):
         freqs_cis])``): no traffic, where laying out the embeddings' output (B, S, h)
         after a lookup of every token costs cp times the lookup and an all-gather of its
         gradient over cp in backward.  The GPT's learned positions come in the same ring
-        order (sharded alike), the Llama's RoPE tables are reordered
+        order (sharded alike), the Llama's RoPE tables are laid out
         (:meth:`_ring_positions`)."""
         with context_parallel(self.meshes[0], "cp", balanced=self.balanced,
                               cp_comm=self.cp_comm), \
@@ -290,15 +291,21 @@ class ContextParallel(Hybrid):
 
     @contextlib.contextmanager
     def _ring_positions(self, model, S: int):
-        """The Llama's RoPE tables in ring order for the step (the GPT's learned positions
-        are looked up in ring order by :meth:`_stage`)."""
+        """The Llama's RoPE tables laid out on the ring for the step, DistTensors whose
+        order is recorded (the GPT's learned positions are looked up in ring order by
+        :meth:`_stage`)."""
         if not hasattr(model, "rope_cos"):
             yield
             return
         cos, sin = model.rope_cos, model.rope_sin
-        perm = slot_positions(S, self.cp, self.balanced).to(cos.device)
-        model.rope_cos = torch.cat([cos[:S][perm], cos[S:]])
-        model.rope_sin = torch.cat([sin[:S][perm], sin[S:]])
+        mesh = self.meshes[0]
+
+        def laid(t):        # the first S rows on the ring, their order recorded (seq_order)
+            whole = shard_tensor(t[:S], mesh, [Replicate()] * mesh.ndim)
+            return to_ring_layout(whole, "cp", 0, self.balanced)
+        # a plain table in ring order would look like one in the sequence's own order, which
+        # an op meeting the ring-ordered q refuses (seq_order.check_op); laid out, it is known
+        model.rope_cos, model.rope_sin = laid(cos), laid(sin)
         try:
             yield
         finally:

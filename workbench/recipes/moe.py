@@ -33,6 +33,7 @@ import torch
 from ..models.moe import moe_layers
 from ..ops.moe import one_batch
 from ..parallel.placement import Replicate
+from ..parallel.seq_order import reordering
 from ..parallel.strategies.expert_parallel import (check_expert_parallel, expert_mesh,
                                                    expert_parallel)
 
@@ -228,7 +229,8 @@ def keep_sequence_order(model, mesh_dim: str, balanced: bool) -> None:
             return x                    # routing token by token: the order is no matter
         perm = slot_positions(x.shape[1], x.mesh.shape[x.mesh.dim(mesh_dim)], True)
         perm = torch.argsort(perm) if inverse else perm
-        return torch.index_select(x, 1, perm.to(x.device))
+        with reordering():              # (ring order <-> sequence order, on purpose)
+            return torch.index_select(x, 1, perm.to(x.device))
 
     def pre(mod, args):
         x = args[0]

@@ -31,7 +31,9 @@ sec. 3.3.2): every step after the first, every rank computes exactly half a bloc
 queries against one K/V chunk, or its second query chunk against both), and fully
 masked chunk pairs are skipped (``ops_table/ring_attention.py``). A sequence is laid out
 so with :func:`to_ring_layout` (``x[:, slot_positions(S, p)]``); its positions (RoPE
-tables, learned position ids) must follow the same order.
+tables, learned position ids) must be laid out the same way, with ``to_ring_layout``
+(a plain table, a natural-order causal mask, and an op reading positions along the
+ring order are refused: ``seq_order.check_op``).
 
 ``context_parallel(mesh, "cp")`` is PyTorch's ``torch.distributed.tensor.experimental.
 context_parallel`` idea: while it is active, attention on DistTensors whose query is
@@ -75,7 +77,7 @@ from .. import autocast as _autocast
 from ..dist_tensor import DistTensor
 from ..placement import Replicate, Shard
 from ..reshard import reshard
-from ..seq_order import RingOrder, check_order, ring_order_of, set_ring_order
+from ..seq_order import RingOrder, check_order, reordering, ring_order_of, set_ring_order
 from ..ops_table.ring_attention import (block_pairs, check_ring, ring_attention_step,
                                         slot_chunks, slot_positions)
 from .. import storage
@@ -132,7 +134,8 @@ def ring_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: boo
     label = f"ring attention K/V on {mesh.dim_names[axis]}"
 
     def forward(q, k, v):
-        return _ring_forward(q, k, v, axis, p, causal, balanced, scale, label)
+        with reordering():          # the ring's own steps: the order is checked above
+            return _ring_forward(q, k, v, axis, p, causal, balanced, scale, label)
     order = ring_order_of(q)                # the output's rows are q's: its order too
     if not torch.is_grad_enabled() or not any(storage.requires_grad(t._local)
                                               for t in (q, k, v)):
@@ -243,7 +246,8 @@ def to_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool = 
                          "a second reordering would scramble it. Fix: use x as it is, or "
                          "undo the first with from_ring_layout")
     perm = slot_positions(x.shape[dim], p, balanced).to(x.device)
-    y = torch.index_select(x, dim, perm)
+    with reordering():                  # (the reordering the record will say)
+        y = torch.index_select(x, dim, perm)
     ps = list(y.placements)
     ps[axis] = Shard(dim)
     return set_ring_order(reshard(y, y.mesh, ps), RingOrder(axis, p, dim, balanced))
@@ -264,7 +268,8 @@ def from_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool 
     ps[axis] = Replicate()
     y = reshard(x, x.mesh, ps)
     inv = torch.argsort(slot_positions(x.shape[dim], p, balanced)).to(x.device)
-    return set_ring_order(torch.index_select(y, dim, inv), None)
+    with reordering():                  # (undoing the recorded order)
+        return set_ring_order(torch.index_select(y, dim, inv), None)
 
 
 # ---- the context manager ----------------------------------------------------------------------
@@ -335,10 +340,13 @@ class context_parallel(TorchFunctionMode):
                 f"their own order")
         pos = slot_positions(logits.shape[1], p, True)
         pos = pos.to(logits.device)                     # ring slot -> original position
-        z = torch.index_select(logits, 1, torch.argsort(pos))
+        with reordering():              # (the recorded order undone, then redone)
+            z = torch.index_select(logits, 1, torch.argsort(pos))
         kwargs = {n: v for n, v in kwargs.items() if n != "logits"}
         w, e, slots, aux = func(z, *rest, **kwargs)
-        w, e, slots = (torch.index_select(t, 1, pos) for t in (w, e, slots))
+        with reordering():              # (back in the logits' order: recorded so)
+            w, e, slots = (set_ring_order(torch.index_select(t, 1, pos), got)
+                           for t in (w, e, slots))
         return w, e, slots, aux
 
     def _refuse_ring_ordered(self, func, q, args, kwargs):

@@ -74,7 +74,7 @@ from .. import storage
 from ..dist_tensor import DistTensor
 from ..placement import Shard
 from ..reshard import reshard
-from ..seq_order import check_order, ring_order_of, set_ring_order
+from ..seq_order import check_order, reordering, ring_order_of, set_ring_order
 from ..ops_table.ring_attention import slot_positions
 
 __all__ = ["ulysses_attention", "check_ulysses_heads", "ulysses_bytes", "CP_COMMS"]
@@ -249,11 +249,13 @@ def ulysses_attention(q, k, v, mesh_dim="cp", *, causal: bool = True, balanced: 
         # index_select saves its index for backward: the dry run counts them)
         inv = {n: torch.argsort(slot_positions(n, p, True).to(q.device))
                for n in {t.shape[2] for t in (hq, hk, hv)}}
-        hq, hk, hv = (torch.index_select(t, 2, inv[t.shape[2]]) for t in (hq, hk, hv))
+        with reordering():
+            hq, hk, hv = (torch.index_select(t, 2, inv[t.shape[2]]) for t in (hq, hk, hv))
     from ... import ops
     o = ops.flash_attention(hq, hk, hv, causal=causal, scale=scale)
     if pos is not None:
-        o = torch.index_select(o, 2, pos)
+        with reordering():
+            o = torch.index_select(o, 2, pos)
     if heads and o.placements != hq.placements:     # the swap back reads q's head layout
         o = reshard(o, mesh, hq.placements)
     # the heads gathered, the sequence scattered back, in q's order (seq_order.py)
