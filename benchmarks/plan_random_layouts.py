@@ -57,7 +57,9 @@ import random
 import time
 
 from workbench.plan import Cluster, Layout, check_layout
+from workbench.plan import dryrun_ep_cp
 from workbench.plan.agree import compare
+from workbench.plan.estimate import check_runs
 from workbench.plan.presets import get_config
 
 PRESETS = ("small", "llama2-7b", "llama3-8b", "llama2-70b", "gpt-22b", "gpt3-175b", "gpt-toy")
@@ -104,18 +106,65 @@ def draw(rng: random.Random):
     return name, full.replace(n_layer=depth), lay, Cluster(rng.choice(PROFILES), world)
 
 
+def draw_ep_cp(rng: random.Random):
+    """As :func:`draw` (framework "workbench": the recipe both sides run; ZeRO-2/3 with
+    cp or ep is this library's only), a layout with context parallelism (dp x cp x tp, ring or
+    Ulysses, ZeRO 0-3, no pp: what ``recipes.context_parallel`` builds, dropout off) or a
+    MoE Llama with expert parallelism carved out of dp (tp without sp, pipelines too:
+    ``plan.dryrun_ep_cp``)."""
+    world = rng.choice([2, 4, 8, 16])
+    mb = rng.choice([1, 1, 2])
+    rcs = ["none", "selective", "full"]
+    if rng.random() < 0.5:
+        name = rng.choice(("small", "llama2-7b", "llama3-8b", "gpt-22b", "gpt-toy"))
+        full = _config(name).replace(dropout=0.0)
+        cp = rng.choice([c for c in (2, 4, 8) if world % c == 0])
+        tp = rng.choice([t for t in _divisors(world // cp) if t <= 8])
+        dp = world // (cp * tp)
+        lay = Layout(dp=dp, tp=tp, cp=cp, sp=tp > 1 and rng.random() < 0.5,
+                     zero=rng.choice([0, 1, 2, 3]),
+                     recompute=rng.choice(rcs + (["op"] if full.arch == "llama" else [])),
+                     micro_batch=mb, global_batch=dp * mb * rng.choice([1, 2]),
+                     cp_comm=rng.choice(["p2p", "a2a"]), framework="workbench")
+        cfg = full.replace(n_layer=rng.choice([1, 2]))
+        return name, cfg, lay, Cluster(rng.choice(PROFILES), world)
+    name = rng.choice(("small", "llama2-7b", "mixtral-8x7b"))
+    experts = rng.choice([4, 8])
+    full = _config(name).replace(moe_experts=experts, moe_topk=2)
+    full = full.replace(seq_len=min(full.seq_len, 4096))     # Mixtral's 32k: minutes a row
+    tp = rng.choice([t for t in _divisors(world) if t <= 8])
+    pp = rng.choice(_divisors(world // tp))
+    dp = world // (tp * pp)
+    ep = rng.choice([e for e in _divisors(dp) if experts % e == 0])
+    m = rng.choice([1, 2]) * pp
+    sched = rng.choice(["1f1b", "gpipe"]) if pp > 1 else "1f1b"
+    zero = rng.choice([0, 1] if pp > 1 or dp == 1 else [0, 1, 2, 3])
+    if dp == 1 and zero in (1, 3):
+        zero -= 1
+    lay = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, recompute=rng.choice(rcs),
+                 micro_batch=mb, global_batch=dp * mb * m, schedule=sched,
+                 framework="workbench")
+    return name, full.replace(n_layer=rng.choice([1, 2]) * pp), lay, \
+        Cluster(rng.choice(PROFILES), world)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=300)
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--ep-cp", action="store_true",
+                    help="draw context-parallel and MoE (expert-parallel) layouts instead")
     a = ap.parse_args(argv)
     rng = random.Random(a.seed)
     rows = bad = skipped = 0
     t0 = time.perf_counter()
     while rows < a.rows:
-        name, cfg, lay, cl = draw(rng)
         try:
+            name, cfg, lay, cl = (draw_ep_cp if a.ep_cp else draw)(rng)
             check_layout(cfg, lay.replace(framework="workbench"), cl)
+            if a.ep_cp:             # what the dry run's and the estimate's recipes refuse
+                dryrun_ep_cp.check(cfg, lay)
+                check_runs(cfg, lay.replace(framework="workbench"), cl, "flash")
         except ValueError:          # e.g. tp not dividing the heads: not a layout
             skipped += 1
             continue
