@@ -360,7 +360,8 @@ def explain_lines(est) -> list[str]:
     ms = 1e3
     mid = ds["stages"][min(1, len(ds["stages"]) - 1)]
     return [f"  DeepSpeed pipeline engine ({D.SOURCE}): one crossing (meta + 1/t slice) "
-            f"{ds['crossing'] * ms:.2f} ms on the slowest boundary, {mid['crossings']} per micro-batch on stage "
+            f"{ds['crossing'] * ms:.2f} ms on the slowest boundary, {mid['crossings']} per "
+            f"micro-batch on stage "
             f"{mid['stage']}; schedule ends {max(ds['finish']):.3f} s (simulated "
             f"TrainSchedule), then tied + DP sync {ds['after_last']:.3f} s exposed, "
             f"optimizer {ds['optimizer']:.3f} s"

@@ -6,11 +6,12 @@ data-parallel synchronisation + the optimizer step, where
 - a stage's time per micro-batch is its layers' forward and backward (with recompute and
   their TP collectives: ``costs``), the head on the last stage (this library's recipe:
   with its cross-entropy's all-reduce of the target count over dp and cp,
-  ``_loss_count``), the embedding's collective on the first, and the point-to-point sends of a 1F1B pipeline: one
-  activation forward and one gradient backward per chunk (v per micro-batch), of
-  2 s b h / t bytes each (Narayanan et al. 2021 sec. 4.1 scatter/gather: 1/t over the
-  inter-stage link, then an all-gather of 2 s b h inside the TP group; with sequence
-  parallelism the activation is already split, so no all-gather), each crossing on its
+  ``_loss_count``), the embedding's collective on the first, and the point-to-point
+  sends of a 1F1B pipeline: one activation forward and one gradient backward per chunk
+  (v per micro-batch), of 2 s b h / t bytes each (Narayanan et al. 2021 sec. 4.1
+  scatter/gather: 1/t over the inter-stage link, then an all-gather of 2 s b h inside
+  the TP group; with sequence parallelism the activation is already split, so no
+  all-gather), each crossing on its
   own link, the slowest of its rank pairs (``_p2p``, ``_crossings``: inside a node or
   across it; each pipeline rank's own row, ``details["per_rank"]``, the middle ranks'
   from their one entry with their own crossings); this library's recipe
@@ -49,8 +50,8 @@ data-parallel synchronisation + the optimizer step, where
 
 ``framework="deepspeed"`` with pp > 1: DeepSpeed's pipeline engine instead of the sum
 above: its TrainSchedule simulated with blocking transfers (each boundary's on its own
-link), its partitioned p2p, its step tail and FP16_Optimizer (``plan.deepspeed_step``; the bubble is then the slowest
-stage's idle time in that simulation).
+link), its partitioned p2p, its step tail and FP16_Optimizer (``plan.deepspeed_step``;
+the bubble is then the slowest stage's idle time in that simulation).
 
 MFU = model FLOPs (Korthikanti et al. 2022 eq. 7, no recompute) / (step time x peak x
 devices); HFU counts the recomputed FLOPs too; ``tflops_per_device`` is hardware FLOPs
