@@ -105,7 +105,7 @@ def breakdown(row) -> dict:
     r = P.predict(row)
     est, prof = r["estimate"], cl.profile
     d = est.details
-    slow = next(v for v in d["stages"].values() if v["stage"] == d["slowest_stage"])
+    slow = d["per_rank"][d["slowest_stage"]]
     s, m, pp = slow["stage"], d["micro_batches"], lay.pp
     n_layers = lay.stage_layers(cfg.n_layer)[s]
     ly, hd = d["layer"], d["head"]

@@ -167,7 +167,7 @@ def _stage_split(cfg, lay, prof, ds, s: int) -> dict:
     psi = _psi(cfg, lay, s)
     hp = BF.micro_batch_seconds(psi, lay.stage_layers(cfg.n_layer)[s], prof) \
         if ds["bf16"] else 0.0
-    crossings = e["crossings"] * ds["crossing"]
+    crossings = sum(r["transfers"])           # its own boundaries' (deepspeed_step)
     l_copy, l_comm, _ = DS.data_load(cfg, lay, prof, s == 0) if s in (0, lay.pp - 1) \
         else (0.0, 0.0, 0)
     return {"layers, embedding, head, loss: compute":

@@ -40,7 +40,7 @@ from ..sim_mesh.cost import KINDS as _KINDS, compute_time, price, wire_bytes
 from .layer_cost import layer_times as _layer_times
 
 __all__ = ["LayerCost", "layer_cost", "head_cost", "layer_flops", "model_and_hardware_flops",
-           "group_price", "LAYER_TIME_SOURCE", "LLAMA_LAYER_TIME_SOURCE"]
+           "group_price", "crossing_price", "LAYER_TIME_SOURCE", "LLAMA_LAYER_TIME_SOURCE"]
 
 LAYER_TIME_SOURCE = "layer_cost.layer_times (op by op; checked against Korthikanti Table 4)"
 LLAMA_LAYER_TIME_SOURCE = ("layer_cost.layer_times with llama_layer's ops (op by op; held to the "
@@ -51,6 +51,23 @@ LLAMA_LAYER_TIME_SOURCE = ("layer_cost.layer_times with llama_layer's ops (op by
 def group_price(kind: str, nbytes: float, ranks: tuple, profile) -> float:
     """``price`` of a collective over ``ranks`` (cached: the planner asks it often)."""
     return price(kind, nbytes, list(ranks), profile)
+
+
+def crossing_price(nbytes, pairs, profile) -> float:
+    """Seconds of a pipeline stage crossing whose ``pairs`` of ranks (``Layout.
+    crossing_pairs``: every TP, CP and DP rank to its peer) all send at once, ``nbytes``
+    each (a tuple: sends one after the other): the slowest pair's, as the dry run's trace
+    times them (``schedules.execute._send``: each pair on its own link; was one pair,
+    t = d = c = 0, for all, an intra-node pair for a stage that straddles two nodes).
+    ``price`` of a send reads only whether its two ranks share a node
+    (``topology.group_of``), so one pair of each kind is priced."""
+    per_node = profile.devices_per_node
+    kinds = {}
+    for a, b in pairs:
+        kinds.setdefault(a // per_node == b // per_node, (a, b))
+    sizes = nbytes if isinstance(nbytes, tuple) else (nbytes,)
+    return max((sum(group_price("send_recv", n, pair, profile) for n in sizes)
+                for pair in kinds.values()), default=0.0)
 
 
 def layer_flops(cfg, b: int) -> tuple[float, float]:

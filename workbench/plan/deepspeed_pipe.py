@@ -95,21 +95,34 @@ _PEER = {"recv_act": -1, "send_grad": -1, "send_act": 1, "recv_grad": 1}
 _TAG = {"recv_act": "act", "send_act": "act", "send_grad": "grad", "recv_grad": "grad"}
 
 
-def programs(forward, backward, micro_batches: int, crossing: float) -> list[list[tuple]]:
+def _links(crossing, p: int) -> list:
+    """``crossing`` as seconds per boundary k -> k + 1 (one number: every boundary's)."""
+    if isinstance(crossing, (list, tuple)):
+        if len(crossing) != p - 1:
+            raise ValueError(f"crossing: {len(crossing)} seconds for {p} stages; give one "
+                             f"per boundary ({p - 1}) or one number for all")
+        return list(crossing)
+    return [crossing] * (p - 1)
+
+
+def programs(forward, backward, micro_batches: int, crossing) -> list[list[tuple]]:
     """Each stage's timed stream up to its last backward: (peer or None, seconds, tag);
     ``forward[s]``, ``backward[s]``: stage s's compute per micro-batch; ``crossing``:
-    the seconds one activation or gradient takes between two stages."""
+    the seconds one activation or gradient takes between two stages, one number for
+    every boundary or one per boundary k -> k + 1 (each on its own link)."""
     p = len(forward)
     if len(backward) != p or p < 1:
         raise ValueError(f"programs: forward ({len(forward)}) and backward "
                          f"({len(backward)}) must give one time per stage")
+    links = _links(crossing, p)
     out = []
     for s in range(p):
         ops = []
         for step in train_schedule(p, micro_batches, s):
             for name, mb in step:
                 if name in _PEER:
-                    ops.append((s + _PEER[name], crossing, (_TAG[name], mb)))
+                    peer = s + _PEER[name]
+                    ops.append((peer, links[min(s, peer)], (_TAG[name], mb)))
                 elif name in ("forward", "backward"):
                     ops.append((None, (forward if name == "forward" else backward)[s],
                                 (name, mb)))
@@ -117,16 +130,19 @@ def programs(forward, backward, micro_batches: int, crossing: float) -> list[lis
     return out
 
 
-def simulate(forward, backward, micro_batches: int, crossing: float) -> list[float]:
+def simulate(forward, backward, micro_batches: int, crossing) -> list[float]:
     """The time each stage ends its last backward, all starting at 0: compute runs in
-    order, and a transfer completes at max(both sides ready) + ``crossing`` when the
-    two stages' next instructions are its two ends (module docstring).  Raises if the
-    streams deadlock or pair a send with the wrong receive (DeepSpeed's would hang)."""
+    order, and a transfer completes at max(both sides ready) + ``crossing`` (one number,
+    or one per boundary k -> k + 1) when the two stages' next instructions are its two
+    ends (module docstring).  Raises if the streams deadlock or pair a send with the
+    wrong receive (DeepSpeed's would hang)."""
     for name, xs in (("forward", forward), ("backward", backward)):
         if any(not isinstance(x, (int, float)) or x < 0 for x in xs):
             raise ValueError(f"simulate: {name}={list(xs)!r} must be seconds >= 0")
-    if not isinstance(crossing, (int, float)) or crossing < 0:
-        raise ValueError(f"simulate: crossing={crossing!r} must be seconds >= 0")
+    xs = crossing if isinstance(crossing, (list, tuple)) else [crossing]
+    if any(isinstance(x, bool) or not isinstance(x, (int, float)) or x < 0 for x in xs):
+        raise ValueError(f"simulate: crossing={crossing!r} must be seconds >= 0 (one "
+                         f"number, or one per stage boundary)")
     progs = programs(forward, backward, micro_batches, crossing)
     p = len(progs)
     at, t = [0] * p, [0.0] * p

@@ -145,14 +145,19 @@ def _copy(nbytes: float, prof, dtype, launches: int = 1) -> float:
     return compute_time(0.0, nbytes, prof, dtype, launches=launches)
 
 
-def crossing(n: float, lay, prof) -> float:
-    """Seconds of one activation (or gradient) of ``n`` bytes crossing a stage boundary:
-    the meta then the slice (the whole tensor when tp = 1), two blocking sends."""
-    pair = (lay.rank(0, 0, 0), lay.rank(0, 0, 1))
+def crossing(n: float, lay, prof, link: int = 0) -> float:
+    """Seconds of one activation (or gradient) of ``n`` bytes crossing the stage boundary
+    ``link`` -> ``link`` + 1: the meta then the slice (the whole tensor when tp = 1), two
+    blocking sends, every rank of the stage to its peer at once (``costs.crossing_price``:
+    the slowest pair's; was the first boundary's pair t = d = 0 for every boundary, an
+    NVLink one for all where stages smaller than a node share it)."""
+    if isinstance(link, bool) or not isinstance(link, int) or not 0 <= link < lay.pp - 1:
+        raise ValueError(f"crossing: link={link!r} must be a stage boundary in [0, "
+                         f"{lay.pp - 2}] (pp={lay.pp})")
+    pairs = lay.crossing_pairs(link, link + 1)
     if lay.tp == 1:
-        return C.group_price("send_recv", n, pair, prof)
-    return C.group_price("send_recv", meta_bytes(lay.tp), pair, prof) + \
-        C.group_price("send_recv", n / lay.tp, pair, prof)
+        return C.crossing_price(n, pairs, prof)
+    return C.crossing_price((meta_bytes(lay.tp), n / lay.tp), pairs, prof)
 
 
 def gather(n: float, lay, prof, dtype) -> tuple[float, float]:
@@ -250,10 +255,17 @@ def step_collectives(lay, prof, fp16: bool, bf16: bool = False) -> float:
     return t
 
 
-def pipeline_step(cfg, lay, prof, stages: dict, names: list, p2p: tuple, tied: float) -> dict:
+# the keys of a stage's row (pipeline_step's "stages") that stand for the planner's own
+STAGE_KEYS = ("compute", "comm", "time", "forward", "sent", "dp", "optimizer")
+
+
+def pipeline_step(cfg, lay, prof, stages: dict, names: list, p2p_sent: float,
+                  tied: float) -> dict:
     """The step of DeepSpeed's pipeline engine from ``estimate``'s stages (``names[s]``:
-    stage s's entry, its layers' compute and TP communication with the planner's p2p
-    ``p2p = (seconds, bytes)`` inside, taken out here) and the tied-embedding all-reduce
+    stage s's entry, its layers' compute and TP communication with the planner's own
+    crossings inside, its ``crossings`` seconds and ``p2p_sent`` bytes a crossing, taken
+    out here; each boundary's crossing is priced on its own ranks, :func:`crossing`)
+    and the tied-embedding all-reduce
     ``tied``: each stage's forward and backward with the engine's bookkeeping
     (:func:`stage_extras`), run through ``deepspeed_pipe.simulate``; then on each stage
     ReduceTiedGrads (first and last stage, after both finished), ReduceGrads, and the
@@ -261,19 +273,24 @@ def pipeline_step(cfg, lay, prof, stages: dict, names: list, p2p: tuple, tied: f
     bubble: the slowest stage's idle time in the schedule) and the per-stage figures."""
     p, m, dtype = lay.pp, lay.m, cfg.dtype
     n = 2 * cfg.seq_len * lay.micro_batch * cfg.d_model       # [s, b, h] in 16 bits
-    x = crossing(n, lay, prof)
+    x = [crossing(n, lay, prof, k) for k in range(p - 1)]     # per boundary k -> k + 1
     fp16 = dtype == "float16" and lay.zero == 0
     bf16 = BF.applies(cfg, lay)           # BF16_Optimizer (plan.bf16_optimizer)
     if bf16 and tied:                     # its tied gradient is the fp32 one
         tied = C.group_price("all_reduce", BF.tied_bytes(cfg, lay.tp),
                              (lay.rank(0, 0, 0), lay.rank(0, 0, p - 1)), prof)
-    p2p_t, p2p_sent = p2p
     rows = []
     for s in range(p):
         d, e = stages[names[s]], stage_extras(s, n, lay, prof, dtype)
         sends = (s > 0) + (s < p - 1)
         gathers = (s > 0) + 2 * (s < p - 1) if lay.tp > 1 else 0
-        sent = d["sent"] - 2 * p2p_sent + sends * (n / lay.tp + (meta_bytes(lay.tp)
+        # the planner's crossings (seconds; bytes: 2 a stage, 1 on the first and last)
+        pf, pb = d["crossings"]
+        # this stage's transfers: before its forward step with s - 1 (RecvActivation,
+        # SendGrad), before its backward step with s + 1 (SendActivation, RecvGrad)
+        xf, xb = 2 * x[s - 1] if s > 0 else 0.0, 2 * x[s] if s < p - 1 else 0.0
+        sent = d["sent"] - (2 - (s in (0, p - 1))) * p2p_sent \
+            + sends * (n / lay.tp + (meta_bytes(lay.tp)
                                                                   if lay.tp > 1 else 0)) \
             + gathers * wire_bytes("all_gather", n, lay.tp)
         hp = BF.micro_batch_seconds(d["psi"], lay.stage_layers(cfg.n_layer)[s], prof) \
@@ -284,7 +301,7 @@ def pipeline_step(cfg, lay, prof, stages: dict, names: list, p2p: tuple, tied: f
         e["fwd_comm"] += load_comm
         sent += load_sent
         comp = d["compute"] + e["fwd_copy"] + e["bwd_copy"] + hp
-        comm = d["comm"] - 2 * p2p_t + e["fwd_comm"] + e["bwd_comm"] + e["crossings"] * x
+        comm = d["comm"] - pf - pb + e["fwd_comm"] + e["bwd_comm"] + xf + xb
         dp = d["dp"]
         if bf16:
             dp = BF.dp_sync(d["psi"], lay, prof, s)
@@ -292,10 +309,10 @@ def pipeline_step(cfg, lay, prof, stages: dict, names: list, p2p: tuple, tied: f
             dp += _copy(DP_BUCKET_COPY_BYTES * d["psi"], prof, dtype, launches=3)
         opt = d["optimizer"]   # FP16_Optimizer / BF16_Optimizer: plan.optimizer_step
         rows.append(dict(
-            stage=s, forward=d["forward"] - p2p_t + e["fwd_copy"] + e["fwd_comm"],
-            backward=d["time"] - d["forward"] - p2p_t + e["bwd_copy"] + e["bwd_comm"] + hp,
+            stage=s, forward=d["forward"] - pf + e["fwd_copy"] + e["fwd_comm"],
+            backward=d["time"] - d["forward"] - pb + e["bwd_copy"] + e["bwd_comm"] + hp,
             compute=comp, comm=comm, time=comp + comm, crossings=e["crossings"], dp=dp,
-            p2p=e["crossings"] * x + e["fwd_comm"] + e["bwd_comm"],
+            transfers=(xf, xb), p2p=xf + xb + e["fwd_comm"] + e["bwd_comm"],
             sent=sent, optimizer=opt))
     finish = D.simulate([r["forward"] for r in rows], [r["backward"] for r in rows], m, x)
     ends = []
@@ -309,8 +326,10 @@ def pipeline_step(cfg, lay, prof, stages: dict, names: list, p2p: tuple, tied: f
     breakdown = {"compute": m * slow["compute"] + opt,
                  "communication": m * slow["comm"] + (done - last) + coll,
                  "bubble": last - m * slow["time"]}
+    # crossing: the slowest boundary's seconds; links: each boundary's
     return dict(step=done + coll + opt, breakdown=breakdown, stages=rows, finish=finish,
-                crossing=x, dp_sync=max(r["dp"] for r in rows), after_last=done - last,
+                crossing=max(x), links=x, dp_sync=max(r["dp"] for r in rows),
+                after_last=done - last,
                 optimizer=opt, collectives=coll, slowest_stage=slow["stage"], fp16=fp16,
                 bf16=bf16, tied=tied)
 
@@ -341,7 +360,8 @@ def explain_lines(est) -> list[str]:
     ms = 1e3
     mid = ds["stages"][min(1, len(ds["stages"]) - 1)]
     return [f"  DeepSpeed pipeline engine ({D.SOURCE}): one crossing (meta + 1/t slice) "
-            f"{ds['crossing'] * ms:.2f} ms, {mid['crossings']} per micro-batch on stage "
+            f"{ds['crossing'] * ms:.2f} ms on the slowest boundary, {mid['crossings']} per "
+            f"micro-batch on stage "
             f"{mid['stage']}; schedule ends {max(ds['finish']):.3f} s (simulated "
             f"TrainSchedule), then tied + DP sync {ds['after_last']:.3f} s exposed, "
             f"optimizer {ds['optimizer']:.3f} s"

@@ -4,14 +4,17 @@ Step time = m x the slowest stage's time per micro-batch + the pipeline bubble +
 data-parallel synchronisation + the optimizer step, where
 
 - a stage's time per micro-batch is its layers' forward and backward (with recompute and
-  their TP collectives: ``costs``), the head on the last stage, the embedding's
-  collective on the first, and the point-to-point sends of a 1F1B pipeline: one
-  activation forward and one gradient backward per chunk (v per micro-batch), of
-  2 s b h / t bytes each (Narayanan et al. 2021 sec. 4.1 scatter/gather: 1/t over the
-  inter-stage link, then an all-gather of 2 s b h inside the TP group; with sequence
-  parallelism the activation is already split, so no all-gather), each crossing on its
-  own link (``_p2p``, ``_crossings``: inside a node or across it; the middle stages,
-  one entry, paced by the slowest middle rank's crossings); this library's recipe
+  their TP collectives: ``costs``), the head on the last stage (this library's recipe:
+  with its cross-entropy's all-reduce of the target count over dp and cp,
+  ``_loss_count``), the embedding's collective on the first, and the point-to-point
+  sends of a 1F1B pipeline: one activation forward and one gradient backward per chunk
+  (v per micro-batch), of 2 s b h / t bytes each (Narayanan et al. 2021 sec. 4.1
+  scatter/gather: 1/t over the inter-stage link, then an all-gather of 2 s b h inside
+  the TP group; with sequence parallelism the activation is already split, so no
+  all-gather), each crossing on its
+  own link, the slowest of its rank pairs (``_p2p``, ``_crossings``: inside a node or
+  across it; each pipeline rank's own row, ``details["per_rank"]``, the middle ranks'
+  from their one entry with their own crossings); this library's recipe
   (``framework="workbench"``) sends each TP rank's whole activation instead, each send
   once, on its sender, and its pipeline is simulated layer-stage by layer-stage as the dry
   run composes it (``_recipe_chunks``);
@@ -47,15 +50,16 @@ data-parallel synchronisation + the optimizer step, where
   pipelines, where the fused Adam alone moves 28), memory bound, on the roofline.
 
 ``framework="deepspeed"`` with pp > 1: DeepSpeed's pipeline engine instead of the sum
-above: its TrainSchedule simulated with blocking transfers, its partitioned p2p, its
-step tail and FP16_Optimizer (``plan.deepspeed_step``; the bubble is then the slowest
-stage's idle time in that simulation).
+above: its TrainSchedule simulated with blocking transfers (each boundary's on its own
+link), its partitioned p2p, its step tail and FP16_Optimizer (``plan.deepspeed_step``;
+the bubble is then the slowest stage's idle time in that simulation).
 
 MFU = model FLOPs (Korthikanti et al. 2022 eq. 7, no recompute) / (step time x peak x
 devices); HFU counts the recomputed FLOPs too; ``tflops_per_device`` is hardware FLOPs
 per second per device (Narayanan et al. 2021's "teraFLOP/s per GPU", which counts the
-recompute).  Memory: ``memory.stage_memory`` on the first, a middle and the last stage;
-the busiest is reported (its live peak; ``details["reserved_memory"]`` adds what PyTorch's
+recompute).  Memory: ``memory.stage_memory`` on every pipeline rank (the middle ones
+differ in their communication buffers and in-flight micro-batches); the busiest is
+reported (its live peak; ``details["reserved_memory"]`` adds what PyTorch's
 caching allocator keeps cached beyond it, ``plan.allocator``, what nvidia-smi reads less
 the context, for DeepSpeed's BF16_Optimizer pipelines only: None, not modelled, for every
 other framework, whose reserved memory nvidia-smi reads above the live peak by an amount
@@ -135,15 +139,13 @@ class Estimate:
             raise ValueError(f"pipeline(m={m!r}): give a number of micro-batches >= 1"
                              + (f", a multiple of pp={lay.pp} (interleaved)"
                                 if lay.schedule == "interleaved_1f1b" else ""))
-        return _simulate(lay, st, m, self.details["p2p_links"])
+        return _simulate(lay, st, m, self.details["p2p_links"], self.details["per_rank"])
 
     def explain(self) -> str:
         """How the step time and the memory were put together, term by term; lines wrapped
         at ``WIDTH`` (100) characters, continuations indented (``text_width.wrap``)."""
         d, lay, b = self.details, self.layout, self.breakdown
-        st = d["stages"]
-        slow = next(v for v in st.values() if v["stage"] == d["slowest_stage"])
-        busy = next(v for v in st.values() if v["stage"] == d["busiest_stage"])
+        slow, busy = d["per_rank"][d["slowest_stage"]], d["per_rank"][d["busiest_stage"]]
         ly, ms = d["layer"], 1e3
         rc = " with recompute" if lay.recompute != "none" else ""
         # what a layer's communication is: TP's collectives, EP's all-to-alls, CP's ring
@@ -214,14 +216,15 @@ def pipeline_bubble(stage_times, v: int = 1) -> float:
     return (sum(times) - max(times)) / v
 
 
-def _simulate(lay: Layout, stages: dict, m: int, links):
+def _simulate(lay: Layout, stages: dict, m: int, links, rows=None):
     """``parallel.schedules.simulate`` of ``lay``'s schedule over ``m`` micro-batches,
     each pipeline rank's forward and backward taken from ``stages`` (estimate's
-    ``details["stages"]``) with its own crossings on ``links`` (``details["p2p_links"]``);
-    this library's recipe (:func:`_recipe_chunks`): per layer-stage, as the dry run
-    composes it."""
+    ``details["stages"]``) with its own crossings on ``links`` (``details["p2p_links"]``),
+    or from ``rows`` (``details["per_rank"]``: each rank's own, DeepSpeed's engine's as it
+    prices them); this library's recipe (:func:`_recipe_chunks`): per layer-stage, as the
+    dry run composes it."""
     from ..parallel.schedules import simulate
-    rows = _rows(lay, stages, links)
+    rows = _rows(lay, stages, links) if rows is None else rows
     sched = _schedule(lay.schedule, lay.pp, m, lay.v)
     if lay.engine == "workbench" and lay.pp > 1:
         f, b = _recipe_chunks(lay, rows, links)
@@ -249,16 +252,46 @@ def _crossings(lay: Layout, stage: int, links) -> tuple[float, float]:
     return (v - (recipe and stage == pp - 1)) * lf, (v - (recipe and stage == 0)) * lb
 
 
-def _rows(lay: Layout, stages: dict, links) -> list:
-    """Per pipeline rank, its stage dict with its own crossings (``_crossings``): the
-    middle stages share one dict, priced with the slowest middle rank's links."""
+def _rows(lay: Layout, stages: dict, links, ds=None) -> list:
+    """Per pipeline rank r, its stage dict (``stage`` r) with its own crossings
+    (``_crossings``): the middle stages share one dict, stage 1's, whose crossings are
+    swapped for each rank's own.  ``ds``: DeepSpeed's pipeline engine
+    (``deepspeed_step.pipeline_step``), whose rows are per stage already (each with its
+    own transfers): taken as they are."""
     out = []
     for r in range(lay.pp):
         d = stages[_stage_name(r, lay.pp, lay.stages is not None)]
+        if ds is not None:
+            out.append(dict(d, stage=r, crossings=ds["stages"][r]["transfers"],
+                            **{k: ds["stages"][r][k] for k in DS.STAGE_KEYS}))
+            continue
         (f0, b0), (f1, b1) = d["crossings"], _crossings(lay, r, links)
-        out.append(dict(d, forward=d["forward"] - f0 + f1, time=d["time"] - f0 - b0 + f1 + b1,
+        out.append(dict(d, stage=r, forward=d["forward"] - f0 + f1,
+                        time=d["time"] - f0 - b0 + f1 + b1, comm=d["comm"] - f0 - b0 + f1 + b1,
                         crossings=(f1, b1)))
     return out
+
+
+def _tie_order(lay: Layout, stages: dict) -> list:
+    """The pipeline ranks in the order of their entries in ``stages`` (first, last, the
+    middle ones), then by rank: the slowest or busiest of equals is the first so met."""
+    names = list(stages)
+    return sorted(range(lay.pp),
+                  key=lambda r: (names.index(_stage_name(r, lay.pp, lay.stages is not None)),
+                                 r))
+
+
+def _rank_memory(cfg, lay: Layout, row: dict, r: int, attention: str, prof,
+                 fusion) -> None:
+    """Rank r's own memory in its row (``_rows``), where its entry is another rank's (a
+    middle stage's: the communication library's buffers are per rank, each with its own
+    neighbours' links, ``comm_memory``; the schedule's in-flight micro-batches too)."""
+    psi, n_layers = row["psi"], lay.stage_layers(cfg.n_layer)[r]
+    mem = stage_memory(cfg, lay, r, attention, prof, fusion)
+    row.update(memory=mem, workspace_terms=stage_workspace_terms(cfg, lay, r, attention, prof,
+                                                                 fusion),
+               allocator_cache=AL.cached_bytes(cfg, lay, r, psi, n_layers),
+               reserved_memory=AL.reserved_bytes(cfg, lay, r, psi, n_layers, mem, attention))
 
 
 # the (frozen) parallel.schedules Schedule of a shape, built once (in_flight_peak.schedule,
@@ -358,15 +391,39 @@ def _p2p(cfg, lay: Layout, prof) -> tuple[list, float]:
     against 0.331 ms priced as scatter/gather)."""
     n = 2 * cfg.seq_len * lay.micro_batch * cfg.d_model
     ends = [(s, s + 1) for s in range(lay.pp - 1)] + ([(lay.pp - 1, 0)] if lay.v > 1 else [])
-    pairs = [(lay.rank(0, 0, a), lay.rank(0, 0, b)) for a, b in ends]
+    # every TP / CP / DP rank sends to its peer at once: the crossing is its slowest pair's
+    # (C.crossing_price; was the t = d = c = 0 pair's, NVLink's where a stage straddling
+    # two nodes sends some of its pairs across: tp 2, dp 3, pp 2 on 8-GPU nodes)
+    pairs = [lay.crossing_pairs(a, b) for a, b in ends]
     if lay.tp > 1 and not lay.sp and lay.engine == "workbench":
-        return [C.group_price("send_recv", n, pair, prof) for pair in pairs], n
+        return [C.crossing_price(n, ps, prof) for ps in pairs], n
     gather = sent = 0.0
     if lay.tp > 1 and not lay.sp:
         gather = C.group_price("all_gather", n, tuple(lay.tp_ranks()), prof)
         sent = wire_bytes("all_gather", n, lay.tp)
-    return [C.group_price("send_recv", n / lay.tp, pair, prof) + gather
-            for pair in pairs], n / lay.tp + sent
+    return [C.crossing_price(n / lay.tp, ps, prof) + gather
+            for ps in pairs], n / lay.tp + sent
+
+
+def _loss_count(lay: Layout, prof) -> tuple[float, float]:
+    """(seconds, bytes sent) per micro-batch of this library's cross-entropy's global
+    target count on the last stage: an all-reduce of one int64 over each mesh dim the
+    targets are sharded on, dp then cp, one after the other (each sums the last's),
+    before the loss divides by it (``parallel/ops_table/cross_entropy.py``,
+    ``_cross_entropy_local``), so exposed; on the dry run's trace a "small" Llama of one
+    layer at dp 16 on two A100 nodes: 27.5 us a micro-batch, the estimate 1.21x below it
+    without (``benchmarks/plan_random_layouts.py`` seed 13).  Other frameworks: none here
+    (Megatron-LM's loss is local to the rank; its logging average over dp is not priced)."""
+    if lay.engine != "workbench":
+        return 0.0, 0.0
+    last = lay.pp - 1
+    t = sent = 0.0
+    for n, ranks in ((lay.dp, [lay.rank(0, d, last, 0) for d in range(lay.dp)]),
+                     (lay.cp, [lay.rank(0, 0, last, c) for c in range(lay.cp)])):
+        if n > 1:
+            t += C.group_price("all_reduce", 8, tuple(ranks), prof)
+            sent += wire_bytes("all_reduce", 8, n)
+    return t, sent
 
 
 def _loss_lead(cfg, lay: Layout, head, edge) -> tuple:
@@ -501,12 +558,13 @@ def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
 
 
 def _hide_in_pipeline(stages, lay: Layout, prof, grad_bytes: int,
-                      overlap_grad_reduce: bool) -> None:
+                      overlap_grad_reduce: bool, links) -> None:
     """Megatron-LM's (and DeepSpeed's pipeline engine's) sync on stages after the first,
-    less the pipeline's slack (``stage_sync``): each such stage's ``dp`` replaced."""
-    name = [_stage_name(k, lay.pp, lay.stages is not None) for k in range(lay.pp)]
-    fwd = [stages[n]["forward"] for n in name]
-    bwd = [stages[n]["time"] - stages[n]["forward"] for n in name]
+    less the pipeline's slack (``stage_sync``), the stages before it each with its own
+    crossings on ``links`` (``_rows``): each such stage's ``dp`` replaced."""
+    rows = _rows(lay, stages, links)   # each stage's own crossings (was: every middle
+    fwd = [d["forward"] for d in rows]     # stage's slack summed with the slowest middle
+    bwd = [d["time"] - d["forward"] for d in rows]      # stage's)
     for d in stages.values():
         if d["stage"] > 0:
             sf, sb = S.slacks(d["stage"], fwd, bwd)
@@ -644,11 +702,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     head = C.head_cost(tcfg, b, tp, sp, prof)
     emb_t, emb_sent = C.embedding_comm(tcfg, b, tp, sp, prof)
     links, p2p_sent = _p2p(tcfg, lay, prof) if pp > 1 else ([0.0], 0.0)
+    count_t, count_sent = _loss_count(lay, prof)     # the recipe's loss: its target count
     p2p_t = max(links)                              # the slowest link's crossing
-    if lay.engine == "deepspeed" and pp > 1:
-        # DeepSpeed's engine re-prices its own p2p on the slowest link (plan.deepspeed_step
-        # takes the planner's 2 p2p_t out of every stage): kept at that link's price
-        links = [p2p_t] * len(links)
     per_stage = lay.stage_layers(cfg.n_layer)
     edge = edge_times(tcfg, b, tp, sp, prof)       # embeddings; final norm, fp32 cast, loss
     # this library's ZeRO-3 re-gathers a recomputed layer module by module (zero_cost)
@@ -663,9 +718,12 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
     for name, s, count in _stage_kinds(pp, lay.stages is not None):
         n_layers = per_stage[s]
         comp = n_layers * (layer.fwd_compute + layer.bwd_compute)
-        # each crossing on its own link; the middle stages (one dict for count of them,
-        # same layers) with the slowest middle rank's, which paces the steady state
-        cross = max((_crossings(lay, k, links) for k in range(s, s + count)), key=sum)
+        # each crossing on its own link; the middle stages' one dict (count of them, same
+        # layers) is stage s's, crossings and memory alike: each middle rank's own
+        # crossings, time and memory are its row in details["per_rank"] (_rows,
+        # _rank_memory), from which the slowest and the busiest rank are read (was: this
+        # dict carried the slowest middle rank's crossings with stage 1's memory)
+        cross = _crossings(lay, s, links)
         comm = n_layers * (layer.fwd_comm + layer.bwd_comm) + sum(cross)
         # bytes sent: a crossing's send and the receiver's TP all-gather (p2p_sent),
         # both ways per chunk but the first stage's input and the last's output
@@ -679,17 +737,17 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
             edge_f += emb_t + edge["first"][0]
             edge_t += emb_t + sum(edge["first"])
         if s == pp - 1:
-            edge_f += head.fwd_compute + head.fwd_comm + edge["last"][0]
+            edge_f += head.fwd_compute + head.fwd_comm + edge["last"][0] + count_t
             edge_t += head.fwd_compute + head.fwd_comm + head.bwd_compute + head.bwd_comm \
-                + sum(edge["last"])
+                + sum(edge["last"]) + count_t
         if s == 0:
             comm, sent, fwd = comm + emb_t, sent + emb_sent, fwd + emb_t
             comp, fwd = comp + sum(edge["first"]), fwd + edge["first"][0]
         if s == pp - 1:
             comp, comm = comp + head.fwd_compute + head.bwd_compute, comm + head.fwd_comm \
                 + head.bwd_comm
-            sent = sent + head.comm_bytes
-            fwd += head.fwd_compute + head.fwd_comm
+            comm, sent = comm + count_t, sent + head.comm_bytes + count_sent
+            fwd += head.fwd_compute + head.fwd_comm + count_t
             comp, fwd = comp + sum(edge["last"]), fwd + edge["last"][0]
         psi = stage_params(cfg, tp, pp, s, n_layers)
         acc = M21.accumulate_seconds(cfg, lay, psi, n_layers, prof, fusion) \
@@ -714,7 +772,11 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                                             lay.dp * lay.cp, prof)
                 side = side[:2] + (stay,)
             comp, fwd = comp + copies["forward"] + copies["backward"], fwd + copies["forward"]
-        dp_t, dp_sent = _dp_sync(psi, lay, prof, s, blocks, overlap, overlap_grad_reduce,
+        # this library's recipe at ep = 1: the experts' gradients in the dense ones'
+        # buckets, one collective (ep_cp.merged_expert_params)
+        merged = EC.merged_expert_params(cfg, lay, n_layers) if blocks is None else 0.0
+        dp_t, dp_sent = _dp_sync(psi + merged, lay, prof, s, blocks, overlap,
+                                 overlap_grad_reduce,
                                  F.grad_reduce_bytes(lay.engine, cfg.dtype),
                                  head_live=cfg.tie_embeddings, side=side,
                                  lead=_loss_lead(cfg, lay, head, edge) if s == pp - 1
@@ -722,7 +784,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
             if lay.engine != Z21.FRAMEWORK else Z21.dp_sync(cfg, lay, prof, layer, head, edge)
         e_t, e_sent, e_upd = EC.expert_sync(cfg, lay, prof, s, n_layers,
                                             F.grad_reduce_bytes(lay.engine, cfg.dtype))
-        dp_t, dp_sent = dp_t + e_t, dp_sent + e_sent
+        if not merged:
+            dp_t, dp_sent = dp_t + e_t, dp_sent + e_sent
         updated = psi / (lay.dp * lay.cp if lay.zero >= 1 else 1) + e_upd
         opt = OS.step_seconds(opt_passes, psi, updated, prof,
                               M21.TENSORS_PER_LAYER * max(n_layers, 1))
@@ -755,20 +818,25 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
                              (lay.rank(0, 0, 0), lay.rank(0, 0, pp - 1)), prof)
     ds = DS.pipeline_step(cfg, lay, prof, stages, [_stage_name(k, pp, lay.stages is not None)
                                                    for k in range(pp)],
-                          (p2p_t, p2p_sent), tied) if lay.engine == "deepspeed" and pp > 1 else None
+                          p2p_sent, tied) if lay.engine == "deepspeed" and pp > 1 else None
     if ds is None and lay.engine in ("megatron", "deepspeed") and pp > 1 \
             and lay.dp * lay.cp > 1 and v == 1:
         _hide_in_pipeline(stages, lay, prof, F.grad_reduce_bytes(lay.engine, cfg.dtype),
-                          overlap_grad_reduce)
+                          overlap_grad_reduce, links)
     if ds is not None:                 # the engine's own stage times (plan.deepspeed_step)
         tied = ds["tied"]              # its tied gradient's dtype (bf16: BF16_Optimizer's fp32)
         for name, d in stages.items():
-            d.update({k: ds["stages"][d["stage"]][k] for k in ("compute", "comm", "time",
-                                                               "sent", "dp", "optimizer")},
-                     forward=ds["stages"][d["stage"]]["forward"])
-    slow = max(stages.values(), key=lambda d: d["time"])
+            d.update({k: ds["stages"][d["stage"]][k] for k in DS.STAGE_KEYS})
+    # each pipeline rank's own row (its crossings, time and memory): the slowest and the
+    # busiest rank are read from them, ties to the first entry of ``stages``
+    rows = _rows(lay, stages, links, ds)
+    for r, d in enumerate(rows):
+        if stages[_stage_name(r, pp, lay.stages is not None)]["stage"] != r:
+            _rank_memory(cfg, lay, d, r, attention, prof, mem_fusion)
+    order = _tie_order(lay, stages)
+    slow = max((rows[r] for r in order), key=lambda d: d["time"])
     # the fill and drain walk every stage once, each with its own crossings (_rows)
-    bubble = pipeline_bubble([d["time"] for d in _rows(lay, stages, links)], v)
+    bubble = pipeline_bubble([d["time"] for d in rows], v)
     m = lay.m
     if (lay.stages is not None or lay.engine == "workbench") and pp > 1 and ds is None:
         # uneven stages: (sum - max) is exact only when the slowest stage is the last (or
@@ -776,14 +844,13 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         # 8, 8), m = 4: the formula 26% above the schedule), so simulate the schedule;
         # this library's recipe: its layer-stages as the dry run composes them
         # (_recipe_chunks), whose sends on the sender the formula does not hold
-        bubble = _makespan(lay, stages, m, links) - m * max(
-            d["time"] for d in stages.values())
+        bubble = _makespan(lay, stages, m, links) - m * slow["time"]
     sync = max(d["dp"] for d in stages.values()) + tied
     opt = max(d["optimizer"] for d in stages.values())
     breakdown = {"compute": m * slow["compute"] + opt, "communication": m * slow["comm"] + sync,
                  "bubble": bubble} if ds is None else dict(ds["breakdown"])
     step = sum(breakdown.values())
-    busiest = max(stages.values(), key=lambda d: d["memory"]["total"])
+    busiest = max((rows[r] for r in order), key=lambda d: d["memory"]["total"])
     comm_mem = CM.comm_buffer_bytes(cfg, lay, busiest["stage"], prof)   # plan.comm_memory
     model_f, hw_f = C.model_and_hardware_flops(cfg, lay.global_batch, lay.recompute)
     peak, n = prof.peak(cfg.dtype), cluster.devices
@@ -793,6 +860,8 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         "p2p": p2p_t if ds is None else ds["stages"][slow["stage"]]["p2p"] / 2,
         "p2p_links": links,        # seconds of one crossing of pipeline rank r -> r + 1
         "micro_batches": m, "stages": stages, "slowest_stage": slow["stage"],
+        # per pipeline rank: its stage's dict with its own crossings, time and memory
+        "per_rank": rows,
         "busiest_stage": busiest["stage"], "dp_sync": sync - tied, "tied_embedding_sync": tied,
         "optimizer": opt, "model_flops": model_f, "hardware_flops": hw_f,
         "tokens_per_second": lay.global_batch * cfg.seq_len / step,

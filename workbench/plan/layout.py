@@ -196,6 +196,13 @@ class Layout:
         context-parallel rank c (Megatron-LM's order tp-cp-dp-pp: ``plan.ep_cp``)."""
         return t + self.tp * (c + self.cp * (d + self.dp * s))
 
+    def crossing_pairs(self, a: int, b: int) -> list[tuple[int, int]]:
+        """(sender, receiver) of every rank of pipeline stage ``a`` and its peer of stage
+        ``b``: the same TP, CP and DP coordinates (a stage crossing: each rank sends its
+        own, at once, ``schedules.execute._send``)."""
+        return [(self.rank(t, d, a, c), self.rank(t, d, b, c)) for d in range(self.dp)
+                for c in range(self.cp) for t in range(self.tp)]
+
     def tp_ranks(self, d=0, s=0) -> list[int]:
         return [self.rank(t, d, s) for t in range(self.tp)]
 

@@ -402,12 +402,17 @@ def _shared_forward(cfg, b, tp, e, sp) -> list:
     return ops
 
 
-def backward_ops(cfg, b, tp, ep, e, sp=True, dense=False) -> list:
+def backward_ops(cfg, b, tp, ep, e, sp=True, dense=False, main_grad=True) -> list:
     """The MoE MLP's backward kernels and collectives, in execution order: each forward
-    GEMM's input and weight gradients (the weight gradient into an fp32 buffer, as
-    ``layer_cost``), each collective's transpose (all-to-all for all-to-all, all-gather
-    for reduce-scatter and back); no count exchange (the forward's split sizes are
-    reused).  ``dense``: the model's own dispatch (:func:`forward_ops`)."""
+    GEMM's input and weight gradients (the weight gradient into an fp32 buffer, read and
+    written, as ``layer_cost``; ``main_grad=False``: written in the 16-bit dtype, this
+    library's recipe, as ``layer_cost(main_grad=False)``; was the fp32 buffer's for it
+    too: the experts' backward of a 2-layer Llama at dp 4, ep 4 priced 1.12x the dry
+    run's, tests/test_plan12.py), each collective's transpose (all-to-all for
+    all-to-all, all-gather for reduce-scatter and back); no count exchange (the
+    forward's split sizes are reused).  ``dense``: the model's own dispatch
+    (:func:`forward_ops`), whose weight gradients are 16-bit."""
+    g = 8 if main_grad else e
     m, h, T, Tn, El, M, R, ft, Me = _dims(cfg, b, tp, ep, e, sp)
     E = m.experts
 
@@ -415,7 +420,7 @@ def backward_ops(cfg, b, tp, ep, e, sp=True, dense=False) -> list:
         return [(n + "_dgrad", "matmul", 2 * M_ * K * N, e * (M_ * N + batch * K * N + M_ * K),
                  1, (batch, per, K)),
                 (n + "_wgrad", "matmul", 2 * M_ * K * N, e * (M_ * N + M_ * K)
-                 + 8 * batch * K * N, 1, (batch, K, N))]
+                 + g * batch * K * N, 1, (batch, K, N))]
 
     ops = []
     if m.shared:

@@ -113,7 +113,7 @@ def stretch(est, n: int):
     assumption is appended to ``details["assumptions"]``."""
     f = slowest_expected(n)
     b, d = est.breakdown, est.details
-    slow = next(v for v in d["stages"].values() if v["stage"] == d["slowest_stage"])
+    slow = d["per_rank"][d["slowest_stage"]]
     share = slow["compute"] / slow["time"] if slow["time"] > 0 else 1.0
     extra_compute = (f - 1.0) * b["compute"]
     extra_bubble = (f - 1.0) * b["bubble"] * share
