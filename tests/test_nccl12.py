@@ -64,3 +64,43 @@ def test_errors_name_the_argument():
         NC.channels("2.21.5", 80, 0, 24.0, 25.0, 240.0)
     with pytest.raises(ValueError, match="Hopper"):
         NC.channels("2.12.7", 90, 1, 48.0, 50.0, 370.8)
+
+
+# ---- torch 1.8 DDP's buckets (plan.ddp_buckets) -----------------------------------
+
+def test_ddp_assign_closes_at_the_limit_first_1mib_then_25mib():
+    from workbench.plan.ddp_buckets import CAP_BYTES, FIRST_BYTES, assign
+    assert (FIRST_BYTES, CAP_BYTES) == (1 << 20, 25 << 20)
+    mib = 1 << 20
+    # 0.5 + 0.6 MiB reach 1 MiB: the first bucket; then 25 MiB buckets, a tensor never split
+    assert assign([0.5 * mib, 0.6 * mib, 10 * mib, 20 * mib, 30 * mib, 1]) == \
+        [[0, 1], [2, 3], [4], [5]]
+    with pytest.raises(ValueError, match="sizes"):
+        assign([-1])
+
+
+def test_ddp_buckets_of_the_narayanan_1_7b_row():
+    from workbench.models.config import get_config
+    from workbench.plan import Cluster, Layout
+    from workbench.plan import ddp_buckets as DB
+    from workbench.plan.zero_cost import Block
+    cfg = get_config("gpt3-175b", n_layer=24, d_model=2304, n_head=24, seq_len=2048,
+                     vocab_size=51200)
+    lay = Layout(dp=32, micro_batch=16, global_batch=512, recompute="full")
+    assert DB.applies(cfg, lay, 0, True, False, False)
+    assert not DB.applies(cfg, lay, 0, True, True, False)        # later Megatron-LM
+    h = 2304
+    layer = 12 * h * h + 13 * h
+    blocks = [Block(51200 * h + 2048 * h, 1.0, 2.0)] + \
+        [Block(layer, 1.0, 2.0) for _ in range(24)] + [Block(2 * h, 0.1, 0.2)]
+    bk = DB.buckets(cfg, lay, 0, blocks)
+    assert sum(b.numel for b in bk) == pytest.approx(sum(b.numel for b in blocks))
+    assert sum(b.bwd for b in bk) == pytest.approx(sum(b.bwd for b in blocks))
+    # backward order: the 1 MiB bucket takes the final norm and the last layer's fc2
+    # (its 4h x h weight alone is 42 MB); the last bucket ends with the word embedding
+    last_first = bk[-1]
+    assert last_first.numel == pytest.approx(2 * h + h + 4 * h * h)
+    assert bk[0].numel >= 51200 * h + 2048 * h
+    # every bucket but the last (in backward order) holds >= 25 MiB of fp16 gradients
+    assert all(2 * b.numel >= DB.CAP_BYTES for b in bk[1:-1])
+    assert DB.count(cfg, lay, 0, blocks) == len(bk)
