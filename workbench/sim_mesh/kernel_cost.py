@@ -317,8 +317,11 @@ def collective_sms(profile, ranks=None) -> int:
     the same README on two H100 nodes), 2 across Jean Zay's Omni-Path nodes (bigscience
     all_reduce_bench-a100-n4.txt).  So: a group inside one node (every rank r has the same
     r // devices_per_node) gets ``topology.collective_sms_intra`` where the profile gives
-    it; a group spanning nodes, or ``ranks=None``, ``topology.collective_sms``; a group
-    of one rank 0 (NCCL launches no kernel for one rank: enqueue.cc:687-693)."""
+    it; a group spanning nodes the channels NCCL's graph search builds for its fewest ranks
+    on a node (``nccl_channels``, where the profile's node and release are read there and
+    give its ``topology.collective_sms`` for full nodes), else, and for ``ranks=None``,
+    ``topology.collective_sms``; a group of one rank 0 (NCCL launches no kernel for one
+    rank: enqueue.cc:687-693)."""
     prof = get_profile(profile)
     t = prof.topology
     if ranks is None:
