@@ -81,6 +81,19 @@ question named is already priced, from its source, and none leaves the 71 ms (1.
 - the 1.75B GPT in plain PyTorch on one H100 (h100-sxm-80gb-gpt-step.json, 0.393 s
   for the four micro-batches) is priced at its measured time: the gap is in what the
   48-GPU Megatron + TE run adds beside the device's kernels, not in them.
+
+NCCL across the rows' 48 nodes (nccl12, 2026-11-29): the SMs a data-parallel
+collective holds now follow NCCL 2.21.5's graph search (``sim_mesh.nccl_channels``: 4 at
+one rank per node (tp 8), 8 at two (tp 4), 16 at four or eight, where the all-ranks 16 was
+assumed); no H100 row moved by 0.001 (why the tp 8 rows' compute, now faster beside
+those collectives, does not shorten their step was not traced).  The per-call price of a reduce-scatter over 48 one-GPU-per-node H100 ranks on
+NCCL 2.21.5's tuning model: 134 us at 8 B, 184 us at 1 MiB, 691 us at 16 MiB, 2.0 ms at
+64 MiB (``sim_mesh.cost.price``): the ~0.65 ms per call is the MB-sized bucket's
+bandwidth term, the latency a fifth of it.  No nccl-tests output at 32-64 nodes with one
+GPU per node giving small or medium message times was found (searched: NVIDIA/nccl and
+nccl-tests issues, vendors' pages; only the 32-node A100 tree latency of NVIDIA/nccl #652
+and the bus bandwidths without sizes of #1229, both held in tests/test_nccl_scale.py), so
+that latency stays the tuning model's, unchecked at this scale.
 """
 import os
 import sys

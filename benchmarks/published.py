@@ -278,7 +278,9 @@ _N_ASSUME = ("fp16 as --fp16; full recompute as --checkpoint-activations; dropou
              "(Megatron's default)")
 _N_DDP = ("; pp=1 ran torch DDP (--DDP-impl torch), whose buckets all-reduce during the "
           "last micro-batch's backward (Megatron-LM's no_sync before it): "
-          "overlap_grad_reduce")
+          "overlap_grad_reduce, in torch 1.8's buckets (plan.ddp_buckets: 1 MiB first, "
+          "then 25 MiB, rebuilt in gradient-ready order; 73 .. 121 all-reduces a step, the "
+          "last holding the tied word embedding)")
 # the code of Table 1 (50a4b5fa02, de7dc40f88) predates Megatron-LM's async TP all-reduce
 # (2021-09) and its gradient accumulation fusion (2022-02): plan.megatron_2021
 MEGATRON_2021 = dict(async_tensor_model_parallel_allreduce=False,

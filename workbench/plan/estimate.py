@@ -93,6 +93,7 @@ from . import comm_memory as CM
 from . import allocator as AL
 from . import megatron_2021 as M21
 from . import megatron_hook_add as HA
+from . import ddp_buckets as DB
 from . import megatron_buckets as MB
 from . import titan_eager as TE
 from . import optimizer_step as OS
@@ -760,6 +761,9 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
             if (lay.zero >= 2 or overlap_grad_reduce) and lay.dp * lay.cp > 1 else None
         if blocks and MB.applies(cfg, lay, s, overlap_grad_reduce):
             blocks = MB.buckets(cfg, lay, s, blocks)    # Megatron-core's DP buckets
+        elif blocks and DB.applies(cfg, lay, s, overlap_grad_reduce, async_tp, fusion):
+            blocks = DB.buckets(cfg, lay, s, blocks,      # torch DDP (2021, pp = 1)
+                                F.grad_reduce_bytes(lay.engine, cfg.dtype))
         side = copies = None
         if lay.engine == "fsdp":  # FSDP2's copy kernels (plan.fsdp2_cost)
             copies = FS.stage_copies(blocks or Z.stage_blocks(cfg, lay, s, layer, head, edge),

@@ -41,8 +41,9 @@ out (under 0.01% of a bucket).
 
 Applies (:func:`applies`) to Megatron-LM's GPT layer (``arch="gpt"``, dense) with the
 distributed optimizer (``zero=1``) and ``overlap_grad_reduce`` on the first pipeline stage;
-not to ZeRO-0 layouts, whose overlapped reduction may be torch DDP's (25 MB buckets:
-Narayanan et al.'s rows) and is left at one collective per layer.
+not to ZeRO-0 layouts: Megatron-LM of 2021's overlapped reduction (pp = 1, ``--DDP-impl
+torch``) is torch DDP's, ``plan.ddp_buckets``; other ZeRO-0 layouts are left at one
+collective per layer.
 """
 from __future__ import annotations
 

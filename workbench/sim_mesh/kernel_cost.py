@@ -59,8 +59,11 @@ traffic takes (``hbm_share``) is a component with no point: the profiles give it
   slower, the communication up to 2x; the maintainer: "You may not compete for SMs but
   still compete for memory bandwidth".  No figure per collective and size.
 - NCCL's channels for a group with fewer ranks per node than the node's GPUs (a
-  data-parallel group beside tensor parallelism 8 has one per node): no log found;
-  ``collective_sms`` gives it the all-ranks figure (the profiles' citations: ASSUMPTION).
+  data-parallel group beside tensor parallelism 8 has one per node): priced from NCCL's
+  graph search where the profile's node links and NCCL release are read
+  (``nccl_channels``: DGX A100 2 / 4 / 8 / 16 SMs for 1 / 2 / 4 / 8 ranks per node, DGX
+  H100 under 2.20-2.21 4 / 8 / 16 / 16); other profiles and releases keep the all-ranks
+  figure (``topology.collective_sms``, the profiles' citations: ASSUMPTION).
 - Collectives of several groups in flight beside one kernel (a tensor-parallel
   all-reduce beside a data-parallel reduce-scatter): the kernel runs at the lowest of
   their rates, not at their summed SMs (``finish_beside``: ASSUMPTION, no measurement).
@@ -314,8 +317,11 @@ def collective_sms(profile, ranks=None) -> int:
     the same README on two H100 nodes), 2 across Jean Zay's Omni-Path nodes (bigscience
     all_reduce_bench-a100-n4.txt).  So: a group inside one node (every rank r has the same
     r // devices_per_node) gets ``topology.collective_sms_intra`` where the profile gives
-    it; a group spanning nodes, or ``ranks=None``, ``topology.collective_sms``; a group
-    of one rank 0 (NCCL launches no kernel for one rank: enqueue.cc:687-693)."""
+    it; a group spanning nodes the channels NCCL's graph search builds for its fewest ranks
+    on a node (``nccl_channels``, where the profile's node and release are read there and
+    give its ``topology.collective_sms`` for full nodes), else, and for ``ranks=None``,
+    ``topology.collective_sms``; a group of one rank 0 (NCCL launches no kernel for one
+    rank: enqueue.cc:687-693)."""
     prof = get_profile(profile)
     t = prof.topology
     if ranks is None:
@@ -333,9 +339,29 @@ def collective_sms(profile, ranks=None) -> int:
     if lo == hi:
         return 0
     d = prof.devices_per_node
-    if t.collective_sms_intra and lo // d == hi // d:     # every rank in lo's node
-        return t.collective_sms_intra
-    return t.collective_sms
+    if lo // d == hi // d:                                # every rank in lo's node
+        return t.collective_sms_intra or t.collective_sms
+    return _spanning_sms(prof, group, d)
+
+
+def _spanning_sms(prof, group, d) -> int:
+    """SMs of a group spanning nodes: NCCL's channels for its fewest ranks on a node
+    (``nccl_channels``: the release's graph search; NCCL takes the minimum over ranks,
+    src/init.cc allGather3) where the profile's node links and NCCL release are read
+    there, else ``topology.collective_sms``."""
+    from . import nccl_channels as NC
+    t = prof.topology
+    if not t.collective_sms or prof.name not in NC.HOSTS \
+            or NC.release_of(t.nccl_version) is None:
+        return t.collective_sms
+    per = {}
+    for r in group:
+        per[r // d] = per.get(r // d, 0) + 1
+    # only where the search gives the profile's own (logged) figure for full nodes: a
+    # profile whose collective_sms was set otherwise keeps it for every group
+    if NC.host_channels(prof, t.nccl_version, d) != t.collective_sms:
+        return t.collective_sms
+    return NC.host_channels(prof, t.nccl_version, min(per.values()))
 
 
 def hbm_share(profile, ranks=None) -> float:
