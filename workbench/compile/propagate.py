@@ -315,8 +315,9 @@ def _local_bytes(shape, mesh, ps, dtype) -> int:
     n = 1
     for s in layout.max_local_shape(shape, mesh, ps):
         n *= s
-    return n * (torch.finfo(dtype).bits // 8 if dtype.is_floating_point
-                else torch.iinfo(dtype).bits // 8 if dtype != torch.bool else 1)
+    # (dtype.itemsize: a complex dtype too; finfo / iinfo raised TypeError for complex128
+    # and the search refused a complex program with a raw error, compile12)
+    return n * dtype.itemsize
 
 
 def initial(graph, placements, mesh):
