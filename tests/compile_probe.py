@@ -148,13 +148,15 @@ def _run(call, xs, leaves, backward, g):
     """(out full, out dtype, leaves' gradients, collectives) of one call."""
     with wb.trace() as tr:
         out = call(*xs)
-        grads = None
-        if backward and isinstance(out, wb.DistTensor) and out.requires_grad:
+    grads, bwd = None, Counter()
+    if backward and isinstance(out, wb.DistTensor) and out.requires_grad:
+        with wb.trace() as tb:
             (out * g).sum().backward()
-            grads = [None if ld.grad is None else ld.grad.full().clone()
-                     for _, ld, _, _ in leaves]
+        bwd = _comm(tb)
+        grads = [None if ld.grad is None else ld.grad.full().clone()
+                 for _, ld, _, _ in leaves]
     full = out.full().detach().clone() if isinstance(out, wb.DistTensor) else out
-    return full, grads, _comm(tr), type(out)
+    return full, grads, (_comm(tr), bwd), type(out)
 
 
 def _cmp(got, want, what, exact, p):
@@ -225,8 +227,12 @@ def probe(seed: int, wide: bool, levels=LEVELS):
                                      f"{'None' if b is None else 'set'}")
                     if a is not None:
                         _cmp(a, b, f"{ln}.grad", ex, p)
-            if ex and not prog.breaks and c_comm != e_comm:
-                raise Differ(f"O0 collectives {dict(c_comm)}, eager {dict(e_comm)}")
+            # O0: the forward's collectives are eager's; the backward's never more (a
+            # Shard -> Partial pad's backward: the compiled reshard's reduce-scatter where
+            # eager's op all-reduces the gradient, narrow seed 25: equal values)
+            if ex and not prog.breaks and (c_comm[0] != e_comm[0] or
+                                           sum(c_comm[1].values()) > sum(e_comm[1].values())):
+                raise Differ(f"O0 collectives {c_comm}, eager {e_comm}")
             status = "eager" if prog.breaks else "compiled"
             out[level] = (status, prog.breaks[0].reason[:160] if prog.breaks else "")
         except Differ as e:

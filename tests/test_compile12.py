@@ -28,3 +28,39 @@ def test_a_complex_program_compiles_and_equals_eager(level):
     assert got.dtype == eager.dtype == torch.complex128
     torch.testing.assert_close(got.full_tensor(), eager.full_tensor(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got.full_tensor(), f(x, w), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2"])
+def test_amin_with_a_gradient_across_ranks_feeds_its_consumers_as_run(level):
+    """Before: amin over a sharded dim of a tensor that needs grad runs eagerly as torch's
+    even gradient (ops_table/extreme_grad.py), reducing its P(min) inside the op; the
+    compiled plan forced ``squeeze`` on the P(min) that never existed: a raw RuntimeError
+    ('not among the rule's candidates at run time') at O0, the dispatcher's choice (wide
+    probe seed 47; O1 / O2 where their search kept it).
+    Now the plan takes the op's Replicated result, its all-reduce priced (O0: eager's
+    collectives and bytes), values and torch's even gradient among ties as eager's."""
+    mesh = wb.Mesh([[0, 1, 2, 3]])
+    f = lambda x: x.amin(1, keepdim=True).squeeze(1) * 2     # noqa: E731
+    v = torch.tensor([[1., 0, 3, 0, 5, 6]])          # a tie across ranks 0 and 1
+    x = wb.distribute_tensor(v, mesh, [Replicate(), Shard(1)]).requires_grad_()
+    with wb.trace() as te:
+        e = f(x)
+    e.sum().backward()
+    ge, x.grad = x.grad.full_tensor(), None
+    prog = wb.compile(f, x, level=level)
+    assert prog.breaks == []
+    with wb.trace() as tr:
+        got = prog(x)
+    got.sum().backward()
+    assert torch.equal(got.full_tensor(), e.full_tensor())
+    assert torch.equal(x.grad.full_tensor(), ge)
+    r = v.clone().requires_grad_()
+    f(r).sum().backward()
+    assert torch.equal(ge, r.grad)                    # [0, .5, 0, .5, 0, 0]: torch's
+    assert max(tr.bytes_per_rank().values()) == prog.bytes
+    if level == "O0":
+        assert [e.name for e in tr.events if e.stream == "comm"] == \
+            [e.name for e in te.events if e.stream == "comm"]
+    # called with an input that needs no grad: the plain amin's P(min), reduced as planned
+    x2 = wb.distribute_tensor(v, mesh, [Replicate(), Shard(1)])
+    assert torch.equal(prog(x2).full_tensor(), f(x2).full_tensor())
