@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import random
 import sys
 import traceback

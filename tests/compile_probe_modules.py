@@ -88,9 +88,11 @@ def run(name, level, opt=torch.optim.AdamW, steps=2):
             with wb.trace() as tr:
                 y = call(xin)
                 loss = y.pow(2).mean()
+            with wb.trace() as tb:
                 loss.backward()
             full = (lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)
-            rec.append((full(y).detach(), [full(p.grad) for p in m.parameters()], _comm(tr),
+            rec.append((full(y).detach(), [full(p.grad) for p in m.parameters()],
+                        (_comm(tr), _comm(tb)),
                         y.dtype))
             o.step()
         res.append((rec, [full(p).detach() for p in m.parameters()],
@@ -103,12 +105,17 @@ def run(name, level, opt=torch.optim.AdamW, steps=2):
                                                         for a, b in zip(gc, ge)])
         d_e1 = max(d_e1, float((ye - y1).abs().max()), *[float((a - b).abs().max())
                                                         for a, b in zip(ge, g1)])
+        # O0: the forward's collectives are eager's, the backward's never more (its
+        # gradient all-reduces of a replicated input read by several ops: the compiled
+        # backward measured one fewer on tp than eager's for equal gradients, seq / attention tp)
         if level == "O0" and not br:
-            assert cc == ce, (cc, ce)
-    d_ce = max(d_ce, *[float((a - b).abs().max()) for a, b in zip(pc, pe)])
-    d_e1 = max(d_e1, *[float((a - b).abs().max()) for a, b in zip(pe, p1)])
-    comm = (sum(com[0][2].values()), sum(eag[0][2].values()))
-    return d_ce, d_e1, br, comm
+            assert cc[0] == ce[0] and sum(cc[1].values()) <= sum(ce[1].values()), (cc, ce)
+    # (parameters after AdamW apart: a gradient near 0, k.bias's 1e-9, moves by up to lr
+    # whatever its last bits)
+    p_ce = max(float((a - b).abs().max()) for a, b in zip(pc, pe))
+    p_e1 = max(float((a - b).abs().max()) for a, b in zip(pe, p1))
+    comm = (sum(sum(c.values()) for c in com[0][2]), sum(sum(c.values()) for c in eag[0][2]))
+    return d_ce, d_e1, br, comm, p_ce, p_e1
 
 
 def main():
@@ -117,10 +124,11 @@ def main():
     for name in MODULES:
         for level in ("O0", "O1", "O2"):
             try:
-                d_ce, d_e1, br, comm = run(name, level)
+                d_ce, d_e1, br, comm, p_ce, p_e1 = run(name, level)
                 st = "eager" if br else "compiled"
                 print(f"{name:18s} {level}: {st} compiled-eager {d_ce:.2e} eager-one "
-                      f"{d_e1:.2e} collectives compiled/eager {comm}"
+                      f"{d_e1:.2e} (values, grads); params {p_ce:.1e} / {p_e1:.1e}; "
+                      f"collectives compiled/eager {comm}"
                       + (f" break: {br[0].reason[:100]}" if br else ""), flush=True)
             except Exception as e:     # noqa: BLE001
                 print(f"{name:18s} {level}: {type(e).__name__}: {str(e)[:200]}", flush=True)
