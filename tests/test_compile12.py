@@ -64,3 +64,16 @@ def test_amin_with_a_gradient_across_ranks_feeds_its_consumers_as_run(level):
     # called with an input that needs no grad: the plain amin's P(min), reduced as planned
     x2 = wb.distribute_tensor(v, mesh, [Replicate(), Shard(1)])
     assert torch.equal(prog(x2).full_tensor(), f(x2).full_tensor())
+
+
+@pytest.mark.parametrize("seed, wide", [(9, True), (47, True), (25, False)])
+def test_probe_programs_that_raised_or_differed_compile_as_eager(seed, wide):
+    """The probe's programs (tests/compile_probe.py) that raised (wide 9: complex128 priced
+    by iinfo; wide 47: amin's P(min) planned past the op) or counted other collectives at
+    O0 (narrow 25: the backward's reduce-scatter where eager all-reduces, equal values):
+    at every level compiled (or eager after a break), equal to eager."""
+    from tests.compile_probe import probe
+    p, out = probe(seed, wide)
+    assert set(out) == {"O0", "O1", "O2"}
+    bad = {lv: r for lv, r in out.items() if r[0] not in ("compiled", "eager")}
+    assert not bad, "\n".join(p.lines) + f"\n{bad}"
