@@ -34,6 +34,7 @@ from ..parallel.placement import Replicate, fmt_placements
 from ..parallel import reshard_backward as _rb
 from ..parallel.reshard import execute, plan_reshard_cached, reshard
 from ..parallel.spec import TensorSpec
+from .extrema import reduced as _reduced
 from .graph import map_refs
 
 __all__ = ["Reshard", "Run", "lower", "execute_program"]
@@ -99,6 +100,10 @@ def _pick(node, strategy):
             return None
         for c in dec.candidates:
             if c.strategy.inputs == strategy.inputs and c.strategy.outputs == strategy.outputs:
+                return c
+        for c in dec.candidates:    # amax / amin reducing its own Partial (extrema.py)
+            if c.strategy.inputs == strategy.inputs and \
+                    tuple(_reduced(o) for o in c.strategy.outputs) == strategy.outputs:
                 return c
         raise RuntimeError(f"{node.name}: the chosen strategy {strategy} is not among the "
                            "rule's candidates at run time (the inputs changed layout?)")
@@ -202,6 +207,12 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
         _match(n.out_tree, out, found)
         for vid, t in found:
             ps = tuple(t.placements) if isinstance(t, DistTensor) else None
+            want = tuple(st.outputs[n.outs.index(vid)]) if vid in n.outs else ps
+            if ps is not None and ps != want and _reduced(ps) == want:
+                # planned as the even-gradient form's Replicated result (extrema.py) and
+                # run without it (its input needs no grad at this call): reduced here
+                t = reshard(t, t.mesh, list(want))
+                ps = want
             avail[vid] = {ps: t}
             cur[vid] = ps
     return map_refs(graph.output, lambda r: avail[r.vid][cur[r.vid]])

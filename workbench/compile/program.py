@@ -470,7 +470,9 @@ class CompiledProgram:
     @property
     def bytes(self) -> int:
         """Bytes each rank sends in the program's forward reshards."""
-        return sum(i.plan.total_bytes for i in self.program if isinstance(i, Reshard))
+        from .extrema import inner_bytes      # (an amax / amin reducing its own output)
+        return sum(i.plan.total_bytes for i in self.program if isinstance(i, Reshard)) + \
+            sum(inner_bytes(c) for c in self.assignment.choice.values())
 
     def step(self, schedule=None):
         """The compiled step (forward and backward) replayed on the clock: a

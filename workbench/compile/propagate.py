@@ -39,6 +39,7 @@ from ..parallel.ops_table.strategy import infer_on
 from ..parallel.ops_table.table import TABLE
 from ..parallel.placement import Partial, Replicate, normalize_placements
 from ..parallel.reshard import plan_reshard_cached
+from .extrema import as_run, inner_bytes, runs_even
 from ..parallel.spec import TensorSpec
 from ..sim_mesh import cost as _cost
 from ..sim_mesh.profiles import get_profile
@@ -105,6 +106,7 @@ class Assignment:
         b = sum(p.total_bytes for nid, c in self.choice.items()
                 for k, p in enumerate(c.plans)
                 if p is not None and k not in self.costs[nid].reused)
+        b += sum(inner_bytes(c) for c in self.choice.values())     # (extrema.py)
         return b + sum(_plan(self, vid, ps).total_bytes for vid, ps in self.pins.items())
 
     def __str__(self):
@@ -167,7 +169,10 @@ class _Pricer:
                 self.g.values[vid].shape, self.mesh, ps,
                 self.run_dtype(vid) if run else self.g.values[vid].dtype, _trusted=True)
                 for vid, ps in zip(node.inputs, in_ps))
-            d = self._dec[key] = (specs, infer_on(self.pname, node.op, *specs, **node.attrs))
+            dec = infer_on(self.pname, node.op, *specs, **node.attrs)
+            if runs_even(self.g, node, in_ps):    # its Partial reduced inside (extrema.py)
+                dec = as_run(self.g, node, dec, self.mesh, self.pname)
+            d = self._dec[key] = (specs, dec)
         return d
 
     def compute(self, node, specs, cand) -> float:
@@ -333,8 +338,9 @@ def _local_bytes(shape, mesh, ps, dtype) -> int:
     n = 1
     for s in layout.max_local_shape(shape, mesh, ps):
         n *= s
-    return n * (torch.finfo(dtype).bits // 8 if dtype.is_floating_point
-                else torch.iinfo(dtype).bits // 8 if dtype != torch.bool else 1)
+    # (dtype.itemsize: a complex dtype too; finfo / iinfo raised TypeError for complex128
+    # and the search refused a complex program with a raw error, compile12)
+    return n * dtype.itemsize
 
 
 def initial(graph, placements, mesh):
