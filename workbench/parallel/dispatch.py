@@ -29,6 +29,12 @@ operator here.  For one call, reading the op's entry in the op table
 
 Autograd records on the local tensors, so ``loss.backward()`` gives every shard
 its gradient and the backward communication is each collective's backward.
+
+Where a prepared op's layout leaves steps 3-5 nothing to do but run the local op and
+wrap its one output (even shards on simulated ranks, no reshard, no stride tracking,
+not a view; untraced and unhooked), dispatch runs it without :func:`run_prepared`
+(``_fast_facts``, decided once per prepared op; per call it checks only what the cache
+key does not hold): the same tensors, bit for bit (tests/test_perf12.py).
 """
 from __future__ import annotations
 
