@@ -265,3 +265,18 @@ def test_side_by_side_is_the_reshape_view_or_none():
         assert torch.equal(got, want)
         assert (got.stride(), got.storage_offset(), got.data_ptr()) == \
             (want.stride(), want.storage_offset(), want.data_ptr())
+
+
+def test_disttensor_with_unset_optional_slots_runs():
+    """A DistTensor restored without its optional slots (an older pickle: ``__getstate__``
+    keeps only the slots that are set) runs as the general path runs it, which reads
+    them with defaults."""
+    X, W1, W2, x, w1, w2 = _tp()
+    h = torch.relu(F.linear(x, w1))
+    ref = torch.relu(h)
+    for _ in range(2):
+        torch.relu(h)
+    del h._ring_order
+    del h._gstride
+    out = torch.relu(h)
+    _same(_bits(out), _bits(ref))

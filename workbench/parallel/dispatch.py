@@ -346,8 +346,9 @@ def dispatch(func, args, kwargs):
         for x, d in zip(inputs, fast):
             if d is False:
                 locs.append(x)                       # a constant (spec None)
-            elif type(x) is DistTensor and x._gstride is None and x._ring_order is None \
-                    and type(x._local) is torch.Tensor:
+            elif type(x) is DistTensor and type(x._local) is torch.Tensor and \
+                    getattr(x, "_gstride", None) is None and \
+                    getattr(x, "_ring_order", None) is None:   # (slots unset: unpickled)
                 loc = x._local
                 if d is not True:
                     # replicated along mesh dims ``d`` (dim, ranks), every rank given a
