@@ -18,6 +18,8 @@ both sides; sgemm instructions are ~0.75M of a toy step either way); they are no
 compare two versions with the same command, and confirm a change with sim_overhead.py.
 Measured (perf11, torch 2.13, N=200): toy step one device 1,130K (N=100); workbench
 1,712K before perf11, 1,682K after; gpt 72.24M -> 72.18M (N=20); ew 517.8K both (N=300).
+perf12 (dispatch's fast path, the row-parallel backward's as_strided; base = perf12's
+parent, both measured here): toy step 1,694K -> 1,625K (N=200); gpt 72.34M -> 72.28M (N=20).
 """
 from __future__ import annotations
 

@@ -29,6 +29,12 @@ operator here.  For one call, reading the op's entry in the op table
 
 Autograd records on the local tensors, so ``loss.backward()`` gives every shard
 its gradient and the backward communication is each collective's backward.
+
+Where a prepared op's layout leaves steps 3-5 nothing to do but run the local op and
+wrap its one output (even shards on simulated ranks, no reshard, no stride tracking,
+not a view; untraced and unhooked), dispatch runs it without :func:`run_prepared`
+(``_fast_facts``, decided once per prepared op; per call it checks only what the cache
+key does not hold): the same tensors, bit for bit (tests/test_perf12.py).
 """
 from __future__ import annotations
 
@@ -348,6 +354,56 @@ def dispatch(func, args, kwargs):
                 prep = _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key)
             if prep is None:
                 return _fallback(func, args, kwargs)
+    fast = prep.fast
+    if fast and tr is None and not _HOOKS:
+        # run_prepared's path where it has nothing to do but run the local op and wrap its
+        # output (facts of the layout, checked once: _fast_facts; per call, only what the
+        # key does not hold: each input a DistTensor held as one tensor, with no global
+        # strides kept and no ring order)
+        locs = []
+        for x, d in zip(inputs, fast):
+            if d is False:
+                locs.append(x)                       # a constant (spec None)
+            elif type(x) is DistTensor and type(x._local) is torch.Tensor and \
+                    getattr(x, "_gstride", None) is None and \
+                    getattr(x, "_ring_order", None) is None:   # (slots unset: unpickled)
+                loc = x._local
+                if d is not True:
+                    # replicated along mesh dims ``d`` (dim, ranks), every rank given a
+                    # view (collectives.expand_replicas) where no gradient flows back
+                    # through it (reshard_backward.gather / convert then do nothing)
+                    if loc.requires_grad and torch.is_grad_enabled() or \
+                            _rb.KEY in loc.__dict__:
+                        break
+                    shape = None
+                    for i, n in d:
+                        if loc.shape[i] == 1:
+                            if shape is None:
+                                shape = list(loc.shape)
+                            shape[i] = n
+                    if shape is not None:
+                        loc = loc.expand(shape)
+                locs.append(loc)
+            else:
+                break
+        else:
+            o = entry.local(prep.nd, prep.ctx, *locs, **attrs)
+            if prep.keep:
+                # run_prepared's keep: even shards, stacked, on simulated ranks
+                if type(o) is torch.Tensor and not VALIDATE[-1]:
+                    shape = o.shape
+                    for i in prep.rep_axes[0]:
+                        if shape[i] != 1:
+                            o = o.narrow(i, 0, 1)
+                else:
+                    o = storage.keep_first_replica(
+                        (o,), prep.cand.strategy.outputs, prep.out_shapes, locs, mesh,
+                        check=VALIDATE[-1])[0]
+            ps, shape, sp = prep.fast_out
+            w = DistTensor(o, mesh, ps, shape, o.dtype)
+            if w.dtype == sp.dtype:
+                w._spec = sp
+            return w
     out = run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
     # the global strides, where the outputs' shards cannot tell them (or an input's were
     # kept: its shards may tell others): torch's, from meta tensors (strides.track)
@@ -524,6 +580,10 @@ class _Prepared:
                            # None: storage.keep_first_replica's general path)
     label: str = ""        # "<op> input", the label of the inputs' collectives
     memos: tuple = ()      # per input: reshard_backward.gather's facts, by local lead shape
+    fast: Any = None       # per input: True for a DistTensor, False for a constant, where
+    #                        dispatch may run the op without run_prepared (_fast_facts)
+    nd: int = 0            # the mesh's ndim (set with fast)
+    fast_out: Any = None   # (placements, shape, spec) of the one output (set with fast)
 
 
 def _is_even(cand, specs, out_shapes, mesh) -> bool:
@@ -589,6 +649,35 @@ def _stopped_after_kernel(opdef, prep, inputs, specs, attrs, mesh, tr) -> None:
 def _moves(cand, expand):
     return tuple(bool(ax) or (plan is not None and bool(plan.steps))
                  for ax, plan in zip(expand, cand.plans))
+
+
+def _fast_facts(opdef, prep, specs, mesh, many):
+    """``prep.fast``: per input, True (a DistTensor run as it is), False (a constant, spec
+    None) or ((mesh dim, ranks), ...) (a DistTensor expanded to one view per rank along
+    those dims, no reshard), where a call of this prepared op, untraced and unhooked, has
+    nothing for run_prepared to do but run the local op on the inputs' local tensors and
+    wrap its one output (dispatch's fast path): even shards on simulated ranks, no input
+    resharded, the output's strides told by its shards, not a view, no integer partial
+    sum to reduce; else False.  Every fact read here is a fact of the layout (the cache
+    key's specs and the mesh), the same on every call of ``prep``."""
+    if many or not prep.even or opdef.op_class == "view" or prep.lost or prep.int_summed \
+            or prep.ctx.coord is not None or _B.is_distributed(mesh) or \
+            len(prep.out_specs) != 1 or prep.keep and prep.rep_axes is None or \
+            not len(prep.moves) == len(prep.expand) == len(specs) == len(prep.cand.plans):
+        return False
+    kinds = []
+    for s, plan, axes in zip(specs, prep.cand.plans, prep.expand):
+        if s is None:
+            kinds.append(False)
+        elif plan is not None and plan.steps:
+            return False
+        elif axes:
+            if not all(type(a) is int and 0 <= a < mesh.ndim for a in axes):
+                return False
+            kinds.append(tuple((a, mesh.shape[a]) for a in axes))
+        else:
+            kinds.append(True)
+    return tuple(kinds)
 
 
 def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
@@ -724,6 +813,11 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
             break
     for h in _HOOKS:
         h(dec, specs, wrapped, cost)
+    if prep.fast is None and not _FORCE and prep.ctx is not None and \
+            prep.out_specs is not None:
+        prep.fast = _fast_facts(opdef, prep, specs, mesh, many)
+        prep.nd = mesh.ndim
+        prep.fast_out = (outs_ps[0], out_shapes[0], out_specs[0])
     if not many:
         return wrapped[0]
     result_type = opdef.extra.get("result_type") if hasattr(opdef, "extra") else None

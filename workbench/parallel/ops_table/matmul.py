@@ -307,19 +307,30 @@ class _RankLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         gx = gw = None
         if g.stride(0) == 0:
+            need_x, need_w = ctx.needs_input_grad
             G = g.select(0, 0)                                          # (T, n)
-            if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            if need_x and need_w:
                 G = G.contiguous()          # one copy where both GEMMs would copy it
             L, n, k = w.shape
             T = G.size(0)
             # torch.mm: what ``@`` of two 2-d tensors runs (at::matmul's 2-d case), without
-            # matmul's shape dispatch
-            if ctx.needs_input_grad[0]:
-                W = w.transpose(0, 1).reshape(n, L * k)                 # [w_0 | w_1 | ...]
-                gx = torch.mm(G, W).view(T, L, k).transpose(0, 1)
-            if ctx.needs_input_grad[1]:
-                X = x.transpose(0, 1).reshape(T, L * k)                 # [x_0 | x_1 | ...]
-                gw = torch.mm(G.t(), X).view(n, L, k).transpose(0, 1)
+            # matmul's shape dispatch.  Where every size is above 1, each reshape below that
+            # is a view, and each view-then-transpose, is one as_strided of the same sizes,
+            # strides and offset (_side_by_side, _per_rank): the same tensors, in one call
+            # instead of two (toy TP step, benchmarks/sim_instr.py)
+            plain = T == 1 or L == 1 or n == 1 or k == 1
+            if need_x:
+                W = None if plain else _side_by_side(w, n, L, k)     # [w_0 | w_1 | ...]
+                if W is None:
+                    W = w.transpose(0, 1).reshape(n, L * k)
+                gx = torch.mm(G, W)
+                gx = gx.view(T, L, k).transpose(0, 1) if plain else _per_rank(gx, L, T, k)
+            if need_w:
+                X = None if plain else _side_by_side(x, T, L, k)     # [x_0 | x_1 | ...]
+                if X is None:
+                    X = x.transpose(0, 1).reshape(T, L * k)
+                gw = torch.mm(G.t(), X)
+                gw = gw.view(n, L, k).transpose(0, 1) if plain else _per_rank(gw, L, n, k)
             return gx, gw
         # torch's bmm backward; an expanded gradient made contiguous first in one copy
         # (torch's CPU bmm copies it one matrix at a time: 24 us against 12 us per bmm on
@@ -331,6 +342,23 @@ class _RankLinear(torch.autograd.Function):
             gw = torch.bmm(x.transpose(1, 2), g).transpose(1, 2)
         return gx, gw
 
+
+
+def _side_by_side(t, m, L, k):
+    """``t.transpose(0, 1).reshape(m, L * k)`` of ``t`` ``(L, m, k)`` (every size above 1)
+    where that reshape is a view (the rank dim's stride ``k`` times the last dim's): the
+    same view, as one as_strided (torch's view strides: the merged dims take the inner
+    one's, aten/src/ATen/TensorUtils.cpp computeStride); None where the reshape would copy."""
+    s0, s1, s2 = t.stride()
+    if s0 != k * s2:
+        return None
+    return t.as_strided((m, L * k), (s1, s2), t.storage_offset())
+
+
+def _per_rank(y, L, m, k):
+    """``y.view(m, L, k).transpose(0, 1)`` of a fresh (contiguous) ``(m, L * k)`` product
+    ``y``, every size above 1: each rank's ``(m, k)`` block, as one as_strided."""
+    return y.as_strided((L, m, k), (k, L * k, 1))
 
 
 # torch.autograd.Function.apply's own path for plain tensors outside functorch transforms
