@@ -366,7 +366,8 @@ def dispatch(func, args, kwargs):
                 locs.append(x)                       # a constant (spec None)
             elif type(x) is DistTensor and type(x._local) is torch.Tensor and \
                     getattr(x, "_gstride", None) is None and \
-                    getattr(x, "_ring_order", None) is None:   # (slots unset: unpickled)
+                    getattr(x, "_ring_order", None) is None and \
+                    not getattr(x, "_ring_also", ()):          # (slots unset: unpickled)
                 loc = x._local
                 if d is not True:
                     # replicated along mesh dims ``d`` (dim, ranks), every rank given a
