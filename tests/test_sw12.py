@@ -107,3 +107,46 @@ def test_matrix_norm_of_an_empty_matrix_and_its_errors_as_torch():
         torch.linalg.norm(x, -INF)
     with pytest.raises(IndexError):
         torch.linalg.norm(distribute(x, M1, parse_placements(["R"])), -INF)
+
+
+# ---- item 3: median() of every element, nll_loss's target dtypes, addbmm of no batch ------
+X_MED = {"ties": torch.tensor([[1., 2., 2.], [2., 3., 2.], [0., 2., 5.], [2., 1., 4.]],
+                              dtype=torch.float64),
+         "nan": torch.tensor([[1., NAN, 2.], [2., 3., NAN], [0., 2., 5.], [2., 1., 4.]],
+                             dtype=torch.float64),
+         "even": torch.tensor([[3., 1.], [2., 2.], [1., 3.]], dtype=torch.float32)}
+
+
+@pytest.mark.parametrize("mesh,ps", LAYOUTS, ids=IDS)
+def test_median_of_every_element_as_torch(mesh, ps):
+    """``x.median()``: NaN where x holds one (before, the k-th of a sort: 2.0), and torch's
+    ``evenly_distribute_backward``: the equal elements share the gradient (before, the
+    k-th's one index took it all)."""
+    for name, x in X_MED.items():
+        for f in (lambda t: t.median(), lambda t: torch.median(t * 2)):
+            r = x.clone().requires_grad_()
+            d = distribute(x.clone(), mesh, parse_placements(ps), seed=3).requires_grad_()
+            _same(_run(f, d), _run(f, r))
+
+
+def test_nll_loss_target_and_input_dtypes_as_torch():
+    """A uint8 target is torch's ("Long or Byte": computed; before, gather's RuntimeError);
+    a bool target: torch's RuntimeError; a bool input: torch's NotImplementedError (before,
+    the meta decomposition's negation RuntimeError), also with a weight given."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 3, generator=g, dtype=torch.float64).log_softmax(1)
+    t = torch.tensor([2, 0, 1, 2], dtype=torch.uint8)
+    for ps in (["R"], ["S(0)"]):
+        for red in ("mean", "none"):
+            r = x.clone().requires_grad_()
+            d = distribute(x.clone(), M1, parse_placements(ps)).requires_grad_()
+            f = (lambda tt: lambda u: F.nll_loss(u, tt, reduction=red))
+            _same(_run(f(distribute(t, M1, parse_placements(ps))), d), _run(f(t), r))
+        d = distribute(x, M1, parse_placements(ps))
+        for xx, tt, err in ((x, t.bool(), RuntimeError), (x > 0, t.long(), NotImplementedError)):
+            for kw in ({}, {"weight": torch.ones(3, dtype=xx.dtype)}):
+                with pytest.raises(err):
+                    F.nll_loss(xx, tt, **kw)
+                with pytest.raises(err):
+                    F.nll_loss(distribute(xx, M1, parse_placements(ps)),
+                               distribute(tt, M1, parse_placements(ps)), **kw)
