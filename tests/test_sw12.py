@@ -150,3 +150,43 @@ def test_nll_loss_target_and_input_dtypes_as_torch():
                 with pytest.raises(err):
                     F.nll_loss(distribute(xx, M1, parse_placements(ps)),
                                distribute(tt, M1, parse_placements(ps)), **kw)
+
+
+def test_addbmm_and_baddbmm_of_no_batch_as_torch():
+    """torch's CPU kernel of no batch multiplies nothing and checks no batch dtype: addbmm
+    is ``input * beta`` in input's dtype (sweep wide seed 2003330: float64 input, float32
+    and float64 batches; before, "input dtypes must be the same"), its int input with a
+    float beta raises torch's RuntimeError; baddbmm's empty output takes batch2's dtype;
+    addmm of an empty k with mixed dtypes still raises as torch."""
+    g = torch.Generator().manual_seed(3)
+    inp = torch.randn(1, 3, generator=g, dtype=torch.float64)
+    b1, b2 = torch.zeros(0, 1, 2), torch.zeros(0, 2, 3, dtype=torch.float64)
+    for mesh, pi in ((M1, ["R"]), (M1, ["S(1)"]), (M2, ["R", "P(sum)"])):
+        for beta, alpha in ((-0.16, -1.18), (0, 1), (2, 3)):
+            r = inp.clone().requires_grad_()
+            d = distribute(inp.clone(), mesh, parse_placements(pi), seed=1).requires_grad_()
+            rep = [Replicate()] * mesh.ndim
+            f = (lambda u, v, w: lambda t: torch.addbmm(t, u, v, beta=beta, alpha=alpha))
+            want = _run(f(b1, b2, None), r)
+            got = _run(f(shard_tensor(b1, mesh, rep), shard_tensor(b2, mesh, rep), None), d)
+            assert got[1] == want[1]
+            torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got[2], want[2], rtol=1e-12, atol=1e-12)
+        rep = [Replicate()] * mesh.ndim
+        i64 = torch.ones(1, 3, dtype=torch.int64)
+        with pytest.raises(RuntimeError):
+            torch.addbmm(i64, b1, b2, beta=-0.16)
+        with pytest.raises(RuntimeError):
+            torch.addbmm(shard_tensor(i64, mesh, rep), shard_tensor(b1, mesh, rep),
+                         shard_tensor(b2, mesh, rep), beta=-0.16)
+        want = torch.baddbmm(torch.zeros(0, 1, 3, dtype=torch.float64), b1.double(), b2.float())
+        got = torch.baddbmm(shard_tensor(torch.zeros(0, 1, 3, dtype=torch.float64), mesh, rep),
+                            shard_tensor(b1.double(), mesh, rep),
+                            shard_tensor(b2.float(), mesh, rep))
+        assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape
+        for f in (lambda t, u, v: torch.addmm(t, u, v), ):
+            args = (inp, torch.zeros(1, 0), torch.zeros(0, 3, dtype=torch.float64))
+            with pytest.raises(RuntimeError):
+                f(*args)
+            with pytest.raises(RuntimeError):
+                f(*[shard_tensor(a, mesh, rep) for a in args])
