@@ -190,3 +190,75 @@ def test_addbmm_and_baddbmm_of_no_batch_as_torch():
                 f(*args)
             with pytest.raises(RuntimeError):
                 f(*[shard_tensor(a, mesh, rep) for a in args])
+
+
+# ---- item 2: writes through views, detach() handles and expanded views ---------------------
+def _x(mesh, ps):
+    g = torch.Generator().manual_seed(11)
+    x = torch.rand((4, 4), generator=g, dtype=torch.float64) + 0.5
+    return distribute(x, mesh, parse_placements(ps), seed=3)
+
+
+INPLACE_LAYOUTS = [(M1, ["R"]), (M1, ["S(0)"]), (M3, ["S(0)"]), (M3, ["S(1)"]),
+                   (M2, ["S(0)", "S(1)"]), (M2, ["S(1)", "P(max)"])]
+INPLACE_IDS = ["-".join(ps) + f"@{m.size}" for m, ps in INPLACE_LAYOUTS]
+
+
+@pytest.mark.parametrize("mesh,ps", INPLACE_LAYOUTS, ids=INPLACE_IDS)
+def test_detach_of_a_temporary_view_overlap_refused_as_torch(mesh, ps):
+    """``x[1:].detach().add_(x[:-1])``: the view x[1:] is a temporary, gone when the write
+    comes; its handle still shares x's memory (torch refuses the partial overlap).  Before,
+    computed from values read first; now torch's error, x untouched."""
+    d = _x(mesh, ps)
+    before = d.full().clone()
+    with pytest.raises(RuntimeError, match="single memory location"):
+        (lambda c: c[1:].detach().add_(c[:-1]))(before.clone())
+    with pytest.raises(RuntimeError, match="single memory location"):
+        d[1:].detach().add_(d[:-1])
+    torch.testing.assert_close(d.full(), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mesh,ps", INPLACE_LAYOUTS, ids=INPLACE_IDS)
+def test_copy_views_and_their_handles_see_writes_through_other_views(mesh, ps):
+    """``vc = x[:, 1:]`` over uneven column shards, ``v1 = x[1:]`` over uneven rows are
+    copies; a write into x through another view (``x[1:].add_``, ``x.t().mul_``) left
+    them as they were, and ``x[1:].detach()`` kept its values after a write into x
+    (silently).  Now torch's values, as one memory."""
+    d = _x(mesh, ps)
+    r = d.full().clone()
+    kept_d = [d[:, 1:], d[1:], d[1:].detach(), d[:, 1:].detach(), d[1:].data]
+    kept_r = [r[:, 1:], r[1:], r[1:].detach(), r[:, 1:].detach(), r[1:].data]
+    for f in (lambda t: t[1:].add_(100.), lambda t: t.t().mul_(2.), lambda t: t.add_(1.),
+              lambda t: t.detach()[0].fill_(-1.), lambda t: t[:, 2:].zero_()):
+        f(r)
+        f(d)
+        torch.testing.assert_close(d.full(), r, rtol=1e-12, atol=1e-12)
+        for kd, kr in zip(kept_d, kept_r):
+            torch.testing.assert_close(kd.full(), kr, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mesh,ps", INPLACE_LAYOUTS, ids=INPLACE_IDS)
+def test_masked_and_index_fill_of_an_expanded_view_write_the_base(mesh, ps):
+    """torch fills a written-to tensor whose elements share memory (deprecated, with a
+    warning): the value lands in the base element under any selected position; before,
+    "more than one element ... single memory location" was raised.  copy_ into one still
+    raises torch's error."""
+    m = torch.tensor([[1, 0, 0, 1], [0, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1]], dtype=torch.bool)
+    for f in (lambda t: t[:1].expand(4, 4).masked_fill_(m, 9.),
+              lambda t: t[:, 2:3].expand(4, 4).masked_fill_(m, t[0, 0]),
+              lambda t: t[:1].expand(4, 4).index_fill_(1, torch.tensor([0, 2]), -2.),
+              lambda t: t[:, 1:2].expand(4, 4).index_fill_(0, torch.tensor([3]), 5.),
+              lambda t: t[1].expand(2, 4, 4).masked_fill_(m[0], 7.)):
+        d = _x(mesh, ps)
+        r = d.full().clone()
+        with pytest.warns(UserWarning, match="expanded tensors is deprecated"):
+            e_r = f(r)
+        with pytest.warns(UserWarning, match="expanded tensors is deprecated"):
+            e_d = f(d)
+        torch.testing.assert_close(d.full(), r, rtol=0, atol=0)
+        torch.testing.assert_close(e_d.full(), e_r, rtol=0, atol=0)
+    d = _x(mesh, ps)
+    with pytest.raises(RuntimeError, match="more than one element"):
+        d.full()[:1].expand(4, 4).copy_(torch.ones(4, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="more than one element"):
+        d[:1].expand(4, 4).copy_(torch.ones(4, 4, dtype=torch.float64))
