@@ -214,6 +214,12 @@ def _alias_sources(x: DistTensor):
     while True:
         refs = ALIAS_OF.get(id(d))
         src = refs[1]() if refs is not None and refs[0]() is d else None
+        if src is None and refs is not None and refs[0]() is d and refs[2] is not None:
+            root = refs[2][0]()     # a handle of a view that is gone: its root's memory
+            if root is not None and overlap._in_memory_of(d, root):
+                yield root
+                d = root
+                continue
         if src is None or not overlap._same_memory(d, src):
             return
         yield src
@@ -241,6 +247,7 @@ def _refresh_sources(x: DistTensor) -> None:
     ``t`` do (``v = t[1:]; t.detach().add_(1)`` changes v)."""
     for src in _alias_sources(x):
         refresh(src, False)
+        _refresh_bases(src)       # src a view (x = t[1:].detach()): t's copies too
 
 
 def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
