@@ -6,6 +6,19 @@
    (NaN everywhere).  Ties share the gradient evenly, across ranks too.  Probe (24 calls x
    7 inputs x 10 layouts, NaN / ties / inf / zeros / empty / 0-d): 1000 of 2940 unlike
    torch before, 0 after.
+2. In-place writes through views (probe: 16 written views x 16 in-place ops x 6 layouts):
+   a write into a view sharing x's memory left x's views that are copies (uneven shards)
+   stale, and so did ``x[1:].detach()`` (a copy's handle); ``x[1:].detach().add_(x[:-1])``
+   (the view a temporary) was computed where torch refuses the overlap;
+   ``masked_fill_`` / ``index_fill_`` into an expanded view raised where torch writes the
+   base.  Probe (benchmarks/sw12_probes/probe_inplace.py): 528 of 1536 unlike torch
+   before (418 wrong values or error types, 110 refusals naming the fix), 131 after, all
+   refusals (NotImplementedError naming clone() or the fix) where torch computes in its
+   loop order or through a copy view's handle.
+3. ``median()`` of every element (NaN, ties: 128 of 240 before, 0 after), nll_loss's target
+   and input dtypes (a uint8 target computed, a bool input's NotImplementedError), addbmm /
+   baddbmm of no batch with mixed dtypes (sweep wide seed 2003330; BLAS probe 609 of 2592
+   before, 0 after).
 """
 import math
 
