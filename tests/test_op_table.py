@@ -133,6 +133,7 @@ SAMPLES["nanmedian"] = (lambda x: tuple(torch.nanmedian(x, 1)), [X])        # fi
 SAMPLES["nanmedian_all"] = (torch.nanmedian, [X])
 SAMPLES["kthvalue_rows"] = (lambda x: tuple(torch.kthvalue(x, 2, 1)), [X])     # sweep11b
 SAMPLES["median_rows"] = (lambda x: tuple(torch.median(x, 0)), [X])
+SAMPLES["median_all"] = (torch.median, [X])                                  # sw12
 M2 = wb.Mesh.grid(2, ["a"])
 
 

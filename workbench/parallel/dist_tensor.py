@@ -470,14 +470,33 @@ DETACHED: dict = {}
 # graph alive), except a view that is a copy of its base (uneven shards): held, so that a
 # write into ``x[1:].detach()`` is refused (inplace._check_alias_of_copy), not lost
 ALIAS_OF: dict = {}
+# id(a view that is a copy) -> weakrefs to its detach() / .data handles (held by them, so
+# its id is not reused while one lives): views.refresh gives them the copy's new memory
+COPY_HANDLES: dict = {}
 
 
 def alias(out: "DistTensor", src: "DistTensor") -> None:
     """Record that ``out`` is ``src``'s memory under another handle (detach, .data)."""
     key = id(out)
     copy = src._view is not None and not src._view[2]
+    chain = None
+    if src._view is not None and not copy:
+        # a view sharing its root's memory (``x[1:].detach()``): the view itself may be
+        # gone by the time the handle is written (a temporary), so the way down from the
+        # root is kept too (the root weakly), for inplace_overlap's check
+        from .inplace_overlap import _chain
+        root, steps = _chain(src)
+        if root is not src:
+            chain = (weakref.ref(root), tuple(steps))
     ALIAS_OF[key] = (weakref.ref(out, lambda _, k=key: ALIAS_OF.pop(k, None)),
-                     (lambda: src) if copy else weakref.ref(src))
+                     (lambda: src) if copy else weakref.ref(src), chain)
+    if copy:
+        refs = COPY_HANDLES.get(id(src))
+        if refs is None or len(COPY_HANDLES) > 4096:
+            for k in [k for k, rs in COPY_HANDLES.items() if all(r() is None for r in rs)]:
+                del COPY_HANDLES[k]
+            refs = COPY_HANDLES.setdefault(id(src), [])
+        refs.append(weakref.ref(out))
 
 
 # ---- construction -------------------------------------------------------------------------

@@ -188,8 +188,20 @@ def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
     _assign(x, y, op, sources=sources)
     refresh(x, x._local is not before)
     if x._local is before:
+        _refresh_bases(x)
         _refresh_sources(x)
     return x
+
+
+def _refresh_bases(x: DistTensor) -> None:
+    """After a write into ``x``'s own memory where ``x`` is a view sharing its base's: the
+    base's (and its bases') other views that are copies see the write, as torch's views of
+    one memory do (``vc = t[:, 1:]`` over uneven column shards is a copy; ``t[1:].add_(1)``
+    wrote t's memory and left vc as it was, silently)."""
+    d = x
+    while d._view is not None and d._view[2]:
+        d = d._view[0]
+        refresh(d, False)
 
 
 def _alias_sources(x: DistTensor):
@@ -202,6 +214,12 @@ def _alias_sources(x: DistTensor):
     while True:
         refs = ALIAS_OF.get(id(d))
         src = refs[1]() if refs is not None and refs[0]() is d else None
+        if src is None and refs is not None and refs[0]() is d and refs[2] is not None:
+            root = refs[2][0]()     # a handle of a view that is gone: its root's memory
+            if root is not None and overlap._in_memory_of(d, root):
+                yield root
+                d = root
+                continue
         if src is None or not overlap._same_memory(d, src):
             return
         yield src
@@ -229,6 +247,7 @@ def _refresh_sources(x: DistTensor) -> None:
     ``t`` do (``v = t[1:]; t.detach().add_(1)`` changes v)."""
     for src in _alias_sources(x):
         refresh(src, False)
+        _refresh_bases(src)       # src a view (x = t[1:].detach()): t's copies too
 
 
 def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
@@ -380,6 +399,12 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
             method(base, op, args, kwargs)
             x._local = dispatch(T.expand, (base, shape), None)._local
             return x
+    if op in ("masked_fill_", "index_fill_") and x._view is not None and \
+            not _writable(x._local):
+        from .views import expanded
+        shape = expanded(x)
+        if shape is not None:
+            return _fill_expanded(x, op, shape, args, kwargs)
     if op == "zero_":
         return assign(x, torch.zeros((), dtype=x.dtype, device=x.device), op)
     if op == "fill_":
@@ -411,6 +436,40 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
         raise RuntimeError(f"{op}(): result type {y.dtype} can't be cast to the desired "
                            f"output type {x.dtype}; use x = x.{op[:-1]}(...) for a new tensor")
     return assign(x, y, op, sources=(x,) + tuple(args) + tuple(kwargs.values()))
+
+
+def _fill_expanded(x: DistTensor, op: str, shape, args, kwargs) -> DistTensor:
+    """``x[:1].expand(4, 4).masked_fill_(m, v)`` / ``.index_fill_(d, i, v)``: torch fills
+    a written-to tensor whose elements share memory (ATen warns "Use of masked_fill_ on
+    expanded tensors is deprecated" and writes): the value lands in the base element
+    under any selected position, the same value each time.  The selection is made in the
+    expanded shape, folded back onto the base (any over the expanded dims), and written
+    as ``base.masked_fill_``; before, "more than one element ... refers to a single memory
+    location" was raised where torch computes."""
+    import warnings
+    from .dispatch import dispatch
+    base = x._view[0]
+    if op == "masked_fill_":
+        mask, value = (list(args) + [kwargs.get("mask"), kwargs.get("value")])[:2] \
+            if len(args) < 2 else args[:2]
+        mask = mask.full() if isinstance(mask, DistTensor) else torch.as_tensor(mask)
+        sel = mask.broadcast_to(tuple(shape))
+    else:
+        names = ("dim", "index", "value")
+        dim, index, value = (list(args) + [kwargs.get(n) for n in names[len(args):]])[:3]
+        index = index.full() if isinstance(index, DistTensor) else torch.as_tensor(index)
+        sel = torch.zeros(tuple(shape), dtype=torch.bool).index_fill_(dim, index, True)
+    warnings.warn(f"Use of {op} on expanded tensors is deprecated. Please clone() the "
+                  "tensor before performing this operation.", UserWarning, stacklevel=3)
+    lead = len(shape) - base.ndim
+    if lead:
+        sel = sel.any(dim=tuple(range(lead)))
+    for d, (n, b) in enumerate(zip(sel.shape, tuple(base.shape))):
+        if n != b:                                   # b is 1: expanded along d
+            sel = sel.any(dim=d, keepdim=True)
+    method(base, "masked_fill_", (sel, value))
+    x._local = dispatch(T.expand, (base, tuple(shape)), None)._local
+    return x
 
 
 # ---- x[index] = value -----------------------------------------------------------------

@@ -74,10 +74,23 @@ def _chain(d: DistTensor):
             continue
         refs = ALIAS_OF.get(id(d))
         src = refs[1]() if refs is not None and refs[0]() is d else None
+        if src is None and refs is not None and refs[0]() is d and refs[2] is not None:
+            root = refs[2][0]()         # the source view is gone: down from its root
+            if root is not None and _in_memory_of(d, root):
+                steps.extend(refs[2][1][::-1])
+                d = root
+                continue
         if src is None or not _same_memory(d, src):
             break
         d = src
     return d, steps[::-1]
+
+
+def _in_memory_of(d: DistTensor, root: DistTensor) -> bool:
+    """Every tensor behind ``d`` lies in the memory of a tensor behind ``root`` (a view's
+    handle while neither has taken memory of its own since)."""
+    mine = {t.untyped_storage().data_ptr() for t in storage.tensors(root._local)}
+    return all(t.untyped_storage().data_ptr() in mine for t in storage.tensors(d._local))
 
 
 def _view(s: torch.Tensor, index, shape) -> torch.Tensor:

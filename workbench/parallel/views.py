@@ -77,9 +77,32 @@ def refresh(base, replaced: bool) -> None:
             new = dispatch(torch.Tensor.__getitem__, (base, index), None)
         if new.placements != v.placements:
             new = reshard(new, v.mesh, v.placements)
+        old = v._local
         v._local = new._local
         v._view = (base, index, new._view is not None and new._view[2])
+        _follow_handles(v, old)
         refresh(v, True)
+
+
+def _follow_handles(v, old) -> None:
+    """``v`` (a view that is a copy) took new memory: its ``detach()`` / ``.data`` handles
+    that still held its old memory take the new one too, as torch's share one memory
+    (``d = t[1:].detach()`` over uneven shards kept the values of before a write into
+    ``t``, silently)."""
+    from .dist_tensor import COPY_HANDLES
+    refs = COPY_HANDLES.get(id(v))
+    if not refs:
+        return
+    olds = {t.data_ptr() for t in storage.tensors(old)}
+    live = []
+    for r in refs:
+        h = r()
+        if h is None:
+            continue
+        live.append(r)
+        if {t.data_ptr() for t in storage.tensors(h._local)} <= olds:
+            h._local = storage.map_tensors(v._local, lambda t: t.detach())
+    refs[:] = live
 
 
 def note_views(name, base, outs, attrs) -> None:

@@ -104,8 +104,19 @@ def _checked(fn, product_fn, promotes=False):
     def composed(input, a, b, *, beta=1, alpha=1, out=None):
         if out is not None:
             raise TypeError(f"{fn.__name__}(out=...) on a DistTensor: assign the result")
-        if not promotes:
+        # torch's CPU kernel on stand-ins first: its dtype and scalar checks (an empty
+        # product takes another path there: see _no_batch)
+        no_batch = fn in (torch.addbmm, torch.baddbmm) and len(a.shape) == 3 and \
+            not a.shape[0]
+        if not promotes and not no_batch:
             same_dtype(fn.__name__, input=input, mat1=a, mat2=b)
+        cpu = cpu_check(fn, input, a, b, beta=beta, alpha=alpha)
+        if no_batch:
+            # the shapes on meta tensors of the CPU result's dtype (the meta kernel asks
+            # one dtype where the CPU kernel of no batch does not)
+            ref = fn(*[torch.empty(tuple(t.shape), dtype=cpu.dtype, device="meta")
+                       for t in (input, a, b)], beta=beta, alpha=alpha)
+            return _no_batch(fn, input, beta, ref)
         ref = torch_check(fn, input, a, b, beta=beta, alpha=alpha)
         _input_fits(fn.__name__, input, torch_check(product_fn, a, b), a, b)
         if not (ref.dtype.is_floating_point or ref.dtype.is_complex):
@@ -117,6 +128,24 @@ def _checked(fn, product_fn, promotes=False):
     composed.__name__ = fn.__name__
     composed.__doc__ = f"``torch.{fn.__name__}``: beta * input + alpha * product."
     return composed
+
+
+def _no_batch(fn, input, beta, ref):
+    """``addbmm`` / ``baddbmm`` of no batch: torch's CPU kernels multiply nothing and check
+    no dtype of the batches (``addbmm_impl_``, aten/src/ATen/native/LinearAlgebra.cpp,
+    2.13: ``result`` is ``self`` times ``beta``, zeroed for ``beta == 0``, in ``self``'s
+    dtype; baddbmm's output, of no element, comes in batch2's dtype on torch 2.13's CPU);
+    before, our one-dtype check refused what torch computes (sweep wide seed 2003330)."""
+    if fn is torch.addbmm:
+        # beta 0: zeros (not input * 0: NaN for an inf), still input's function (torch's
+        # result has a grad_fn, input's gradient grad * 0)
+        res = input * beta if beta != 0 else torch.where(
+            torch.zeros((), dtype=torch.bool), input, torch.zeros((), dtype=input.dtype))
+    else:
+        res = input
+    if tuple(res.shape) != tuple(ref.shape):
+        res = res.expand(tuple(ref.shape))
+    return res.to(ref.dtype)
 
 
 addmm = _checked(torch.addmm, torch.matmul)

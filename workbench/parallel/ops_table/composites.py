@@ -160,15 +160,18 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
              reduction="mean"):
     """``F.nll_loss`` (class dim 1, or 0 for one sample): ``-input[target]`` where the
     target is not ``ignore_index``; "mean" divides by the number of such targets."""
-    if weight is not None or size_average is not None or reduce is not None:
-        raise NotImplementedError("nll_loss on DistTensors: weight / size_average / reduce "
-                                  "are not supported; use reduction= and ignore_index=")
+    from .blas import cpu_check       # its CPU kernel's dtypes first: NotImplementedError
+    cpu_check(F.nll_loss, input, target, weight, size_average, ignore_index,   # for a uint8
+              reduce, reduction)      # / bool input (sweep11 seed 2002290 wide; a bool input
+    # met the meta decomposition's negation RuntimeError first), RuntimeError for a bool
+    if target.dtype == torch.uint8:   # target; "Long or Byte": torch's CPU kernel reads a
+        target = target.long()        # uint8 target, its meta decomposition's gather refuses
     F.nll_loss(torch.empty(tuple(input.shape), dtype=input.dtype, device="meta"),
                torch.empty(tuple(target.shape), dtype=target.dtype, device="meta"),
                ignore_index=ignore_index, reduction=reduction)      # torch's shape checks
-    from .blas import cpu_check       # its CPU kernel's dtypes: NotImplementedError for a
-    cpu_check(F.nll_loss, input, target, ignore_index=ignore_index,    # uint8 input (sweep11
-              reduction=reduction)                                     # seed 2002290 wide)
+    if weight is not None or size_average is not None or reduce is not None:
+        raise NotImplementedError("nll_loss on DistTensors: weight / size_average / reduce "
+                                  "are not supported; use reduction= and ignore_index=")
     one = input.ndim == 1
     if one:
         input, target = input.unsqueeze(0), target.unsqueeze(0)

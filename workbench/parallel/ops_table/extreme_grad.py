@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["even_extreme", "crosses_ranks", "extreme_form"]
+__all__ = ["even_extreme", "crosses_ranks", "extreme_form", "inf_norm"]
 
 
 class _EvenExtreme(torch.autograd.Function):
@@ -70,6 +70,49 @@ class _EvenExtreme(torch.autograd.Function):
         else:                       # amax: a NaN / inf grad times False is NaN, as torch's
             gx = (g / count) * mask
         return gx, None, None, None, None
+
+
+class _InfNorm(torch.autograd.Function):
+    """``vector_norm(x, +-inf, dims)`` = ``amax`` / ``amin`` of ``|x|`` with torch's gradient
+    (``FunctionsManual.cpp`` ``norm_backward``, 2.13, the ``isinf(p)`` branch)::
+
+        mask = (|x| == norm) | isnan(|x|)
+        grad_x = sgn(x) * ((grad / mask.sum(dim, keepdim=True)) * mask)
+
+    a NaN element is in the mask (the norm is NaN then, no element equals it), so the other
+    elements get 0 where amax's formula gave NaN everywhere, and ``sgn(NaN)`` is 0 (torch's
+    ``sign``): a NaN-holding slice gets a zero gradient; ties share it evenly, across ranks
+    too (the count's all-reduce is traced)."""
+
+    @staticmethod
+    def forward(ctx, x, dims, keepdim, kind):
+        out = (torch.amax if kind == "amax" else torch.amin)(x.abs(), dims, keepdim)
+        if any(p.is_partial() for p in out.placements):
+            from ..placement import Replicate
+            from ..reshard import reshard
+            out = reshard(out, out.mesh, [Replicate() if p.is_partial() else p
+                                          for p in out.placements])
+        ctx.save_for_backward(x, out)
+        ctx.dims, ctx.keepdim = dims, keepdim
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, out = ctx.saved_tensors
+        if not ctx.keepdim:                             # unsqueeze_multiple
+            for d in ctx.dims:
+                g, out = g.unsqueeze(d), out.unsqueeze(d)
+        a = x.abs()
+        mask = (a == out) | torch.isnan(a)
+        count = mask.sum(ctx.dims, keepdim=True)
+        return torch.sign(x) * ((g / count) * mask), None, None, None
+
+
+def inf_norm(x, dims, keepdim, kind):
+    """``amax(|x|)`` (``kind`` "amax", ord inf) or ``amin(|x|)`` (-inf) of the real
+    DistTensor ``x`` over ``dims`` (sorted, wrapped, not empty), torch's gradient
+    (:class:`_InfNorm`)."""
+    return _InfNorm.apply(x, tuple(dims), bool(keepdim), kind)
 
 
 def crosses_ranks(x, dims) -> bool:

@@ -120,10 +120,9 @@ def median(input, dim=None, keepdim=False, *, out=None):
     from .blas import cpu_check, torch_check
     for check in (torch_check, cpu_check):                 # shapes, then its dtypes
         check(torch.median, input) if dim is None else check(torch.median, input, dim, keepdim)
-    if dim is None:
-        flat = input.reshape(-1)
-        return kthvalue(flat, (flat.shape[0] - 1) // 2 + 1, 0).values if flat.shape[0] else \
-            (flat.sum() * float("nan")).to(input.dtype)   # torch: nan in the input's dtype
+    if dim is None:                          # torch's kernel on the whole tensor: NaN
+        from ..dispatch import dispatch      # propagates, ties share the gradient evenly
+        return dispatch(_median_all, (input,), None)
     if input.ndim == 0:
         return torch.return_types.median((input.clone(), torch.zeros_like(input).long()))
     from ..dispatch import dispatch          # torch's kernel on whole rows: its pick among ties
@@ -273,6 +272,34 @@ register("nanmedian_all", [_nanmedian_all], parse=lambda input: ((input,), {}),
          rule=_whole_rule, local=_nanmedian_all_local, cost=_select_cost,
          op_class="reduction",
          sample=lambda g: [Sample(_nanmedian_all, (_with_nans(g),))])
+
+
+def _median_all(input):
+    """``torch.median(input)``: the table's callable for the no-dim form.  Its value is NaN
+    where an element is (a sort's k-th of the flat tensor was not), and its backward is
+    ``evenly_distribute_backward`` (derivatives.yaml, torch 2.13): the elements equal to
+    the median share the gradient evenly (all the NaNs, for a NaN median), where the
+    k-th's gradient went to one index."""
+    return torch.median(input)
+
+
+def _median_all_local(nd, ctx, x):
+    lead = tuple(x.shape[:nd])
+    if all(n == 1 for n in lead):
+        return torch.median(x.reshape(x.shape[nd:])).reshape(lead)
+    rows = x.reshape((-1,) + tuple(x.shape[nd:]))          # a copy per rank: each alone
+    return torch.stack([torch.median(r) for r in rows.unbind(0)]).reshape(lead)
+
+
+def _median_ties(g):
+    x = _with_nans(g)
+    return [Sample(_median_all, (x[3:],)), Sample(_median_all, (_ties(g),)),
+            Sample(_median_all, (x,))]
+
+
+register("median_all", [_median_all], parse=lambda input: ((input,), {}),
+         rule=_whole_rule, local=_median_all_local, cost=_select_cost,
+         op_class="reduction", sample=_median_ties)
 
 
 def _nanmedian_alone(args, kwargs):

@@ -15,7 +15,9 @@ Placements are the parts' own: a reduced dim that is sharded leaves the power su
 P(sum) (amax P(max)), reduced once by an all-reduce before the root, as DTensor's
 norm partial: ``sum |x|^p = sum_i (sum |x_i|^p)``. The root is taken only where the
 power sum is nonzero, so a zero vector has norm 0 and gradient 0 (torch's
-``linalg_vector_norm_backward`` masks it alike; a plain ``sqrt`` would give nan).
+``linalg_vector_norm_backward`` masks it alike; a plain ``sqrt`` would give nan). The
++-inf norm's gradient is torch's ``norm_backward``'s (``extreme_grad.inf_norm``): NaN
+elements join the mask and ``sgn(NaN)`` is 0, where amax's gradient is NaN everywhere.
 float16 / bfloat16 inputs are summed in float32 and rounded once, as torch's
 kernels accumulate in float32 ("opmath"). torch's own checks (dtype, dims, ord) run
 first on meta tensors of the global shapes.
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 
 from ._util import wrap_dims
 from .blas import torch_check
+from .extreme_grad import inf_norm
 
 __all__ = ["NORMS", "vector_norm", "norm_except_dim", "weight_norm"]
 
@@ -141,6 +144,7 @@ def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
         x = x.to(dtype)
     if x.dtype in _LOW:
         x = x.float()
+    from ..dist_tensor import DistTensor
     if x.is_complex():                # the norm of |z| (x * x would be z^2, not |z|^2)
         x = x.abs()
     dims = _dims(dim, x.ndim)
@@ -149,10 +153,12 @@ def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
             else _CountNonzero.forward(None, x, dims, keepdim)
     elif not dims:                    # a 0-d tensor: |x|
         r = x.abs() if ord in (1, math.inf, -math.inf) else _abs_p(x, ord)
-    elif ord == math.inf:
-        r = x.abs().amax(dims, keepdim=keepdim)
-    elif ord == -math.inf:
-        r = x.abs().amin(dims, keepdim=keepdim)
+    elif ord in (math.inf, -math.inf):
+        kind = "amax" if ord > 0 else "amin"
+        if type(x) is DistTensor and x.requires_grad and torch.is_grad_enabled():
+            r = inf_norm(x, dims, keepdim, kind)        # torch's gradient: NaN, ties
+        else:
+            r = getattr(x.abs(), kind)(dims, keepdim=keepdim)
     elif ord == 1:
         r = x.abs().sum(dims, keepdim=keepdim)
     elif ord == 2:
@@ -185,7 +191,8 @@ def matrix_norm(A, ord="fro", dim=(-2, -1), keepdim=False, *, dtype=None, out=No
     summed, over = (cols, rows) if ord in (math.inf, -math.inf) else (rows, cols)
     s = A.abs().sum(summed, keepdim=True)
     if ord > 0 and not s.shape[over]:    # torch: the max of no norm is 0 (an inf vector
-        r = s.sum(over, keepdim=True)     # norm); amax raised IndexError (sweep11 2001270)
+        r = s.sum(over, keepdim=True).detach()   # norm), a constant: no grad_fn in torch
+        # 2.13 (x.grad stays None); amax raised IndexError (sweep11 2001270)
     else:
         r = s.amax(over, keepdim=True) if ord > 0 else s.amin(over, keepdim=True)
     if not keepdim:
@@ -198,6 +205,9 @@ def linalg_norm(A, ord=None, dim=None, keepdim=False, *, dtype=None, out=None):
     norm over two."""
     if out is not None:
         raise TypeError("linalg.norm(out=...) on a DistTensor: assign the result")
+    from .blas import cpu_check        # the CPU kernel's IndexError for an amin over an
+    cpu_check(torch.linalg.norm, A, ord, _wrapped(dim, A.ndim), keepdim,   # empty dim, as
+              dtype=dtype)                                                 # matrix_norm
     ref = torch_check(torch.linalg.norm, A, ord, _wrapped(dim, A.ndim), keepdim, dtype=dtype)
     if dim is not None and not isinstance(dim, int) and len(dim) == 2 or \
             dim is None and ord is not None and A.ndim == 2:
