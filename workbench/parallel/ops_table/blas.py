@@ -104,10 +104,23 @@ def _checked(fn, product_fn, promotes=False):
     def composed(input, a, b, *, beta=1, alpha=1, out=None):
         if out is not None:
             raise TypeError(f"{fn.__name__}(out=...) on a DistTensor: assign the result")
+        cpu = None
         if not promotes:
-            same_dtype(fn.__name__, input=input, mat1=a, mat2=b)
+            # torch's CPU kernels check the dtypes (its meta kernels do not), except where
+            # the product is empty in some torch paths (addbmm of no batch: the input's
+            # dtype, beta * input; seed 2004481 wide): run them on cut stand-ins
+            try:
+                cpu = cpu_check(fn, input, a, b, beta=beta, alpha=alpha)
+            except RuntimeError:
+                same_dtype(fn.__name__, input=input, mat1=a, mat2=b)   # naming the fix
+                torch_check(fn, input, a, b, beta=beta, alpha=alpha)   # the global shapes'
+                raise
+            if len({input.dtype, a.dtype, b.dtype}) > 1:   # an empty product: cast as torch
+                input, a, b = (t.to(cpu.dtype) for t in (input, a, b))
         ref = torch_check(fn, input, a, b, beta=beta, alpha=alpha)
         _input_fits(fn.__name__, input, torch_check(product_fn, a, b), a, b)
+        if cpu is not None:
+            ref = ref.to(cpu.dtype)
         if not (ref.dtype.is_floating_point or ref.dtype.is_complex):
             beta, alpha = int(beta), int(alpha)       # torch truncates them for integers
         res = _update(input, product_fn(a, b), beta, alpha)
@@ -142,6 +155,9 @@ def _pointwise(fn, combine):
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             value = value.item()        # a Scalar, as torch reads it (torch.optim's tensor lr)
         ref = torch_check(fn, input, tensor1, tensor2, value=value)
+        # torch's CPU kernels refuse what its meta kernels let pass: addcmul of three bools
+        # (NotImplementedError), addcdiv of a bool divisor (RuntimeError)
+        cpu_check(fn, input, tensor1, tensor2, value=value)
         if not (ref.dtype.is_floating_point or ref.dtype.is_complex):
             value = int(value)                        # torch truncates it for integers
         prod = combine(tensor1, tensor2)

@@ -96,7 +96,9 @@ def _reduction(kind):
         dims = tuple(range(nd, x.dim())) if dim is None or ln == 0 else \
             tuple(d + nd for d in dim)
         if not dims:                  # a 0-d tensor: reducing it is the identity (and cast)
-            if kind == "sum" and dtype is None and not x.dtype.is_floating_point:
+            # (an integer / bool sums to int64; a complex stays complex: seed 2004150 wide)
+            if kind == "sum" and dtype is None and not (x.dtype.is_floating_point
+                                                        or x.dtype.is_complex):
                 return x.to(torch.int64)
             return x if dtype is None else x.to(dtype)
         if kind == "sum":
