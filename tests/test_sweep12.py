@@ -118,6 +118,21 @@ def test_gather_of_float16_shards_under_bfloat16_autocast():
     assert torch.equal(got.full(), want)
 
 
+@pytest.mark.parametrize("src", [["R", "S(0)"], ["R", "P(sum)"], ["S(1)", "S(0)"],
+                                 ["R", "P(max)"]])
+@pytest.mark.parametrize("dst", [["R", "R"], ["R", "S(1)"], ["S(0)", "S(0)"]])
+def test_redistribute_of_float16_under_bfloat16_autocast(src, dst, dtype=torch.float16):
+    """A reshard moves bytes: under bfloat16 autocast a float16 (uneven) gather or reduce
+    raised 'Unexpected floating ScalarType in at::autocast::prioritize' (14 of 16 layout
+    pairs before)."""
+    mesh = wb.Mesh([[0, 1, 2]])
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(8)).to(dtype)
+    d = _d(x, src, mesh, seed=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = d.redistribute(mesh, parse_placements(dst))
+    assert y.dtype == dtype and torch.equal(y.full(), d.full())
+
+
 _DTS = (F64, F32, torch.complex128, I, torch.bool)
 
 
