@@ -259,3 +259,30 @@ def test_sdpa_of_3d_inputs_raises_torchs_error_for_mixed_dtypes():
     with pytest.raises(RuntimeError):
         F.scaled_dot_product_attention(_d(q, ["S(0)", "R"]), _d(k, ["R", "R"]),
                                        _d(k, ["R", "R"]))
+
+
+_ZERO_D = {"sort": lambda t: t.sort(0)[1], "sort_stable": lambda t: torch.sort(t, stable=True)[0],
+           "argsort": lambda t: t.argsort(), "msort": torch.msort, "max": lambda t: t.max(),
+           "amax": lambda t: t.amax(), "amin0": lambda t: t.amin(0),
+           "aminmax": lambda t: torch.aminmax(t)[0], "cummax": lambda t: t.cummax(0)[1],
+           "cummin": lambda t: t.cummin(0)[0],
+           "index_select": lambda t: t.index_select(0, torch.tensor([0])),
+           "index_select2": lambda t: t.index_select(0, torch.tensor([0, 0])),
+           "trace": lambda t: t.reshape(1, 1).trace()}
+
+
+@pytest.mark.parametrize("name", sorted(_ZERO_D))
+@pytest.mark.parametrize("dt", [torch.complex128, torch.bool, torch.int64, torch.float64])
+def test_0d_inputs_take_torchs_kernel_checks(name, dt):
+    """A 0-d input skipped torch's kernel in the local implementations: sort / argsort /
+    msort / amax / max / aminmax of a complex gave a result where torch raises (seed
+    2004315 wide, after its foreach), cummax / cummin of a complex raised where torch
+    returns it, index_select of a 0-d raised IndexError, trace of a bool matrix summed."""
+    x = (torch.tensor(1.5 - 0.5j) if dt.is_complex else torch.tensor(-1.5)).to(dt)
+    f = _ZERO_D[name]
+    want_kind, want = _kind(lambda: f(x))
+    got_kind, got = _kind(lambda: f(_d(x, ["R", "R"])))
+    assert got_kind == want_kind
+    if want is not None:
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.full(), want)

@@ -100,6 +100,9 @@ def _reduction(kind):
             if kind == "sum" and dtype is None and not (x.dtype.is_floating_point
                                                         or x.dtype.is_complex):
                 return x.to(torch.int64)
+            if kind in ("amax", "amin"):  # torch's kernel on one element: its checks (a
+                # complex raises NotImplementedError; here a result)
+                return getattr(x.unsqueeze(-1), kind)(-1)
             return x if dtype is None else x.to(dtype)
         if kind == "sum":
             return x.sum(dims, keepdim=keepdim, dtype=dtype)
