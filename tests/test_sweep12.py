@@ -286,3 +286,14 @@ def test_0d_inputs_take_torchs_kernel_checks(name, dt):
     if want is not None:
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got.full(), want)
+
+
+@pytest.mark.parametrize("ps", [["P(sum)", "R"], ["R", "P(sum)"], ["P(sum)", "P(sum)"]])
+def test_avg_pool_of_an_integer_partial_reduces_first(ps):
+    """An integer average truncates each part: avg_pool1d of an int64 P(sum) passed the
+    Partial as linear and was off by 1 (seed 2006018 wide)."""
+    x = torch.tensor([[1, -3, 1, 1, 1, 1, 0, 3, 3], [0, 0, 2, 0, -1, -1, 1, -2, -2],
+                      [-3, -1, -3, 3, 2, 2, 3, -3, 2]])
+    want = F.avg_pool1d(x, 2)
+    got = F.avg_pool1d(_d(x, ps, seed=924), 2)
+    assert got.dtype == want.dtype and torch.equal(got.full(), want)
