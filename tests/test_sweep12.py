@@ -297,3 +297,21 @@ def test_avg_pool_of_an_integer_partial_reduces_first(ps):
     want = F.avg_pool1d(x, 2)
     got = F.avg_pool1d(_d(x, ps, seed=924), 2)
     assert got.dtype == want.dtype and torch.equal(got.full(), want)
+
+
+@pytest.mark.parametrize("x_dt,q_dt", [(torch.complex128, torch.complex128),
+                                       (torch.float32, torch.complex64),
+                                       (torch.float32, torch.float64),
+                                       (torch.float64, torch.float64)])
+@pytest.mark.parametrize("fn", [torch.quantile, torch.nanquantile])
+def test_quantile_with_a_tensor_q_checks_dtypes_as_torch(fn, x_dt, q_dt):
+    """torch raises RuntimeError for a complex input or a q of another dtype; a complex q
+    was read with float() here: a raw TypeError (seed 2005974 wide)."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    x = x.to(x_dt)
+    q = torch.tensor([0.1, 0.7]).to(q_dt)
+    want_kind, want = _kind(lambda: fn(x, q, -1))
+    got_kind, got = _kind(lambda: fn(_d(x, ["S(0)", "R"]), q, -1))
+    assert got_kind == want_kind
+    if want is not None:
+        torch.testing.assert_close(got.full(), want)
