@@ -320,8 +320,12 @@ def test_attention_dropout_runs_sharded():
     q = wb.shard_tensor(Q, M22, [S(0), S(1)])
     out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
     assert out.placements == (S(0), S(1)) and out.full().shape == Q.shape
+    # 3-d (batch, seq, head_dim) q, k, v: one head, as torch (sweep12: this held a refusal)
+    x3 = torch.randn(2, 5, 6)
+    got = F.scaled_dot_product_attention(*(wb.shard_tensor(x3, M2, [S(0)]) for _ in range(3)))
+    torch.testing.assert_close(got.full(), F.scaled_dot_product_attention(x3, x3, x3))
     with pytest.raises(ValueError, match="expected 4-d"):
-        F.scaled_dot_product_attention(*(wb.shard_tensor(torch.randn(2, 5, 6), M2, [S(0)])
+        F.scaled_dot_product_attention(*(wb.shard_tensor(torch.randn(5, 6), M2, [S(0)])
                                          for _ in range(3)))
 
 

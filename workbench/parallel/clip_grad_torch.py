@@ -63,12 +63,22 @@ def _foreach_norm(tensors, ord=2, dtype=None):
     from .placement import Replicate
     out = []
     for t in tensors:
-        if isinstance(t, DistTensor):
+        if isinstance(t, DistTensor) and (
+                t.requires_grad and torch.is_grad_enabled() or not t.dtype.is_floating_point
+                or any(pl.is_partial() for pl in t.placements)):
+            # torch's _foreach_norm is vector_norm per tensor: differentiable (its
+            # ForeachNormBackward), real for a complex input, the norm of a Partial's sum.
+            # The op table's vector_norm computes all three (the gradients' path below
+            # detached the result, kept a complex dtype and refused a Partial; seeds
+            # 2004270 / 2004489 of the wide random sweep)
+            out.append(torch.linalg.vector_norm(t, ord, dtype=dtype))
+        elif isinstance(t, DistTensor):
             n = _wb._norm_of(t, float(ord)).to(dtype or t.dtype)
             out.append(dtensor_from_local(n, t.mesh, [Replicate()] * t.mesh.ndim))
         else:
             out.append(torch.linalg.vector_norm(t, ord, dtype=dtype).to(dtype or t.dtype))
-    return out
+    from .foreach_ops import on_graph
+    return on_graph(out, (tensors,))
 
 
 def install() -> None:

@@ -15,7 +15,8 @@ them: each raised (a TypeError naming no fix, habits7b; an ``avg_fn=`` ran).  He
 * ``torch._foreach_<op>`` / ``_foreach_<op>_`` given DistTensors runs ``Tensor.<op>`` /
   ``<op>_`` on each element (the list arguments zipped, the others passed to each), as
   torch's foreach fallback loops over its tensors: the same numbers as one device's, an
-  in-place one returning None, an out-of-place one the list of results (``maximum_`` /
+  in-place one returning the list it wrote (as torch 2.13's), an out-of-place one the list
+  of results (``maximum_`` /
   ``minimum_``, which torch.Tensor lacks, copy ``maximum`` / ``minimum`` in place: Adam's
   ``amsgrad`` with ``foreach=True``);
 * ``torch.is_floating_point(d)`` / ``torch.is_complex(d)``: ``d``'s dtype's answer.
@@ -36,25 +37,87 @@ _OPS = ("add", "sub", "mul", "div", "lerp", "addcmul", "addcdiv", "copy", "maxim
         "log", "sign", "reciprocal", "zero")
 
 
-def _per_tensor(method: str, in_place: bool):
+def _stand_in(a, top=False):
+    """A CPU stand-in of a foreach argument: ones of each tensor's dtype, each dim cut to at
+    most one element (an empty dim stays empty), lists of them; other values as they are
+    (a plain tensor given outside a list too: a Scalar's tensor, or one scalar per tensor,
+    as Adam's capturable step sizes, kept whole)."""
+    if isinstance(a, (list, tuple)):
+        return type(a)(_stand_in(x) for x in a)
+    if isinstance(a, DistTensor) or isinstance(a, torch.Tensor) and not top:
+        return torch.ones(tuple(min(int(s), 1) for s in a.shape), dtype=a.dtype)
+    return a
+
+
+def _torch_check(f, args, kwargs):
+    """torch's own ``f`` on stand-ins: its errors (its foreach kernels check what the
+    per-tensor methods do not: ``_foreach_maximum`` of a complex raises NotImplementedError
+    where ``Tensor.maximum`` raises RuntimeError (seed 2004315 of the wide random sweep);
+    ``_foreach_maximum_`` of an int64 list by a float64 one refuses the cast, where
+    ``copy_`` would truncate) and its outputs' dtypes."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return f(*[_stand_in(a, True) for a in args],
+                 **{k: _stand_in(v, True) for k, v in kwargs.items()})
+
+
+# torch's _foreach_maximum / _minimum take a Scalar (or a list of them), Tensor.maximum
+# tensors only: the per-tensor op is the clamp (values and dtypes equal to torch 2.13's
+# foreach, measured over 5 dtypes x 3 forms: tests/test_sweep12.py)
+_CLAMP = {"maximum": "clamp_min", "minimum": "clamp_max"}
+
+
+def on_graph(outs, args):
+    """torch's foreach ops record one autograd node for the whole list: when any input
+    requires grad (grad mode on), every floating output requires grad, the gradient of
+    output i reaching input i only (``torch._foreach_norm([a, b])[0]`` requires grad when
+    only ``b`` does, and its gradient to ``b`` is None).  The outputs computed alone that
+    do not are marked so (seed 2004489 of the wide random sweep: a backward of such an
+    output raised 'does not require grad')."""
+    if not torch.is_grad_enabled():
+        return outs
+    flat = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))]
+    if not any(isinstance(t, (torch.Tensor, DistTensor)) and t.requires_grad for t in flat):
+        return outs
+    for o in outs:
+        if isinstance(o, (torch.Tensor, DistTensor)) and not o.requires_grad and \
+                (o.dtype.is_floating_point or o.dtype.is_complex):
+            o.requires_grad_(True)
+    return outs
+
+
+def _per_tensor(f, method: str, in_place: bool):
+    base = method[:-1] if in_place else method
+
     def run(*args, **kwargs):
         n = len(args[0])
         for a in args[1:]:
             if isinstance(a, (list, tuple)) and len(a) != n:
                 raise ValueError(f"torch._foreach_{method}: the lists have {n} and {len(a)} "
                                  "tensors; give lists of one length")
+        ref = _torch_check(f, args, kwargs)
+        if base in ("addcmul", "addcdiv") and len(args) == 4 and \
+                type(args[3]) is torch.Tensor and args[3].dim() == 1:
+            args = args[:3] + (args[3].tolist(),)   # a tensor of scalars, one per tensor
         outs = []
         for k in range(n):
             first, *rest = [a[k] if isinstance(a, (list, tuple)) else a for a in args]
             kw = kwargs
+            name = method
             if method.startswith(("addcmul", "addcdiv")) and len(rest) == 3:
                 *rest, value = rest         # torch._foreach_addcdiv_(s, t1, t2, scalars)
                 kw = {**kwargs, "value": value}     # Tensor.addcdiv_(t1, t2, *, value)
-            if hasattr(first, method):
-                outs.append(getattr(first, method)(*rest, **kw))    # a DistTensor's own
+            if base in _CLAMP and rest and not isinstance(rest[0], (torch.Tensor, DistTensor)):
+                name = _CLAMP[base] + ("_" if in_place else "")    # a Scalar: a clamp
+            if hasattr(first, name):
+                out = getattr(first, name)(*rest, **kw)          # a DistTensor's own
+                if not in_place and ref is not None and out.dtype != ref[k].dtype:
+                    out = out.to(ref[k].dtype)                   # torch's foreach dtype
+                outs.append(out)
             else:               # maximum_ / minimum_: no Tensor method, torch's in place
-                first.copy_(getattr(first, method[:-1])(*rest, **kw))
-        return None if in_place else outs
+                first.copy_(getattr(first, name[:-1])(*rest, **kw))
+        return list(args[0]) if in_place else on_graph(outs, args)   # torch 2.13: the list
     return run
 
 
@@ -65,7 +128,7 @@ def _foreach_table() -> dict:
             method = f"{name}{'_' if in_place else ''}"
             f = getattr(torch, f"_foreach_{method}", None)
             if f is not None and (hasattr(_T, method) or hasattr(_T, method.rstrip("_"))):
-                out[f] = _per_tensor(method, in_place)
+                out[f] = _per_tensor(f, method, in_place)
     return out
 
 

@@ -46,6 +46,26 @@ __all__ = ["Cells", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", 
            "REDUCE_OPS", "all_to_all_v", "all_to_all_v_time", "record_all_to_all_v"]
 
 
+def _bytes_only(fn):
+    """Run a collective with autocast off: it moves the ranks' bytes, and its simulated
+    math (``torch.cat`` / ``torch.stack`` of the shards) is no autocast op (under
+    ``torch.autocast("cpu", dtype=torch.bfloat16)`` torch's ``cat`` refuses float16
+    shards: a gather of float16 shards raised; seed 2004533 of the wide random sweep)."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if not _autocast_on():
+            return fn(*args, **kwargs)
+        with torch.autocast("cpu", enabled=False):
+            return fn(*args, **kwargs)
+    return run
+
+
+_autocast_on = getattr(torch._C, "_is_any_autocast_enabled",
+                       lambda: torch.is_autocast_enabled("cpu"))
+
+
 def nbytes_of(x) -> int:
     """Bytes of one rank's (largest) local tensor (a tensor, or Cells)."""
     return ops_for(x).rank_bytes(x, 0)
@@ -186,6 +206,7 @@ def _check_op(op):
 
 # ---- the collectives ------------------------------------------------------------------
 
+@_bytes_only
 def all_reduce(x, mesh, axis: int, op: str = "sum", *, expanded: bool = False, label: str = "",
                nbytes=None):
     """Every rank gets ``op`` over its group's tensors (P -> R).  ``nbytes``
@@ -209,6 +230,7 @@ def all_reduce(x, mesh, axis: int, op: str = "sum", *, expanded: bool = False, l
     return y
 
 
+@_bytes_only
 def all_gather(x, mesh, axis: int, dim: int, *, expanded: bool = False, label: str = "",
                sizes=None, nbytes=None):
     """Concatenate the group's shards along local ``dim`` (S(dim) -> R).  ``sizes``
@@ -247,6 +269,7 @@ class _PlusZero(torch.autograd.Function):
         return g + 0
 
 
+@_bytes_only
 def padded_all_reduce(x, mesh, axis: int, dim: int, *, label: str = ""):
     """What zero-padding each shard of local ``dim`` to its group's length (S(dim) -> P(sum),
     no traffic) then an all-reduce (P(sum) -> R) computes, without the padded buffer:
@@ -267,6 +290,7 @@ def padded_all_reduce(x, mesh, axis: int, dim: int, *, label: str = ""):
     return y + 0
 
 
+@_bytes_only
 def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str = "",
                    sizes=None, nbytes=None):
     """Reduce over the group, then rank k keeps chunk k of local ``dim`` (P -> S(dim)).
@@ -296,6 +320,7 @@ def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str 
     return _on_backward(y, "all_gather", mesh, axis, nb, label)
 
 
+@_bytes_only
 def all_to_all(x, mesh, axis: int, split_dim: int, concat_dim: int, *, label: str = "",
                sizes=None, nbytes=None):
     """Rank k splits local ``split_dim`` in n, sends piece j to rank j, and concatenates
@@ -322,6 +347,7 @@ def all_to_all(x, mesh, axis: int, split_dim: int, concat_dim: int, *, label: st
     return _on_backward(y, "all_to_all", mesh, axis, nb, label)
 
 
+@_bytes_only
 def broadcast(x, mesh, axis: int, root: int = 0, *, label: str = ""):
     """Every rank of the group gets the tensor of the group's ``root``-th rank
     (simulation only: no reshard plan broadcasts)."""
@@ -338,6 +364,7 @@ def broadcast(x, mesh, axis: int, root: int = 0, *, label: str = ""):
     return F.pick(x, axis, root)
 
 
+@_bytes_only
 def expand_replicas(x, mesh, axes: Sequence[int], *, label: str = ""):
     """Give every rank along ``axes`` its own copy of a replicated tensor.
 
@@ -403,6 +430,7 @@ def _dist(kind, x, mesh, axis, label, fn, out_bytes=False, record=True, bwd=True
     return y
 
 
+@_bytes_only
 def send_recv(x, src_mesh, dst_mesh, *, label: str = ""):
     """Rank i of ``src_mesh`` sends its local tensor to rank i of ``dst_mesh``
     (same mesh shape, row-major order).  Replicated axes stay compact; pairs on the

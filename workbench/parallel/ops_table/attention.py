@@ -265,9 +265,32 @@ def _sdpa_sample(g):
             Sample(F.scaled_dot_product_attention, (q, q, q), {"is_causal": True})]
 
 
-register("scaled_dot_product_attention", [F.scaled_dot_product_attention], parse=_sdpa_parse,
-         rule=attention_rule, local=_attention_local, cost=_attention_cost, op_class="attention",
-         sample=_sdpa_sample)
+_SDPA = register("scaled_dot_product_attention", [F.scaled_dot_product_attention],
+                 parse=_sdpa_parse, rule=attention_rule, local=_attention_local,
+                 cost=_attention_cost, op_class="attention", sample=_sdpa_sample)
+
+
+def _sdpa_3d(args, kwargs):
+    """torch's scaled_dot_product_attention of 3-d (batch, seq, head_dim) q, k and v: one
+    head, the 4-d op on ``unsqueeze(1)`` (a 3-d mask (batch, Sq, Sk) unsqueezed the same
+    way; a mask of fewer dims broadcasts as it is), the head dim squeezed out of the result
+    (torch computes it; here it was refused as not 4-d: seeds 2004113 / 2004164 of the wide
+    random sweep).  Other forms: NotImplemented (the op's own checks)."""
+    names = ("query", "key", "value", "attn_mask")
+    got = dict(zip(names, args))
+    qkv = [got.get(n, kwargs.get(n)) for n in names[:3]]
+    if not all(isinstance(t, (torch.Tensor, DistTensor)) and t.ndim == 3 for t in qkv):
+        return NotImplemented
+    rest = {k: v for k, v in kwargs.items() if k not in names}
+    mask = got.get("attn_mask", kwargs.get("attn_mask"))
+    if isinstance(mask, (torch.Tensor, DistTensor)) and mask.ndim == 3:
+        mask = mask.unsqueeze(1)
+    q, k, v = (t.unsqueeze(1) for t in qkv)
+    extra = args[4:]                      # dropout_p, is_causal, scale given by position
+    return F.scaled_dot_product_attention(q, k, v, mask, *extra, **rest).squeeze(1)
+
+
+_SDPA.extra["other_form"] = _sdpa_3d
 
 
 def _flash_parse(q, k, v, *, causal=False, mask=None, dropout_p=0.0, scale=None, tile_q=None,

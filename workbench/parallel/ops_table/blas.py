@@ -119,6 +119,8 @@ def _checked(fn, product_fn, promotes=False):
             return _no_batch(fn, input, beta, ref)
         ref = torch_check(fn, input, a, b, beta=beta, alpha=alpha)
         _input_fits(fn.__name__, input, torch_check(product_fn, a, b), a, b)
+        if cpu is not None:
+            ref = ref.to(cpu.dtype)
         if not (ref.dtype.is_floating_point or ref.dtype.is_complex):
             beta, alpha = int(beta), int(alpha)       # torch truncates them for integers
         res = _update(input, product_fn(a, b), beta, alpha)
@@ -171,6 +173,9 @@ def _pointwise(fn, combine):
         if isinstance(value, torch.Tensor) and value.dim() == 0:
             value = value.item()        # a Scalar, as torch reads it (torch.optim's tensor lr)
         ref = torch_check(fn, input, tensor1, tensor2, value=value)
+        # torch's CPU kernels refuse what its meta kernels let pass: addcmul of three bools
+        # (NotImplementedError), addcdiv of a bool divisor (RuntimeError)
+        cpu_check(fn, input, tensor1, tensor2, value=value)
         if not (ref.dtype.is_floating_point or ref.dtype.is_complex):
             value = int(value)                        # torch truncates it for integers
         prod = combine(tensor1, tensor2)

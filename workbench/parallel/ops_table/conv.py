@@ -148,7 +148,8 @@ def conv_local(nd, ctx, x, w, b=None, *, k, stride, padding, dilation, groups):
         if b is not None and _same_on_every_rank(b, nd):
             bias = _first(b, nd).repeat(n)
         yg = conv(xg, ws, bias, stride, padding, dilation, g * n)            # (N, n*Co, *sp')
-        y = yg.reshape((N, n, -1) + tuple(yg.shape[2:])).transpose(0, 1)
+        # C_out spelled out: -1 is ambiguous for an empty batch (N = 0, seed 2004087 wide)
+        y = yg.reshape((N, n, yg.shape[1] // n) + tuple(yg.shape[2:])).transpose(0, 1)
         y = y.reshape(L + tuple(y.shape[1:]))                               # (L, N, Co, *sp')
     if b is not None and not _same_on_every_rank(b, nd):      # a per-rank (partial) bias
         y = y + b.reshape(tuple(b.shape[:nd]) + (1, b.shape[-1]) + (1,) * k)

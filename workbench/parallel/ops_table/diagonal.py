@@ -59,6 +59,8 @@ def trace(input):
     """``torch.trace``: the sum of a matrix's diagonal."""
     if input.ndim != 2:
         raise RuntimeError(f"trace: expected a matrix, but got tensor with dim {input.ndim}")
+    from .blas import cpu_check
+    cpu_check(torch.trace, input)   # torch's kernel's dtypes (a bool raises; a sum counts)
     return torch.diagonal(input).sum()
 
 

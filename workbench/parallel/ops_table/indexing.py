@@ -149,6 +149,11 @@ def _index_select_parse(x, dim, index):
 
 def _index_select_local(nd, ctx, x, index, dim):
     idx = index[(0,) * nd].reshape(-1)        # replicated (the rule): every copy is the same
+    if x.dim() == nd:           # a 0-d x: its one element, as torch's (here an IndexError)
+        if idx.numel() != 1:
+            raise RuntimeError("index_select(): Index to scalar can have only 1 value, got "
+                               f"{idx.numel()} value(s)")
+        return _index_select_local(nd, ctx, x.unsqueeze(-1), index, 0).squeeze(-1)
     n = x.shape[dim + nd]
     # (a meta index, the dry run's: values unknown, nothing to check)
     if idx.numel() and n and not idx.is_meta and bool(((idx < 0) | (idx >= n)).any()):

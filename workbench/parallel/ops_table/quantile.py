@@ -76,6 +76,14 @@ def _parse_for(fn):
                     f"{name}(q=tensor that requires grad) on a DistTensor: the gradient "
                     "to q is not built (torch gives one); pass q.detach(), or compute "
                     "the quantile on plain tensors if q must be trained")
+            # torch's checks before q's values (a complex q was read by float(): a raw
+            # TypeError, seed 2005974 wide); torch's messages (measured, 2.13)
+            if input.dtype not in (torch.float32, torch.float64):
+                raise RuntimeError("quantile() input tensor must be either float or double "
+                                   "dtype")
+            if q.dtype != input.dtype:
+                raise RuntimeError("quantile() q tensor must be same dtype as the input "
+                                   "tensor")
             vals = [float(v) for v in q.detach().reshape(-1).tolist()]
             if any(not 0 <= v <= 1 for v in vals):       # torch checks this on CPU only
                 raise RuntimeError(f"{name}() q values must be in the range [0, 1]")

@@ -96,8 +96,13 @@ def _reduction(kind):
         dims = tuple(range(nd, x.dim())) if dim is None or ln == 0 else \
             tuple(d + nd for d in dim)
         if not dims:                  # a 0-d tensor: reducing it is the identity (and cast)
-            if kind == "sum" and dtype is None and not x.dtype.is_floating_point:
+            # (an integer / bool sums to int64; a complex stays complex: seed 2004150 wide)
+            if kind == "sum" and dtype is None and not (x.dtype.is_floating_point
+                                                        or x.dtype.is_complex):
                 return x.to(torch.int64)
+            if kind in ("amax", "amin"):  # torch's kernel on one element: its checks (a
+                # complex raises NotImplementedError; here a result)
+                return getattr(x.unsqueeze(-1), kind)(-1)
             return x if dtype is None else x.to(dtype)
         if kind == "sum":
             return x.sum(dims, keepdim=keepdim, dtype=dtype)

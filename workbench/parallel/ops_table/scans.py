@@ -56,6 +56,9 @@ class _GradThrough(torch.autograd.Function):
 def _local(fn, n_out):
     def local(nd, ctx, x, dim, n_out=n_out):
         if x.dim() == nd:                 # a 0-d tensor: itself (index 0)
+            if n_out == 2:                # torch's cummax / cummin return it unchecked (a
+                # complex too, which their kernels refuse): measured, torch 2.13
+                return x.clone(), torch.zeros(x.shape, dtype=torch.long, device=x.device)
             out = fn(x.reshape(tuple(x.shape) + (1,)), nd)
             if fn is torch.logcumsumexp:
                 return _GradThrough.apply(x, out.detach().reshape(x.shape))

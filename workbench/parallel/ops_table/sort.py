@@ -49,7 +49,10 @@ def _argsort_parse(x, dim=-1, descending=False, *, stable=False):
 
 def _sort_local(nd, ctx, x, dim, descending, stable, n_out=2):
     if x.dim() == nd:                 # a 0-d tensor: itself, index 0 (as torch)
-        out = (x.clone(), torch.zeros(x.shape, dtype=torch.long, device=x.device))
+        # torch's kernel on one element: its checks too (a complex raises RuntimeError:
+        # seed 2004315 of the wide random sweep gave a result)
+        out = tuple(o.squeeze(-1) for o in torch.sort(x.unsqueeze(-1), dim=-1,
+                                                      descending=descending, stable=stable))
     else:
         out = tuple(torch.sort(x, dim=shift(dim, x.dim() - nd, nd), descending=descending,
                                stable=stable))
@@ -85,8 +88,8 @@ def _msort_parse(x):
 
 
 def _msort_local(nd, ctx, x, dim, descending, stable, n_out):
-    if x.dim() == nd:                 # a 0-d tensor: itself (as torch)
-        return x.clone()
+    if x.dim() == nd:                 # a 0-d tensor: itself (as torch; its checks too)
+        return torch.sort(x.unsqueeze(-1), dim=-1, stable=stable).values.squeeze(-1)
     return torch.sort(x, dim=nd, stable=stable).values
 
 

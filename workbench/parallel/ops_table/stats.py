@@ -62,7 +62,8 @@ def aminmax(input, *, dim=None, keepdim=False):
                          f"(dim={dim} of shape {tuple(input.shape)})")
     torch_check(torch.aminmax, input, dim=dim, keepdim=keepdim)
     dims = tuple(range(input.ndim)) if dim is None else dim
-    if input.ndim == 0:
+    if input.ndim == 0:         # torch's CPU kernel checks the dtype (a complex raises
+        cpu_check(torch.aminmax, input, dim=dim, keepdim=keepdim)   # NotImplementedError)
         return torch.return_types.aminmax((input.clone(), input.clone()))
     return torch.return_types.aminmax((input.amin(dims, keepdim=keepdim),
                                        input.amax(dims, keepdim=keepdim)))
