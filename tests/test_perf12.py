@@ -25,18 +25,12 @@ import torch.nn.functional as F
 import workbench as wb
 from workbench.parallel import dispatch as D
 from workbench.parallel.ops_table import matmul as M
+from tests.test_perf11 import _tp as _tp11
 
 
 def _tp(T=8, H=16, n=4, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    X = torch.randn(T, H, generator=g)
-    W1 = torch.randn(4 * H, H, generator=g) / H ** 0.5
-    W2 = torch.randn(H, 4 * H, generator=g) / H ** 0.5
-    mesh = wb.Mesh.grid(n, ["tp"])
-    x = wb.shard_tensor(X, mesh, [wb.Replicate()])
-    w1 = wb.shard_tensor(W1, mesh, [wb.Shard(0)]).requires_grad_()
-    w2 = wb.shard_tensor(W2, mesh, [wb.Shard(1)]).requires_grad_()
-    return X, W1, W2, x, w1, w2
+    """perf11's toy TP MLP inputs, 8 tokens."""
+    return _tp11(T=T, H=H, n=n, seed=seed)
 
 
 def _step(x, w1, w2):

@@ -263,12 +263,19 @@ def _whole_rule(x, **_):
                    * x.mesh.ndim, 1)
 
 
-def _nanmedian_all_local(nd, ctx, x):
-    lead = tuple(x.shape[:nd])
-    if all(n == 1 for n in lead):
-        return torch.nanmedian(x.reshape(x.shape[nd:])).reshape(lead)
-    rows = x.reshape((-1,) + tuple(x.shape[nd:]))          # a copy per rank: each alone
-    return torch.stack([torch.nanmedian(r) for r in rows.unbind(0)]).reshape(lead)
+def _each_rank_whole(fn):
+    """The local form of a whole-tensor reduction ``fn`` (median / nanmedian of every
+    element): each rank's copy reduced alone, by torch's own kernel."""
+    def local(nd, ctx, x):
+        lead = tuple(x.shape[:nd])
+        if all(n == 1 for n in lead):
+            return fn(x.reshape(x.shape[nd:])).reshape(lead)
+        rows = x.reshape((-1,) + tuple(x.shape[nd:]))      # a copy per rank: each alone
+        return torch.stack([fn(r) for r in rows.unbind(0)]).reshape(lead)
+    return local
+
+
+_nanmedian_all_local = _each_rank_whole(torch.nanmedian)
 
 
 register("nanmedian_all", [_nanmedian_all], parse=lambda input: ((input,), {}),
@@ -286,12 +293,7 @@ def _median_all(input):
     return torch.median(input)
 
 
-def _median_all_local(nd, ctx, x):
-    lead = tuple(x.shape[:nd])
-    if all(n == 1 for n in lead):
-        return torch.median(x.reshape(x.shape[nd:])).reshape(lead)
-    rows = x.reshape((-1,) + tuple(x.shape[nd:]))          # a copy per rank: each alone
-    return torch.stack([torch.median(r) for r in rows.unbind(0)]).reshape(lead)
+_median_all_local = _each_rank_whole(torch.median)
 
 
 def _median_ties(g):
