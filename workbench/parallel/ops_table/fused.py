@@ -17,7 +17,7 @@ import torch
 from ..placement import Replicate, Shard
 from . import costs
 from ._util import align as _align, shift as _shift, wrap_dim
-from .pointwise import pointwise_options
+from .pointwise import pointwise_options, reduced_in_place
 from .samples import Sample
 from .strategy import combine
 from .table import register
@@ -57,7 +57,8 @@ def rotary_rule(x, cos, sin, **_):
     last = x.ndim - 1
     opts = [o for o in pointwise_options([x, cos, sin], "first", rounds=True)
             if not (o[1][0].is_shard() and o[1][0].dim == last)]
-    return combine(x.mesh.ndim, [opts] * x.mesh.ndim, 3)
+    per_dim = reduced_in_place([x, cos, sin], opts, x.mesh.ndim, "first", True)
+    return combine(x.mesh.ndim, per_dim, 3)
 
 
 def _rotary_local(nd, ctx, x, cos, sin, mode):

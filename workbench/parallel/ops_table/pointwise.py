@@ -42,7 +42,7 @@ from ..strides import canonical_contiguous
 from .strategy import Strategy, combine
 from .table import TABLE, register
 
-__all__ = ["pointwise_options", "pointwise_rule", "add_rule", "mul_rule", "copy_rule", "div_rule",
+__all__ = ["pointwise_options", "reduced_in_place", "pointwise_rule", "add_rule", "mul_rule", "copy_rule", "div_rule",
            "nonlinear_rule", "monotone_rule", "with_deferred", "pointwise_local"]
 
 T = torch.Tensor
@@ -191,12 +191,40 @@ def _esize(dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def reduced_in_place(specs, opts, mesh_ndim: int, partial_inputs: str, rounds: bool) -> list:
+    """Per mesh dim, the options of :func:`pointwise_options` (``opts``), but where a 16-bit
+    rounding op (``rounds``) cannot keep a P(sum) input partial (:func:`_sixteen_bit_result`)
+    that input is reduced once into the layout the op needs: Replicate (one all-reduce, as
+    Megatron's ``VocabParallelEmbedding.forward`` before the position add,
+    NVIDIA/Megatron-LM@000c4ac2:megatron/core/tensor_parallel/layers.py
+    ``reduce_from_tensor_model_parallel_region``; torch's ``RowwiseParallel``, output_layouts
+    Replicate by default, pytorch/pytorch@8ed74138:torch/distributed/tensor/parallel/style.py),
+    or the Shard(d) another tensor input already has on that mesh dim (one reduce-scatter).  The
+    other Shard options are left out: the op alone prices a reduce-scatter below the
+    all-reduce, and the next op that needs the value whole pays an all-gather on top (the
+    GPT dry run's token embedding + position embedding at tp 2 in bf16: reduce-scatter +
+    all-gather forward and backward where one all-reduce was, fixemb12)."""
+    per_dim = [opts] * mesh_ndim
+    if not rounds or partial_inputs == "none" or not _sixteen_bit_result(specs) or not any(
+            o[1][0] == P for o in pointwise_options(specs, partial_inputs)):
+        return per_dim          # (P + 1: not linear in any dtype, the options unchanged)
+    for i in range(mesh_ndim):
+        here = [None if s is None else s.placements[i] for s in specs]
+        if not any(p is not None and p.is_partial() and p.reduce_op in ("sum", "avg")
+                   for p in here):
+            continue
+        per_dim[i] = [o for o in opts if not o[1][0].is_shard() or any(
+            q is not None and q.is_shard() and q == h for q, h in zip(o[0], here))]
+    return per_dim
+
+
 def pointwise_rule(partial_inputs="none", monotone=False, rounds=False):
     def rule(*specs, **attrs):
         real = [s for s in specs if s is not None]
         mesh = real[0].mesh
         opts = pointwise_options(specs, partial_inputs, monotone, rounds)
-        sts = combine(mesh.ndim, [opts] * mesh.ndim, len(specs))
+        sts = combine(mesh.ndim, reduced_in_place(specs, opts, mesh.ndim, partial_inputs,
+                                                  rounds), len(specs))
         return with_deferred(specs, sts) if partial_inputs != "none" else sts
     rule.__doc__ = (f"elementwise: S passes; P(sum) passes {partial_inputs!s} linear inputs"
                     + ("; P(max/min) pass (non-decreasing)" if monotone else ""))
