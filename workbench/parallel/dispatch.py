@@ -818,7 +818,8 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
             prep.out_specs is not None:
         prep.fast = _fast_facts(opdef, prep, specs, mesh, many)
         prep.nd = mesh.ndim
-        prep.fast_out = (outs_ps[0], out_shapes[0], out_specs[0])
+        if prep.fast:                # one output (an unbind of a size-0 dim has none)
+            prep.fast_out = (outs_ps[0], out_shapes[0], out_specs[0])
     if not many:
         return wrapped[0]
     result_type = opdef.extra.get("result_type") if hasattr(opdef, "extra") else None

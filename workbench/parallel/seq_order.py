@@ -70,6 +70,10 @@ __all__ = ["RingOrder", "ring_order_of", "set_ring_order", "same_order", "propag
            "propagate_whole"]
 
 
+class RingOrderError(ValueError):
+    """An op refused because it would read a ring-ordered dim by position (check_op)."""
+
+
 @dataclass(frozen=True)
 class RingOrder:
     """The global tensor's dim ``dim`` is in the ring order of ``ring`` ranks of mesh dim
@@ -388,7 +392,7 @@ def check_op(opdef, inputs, specs, plans, attrs) -> None:
         if not o.balanced or o.ring < 2:
             continue
         if o.dim in sensitive_dims(name, attrs, i, x.ndim):
-            raise ValueError(
+            raise RingOrderError(
                 f"{name}: input {i} (shape {tuple(x.shape)}) has its {o} (to_ring_layout), "
                 f"and {name} reads positions along dim {o.dim}: on the ring's order it would "
                 f"give another answer than on the sequence's own (a causal triangle, a scan, "
@@ -400,7 +404,7 @@ def check_op(opdef, inputs, specs, plans, attrs) -> None:
         if opdef.op_class == "attention" and o.dim == 2 and i < 3 and (
                 attrs.get("causal") or attrs.get("pattern") is not None):
             axis = x.mesh.dim_names[o.mesh_dim] if o.mesh_dim < x.mesh.ndim else o.mesh_dim
-            raise ValueError(
+            raise RingOrderError(
                 f"{name}: causal (or patterned) attention on {'qkv'[i]} (shape "
                 f"{tuple(x.shape)}) whose {o} (to_ring_layout), outside context_parallel: "
                 f"its mask would compare positions in the ring's order as if they were the "
@@ -427,7 +431,7 @@ def check_op(opdef, inputs, specs, plans, attrs) -> None:
                 f"a DistTensor recorded as {r}" if r is not None else
                 "a DistTensor with no record of its sequence's order")
             mask = opdef.name in ("masked_fill", "where", "add", "sub") or y.dtype == torch.bool
-            raise ValueError(
+            raise RingOrderError(
                 f"{name}: input {j}, {what} (shape {tuple(y.shape)}), meets input {i} (shape "
                 f"{tuple(x.shape)}) along its dim {o.dim}, which is in {o} (to_ring_layout), "
                 f"and varies along it (its dim {e}): a causal mask or a position table "

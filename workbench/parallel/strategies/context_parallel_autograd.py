@@ -138,11 +138,13 @@ def _outside_the_ring(func, args, kwargs):
     """A torch without the private entry points used above: the public call, with the
     ring off.  Right unless a checkpointed block recomputes attention inside it, which
     then is not ring attention: torch's checkpoint notices (another number of saved
-    tensors) and that error is given the cause and the fix."""
+    tensors), or the recomputed attention is refused on its ring-ordered inputs
+    (seq_order.RingOrderError), and that error is given the cause and the fix."""
     from torch.utils.checkpoint import CheckpointError
+    from ..seq_order import RingOrderError
     try:
         return func(*args, **kwargs)
-    except CheckpointError as e:
+    except (CheckpointError, RingOrderError) as e:   # (the recompute's attention refused)
         raise RuntimeError(
             f"{func.__name__}() inside context_parallel: a checkpointed block recomputed its "
             "attention outside the ring, as this torch (" + torch.__version__ + ") lacks "
