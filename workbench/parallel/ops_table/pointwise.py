@@ -42,8 +42,9 @@ from ..strides import canonical_contiguous
 from .strategy import Strategy, combine
 from .table import TABLE, register
 
-__all__ = ["pointwise_options", "reduced_in_place", "pointwise_rule", "add_rule", "mul_rule", "copy_rule", "div_rule",
-           "nonlinear_rule", "monotone_rule", "with_deferred", "pointwise_local"]
+__all__ = ["pointwise_options", "reduced_in_place", "pointwise_rule", "add_rule", "mul_rule",
+           "copy_rule", "div_rule", "nonlinear_rule", "monotone_rule", "with_deferred",
+           "pointwise_local"]
 
 T = torch.Tensor
 R = Replicate()
