@@ -13,19 +13,15 @@ from __future__ import annotations
 
 import pytest
 
-import workbench as wb
 from workbench.plan import bf16_optimizer as BF
 from workbench.plan import deepspeed_pipe_memory as DPM
 from workbench.plan import memory as MEM
+from tests.test_bloom3 import _ds_layout
 
 
 def _ds(**kw):
-    cfg = wb.models.get_config("gpt3-175b", n_layer=8, d_model=1024, n_head=8, seq_len=512,
-                               dtype="bfloat16")
-    lay = wb.plan.Layout(**{**dict(dp=2, tp=4, pp=4, zero=1, recompute="full",
-                                   global_batch=32, micro_batch=2, framework="deepspeed"),
-                            **kw})
-    return cfg, lay
+    """bloom3's DeepSpeed pipeline layout (GPT 8 layers, dp 2 tp 4 pp 4, ZeRO-1)."""
+    return _ds_layout(**kw)
 
 
 def test_backward_held_bytes_per_stage():

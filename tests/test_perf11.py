@@ -41,6 +41,11 @@ def test_tp_step_matches_one_device():
         w2.grad = None
         y = F.linear(torch.relu(F.linear(x, w1)), w2)
         y.sum().backward()
+    assert_one_device(X, W1, W2, y, w1, w2)
+
+
+def assert_one_device(X, W1, W2, y, w1, w2):
+    """The toy MLP's output and both weights' gradients equal one device's."""
     a, b = W1.clone().requires_grad_(), W2.clone().requires_grad_()
     ref = F.linear(torch.relu(F.linear(X, a)), b)
     ref.sum().backward()
