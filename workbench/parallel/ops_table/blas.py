@@ -72,8 +72,20 @@ def _update(input, product, beta, alpha):
     else:
         out = product * alpha
     if beta == 0:
+        if getattr(input, "requires_grad", False) and torch.is_grad_enabled():
+            # torch's input gradient is grad * beta (derivatives.yaml, addmm / addmv /
+            # addbmm / baddbmm: maybe_multiply(grad, beta)): zeros, not None; input's values
+            # are not read (a NaN there stays out), and out - (+0) keeps out's bits (-0.0)
+            return out - _zeros_of(input)
         return out
     return out + (input if beta == 1 else input * beta)
+
+
+def _zeros_of(input):
+    """+0 in ``input``'s shape and dtype, still a function of it (gradient zeros): not
+    ``input * 0``, NaN for an inf or a NaN."""
+    return torch.where(torch.zeros((), dtype=torch.bool), input,
+                       torch.zeros((), dtype=input.dtype))
 
 
 def same_dtype(name, **tensors):
@@ -141,8 +153,7 @@ def _no_batch(fn, input, beta, ref):
     if fn is torch.addbmm:
         # beta 0: zeros (not input * 0: NaN for an inf), still input's function (torch's
         # result has a grad_fn, input's gradient grad * 0)
-        res = input * beta if beta != 0 else torch.where(
-            torch.zeros((), dtype=torch.bool), input, torch.zeros((), dtype=input.dtype))
+        res = input * beta if beta != 0 else _zeros_of(input)
     else:
         res = input
     if tuple(res.shape) != tuple(ref.shape):
