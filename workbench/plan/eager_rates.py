@@ -168,15 +168,9 @@ def reference_ops(kind: str, size: int) -> dict:
     if isinstance(size, bool) or not isinstance(size, int) or size < 16:
         raise ValueError(f"reference_ops: size={size!r} must be an int >= 16")
     big = _ROWS if kind == "rms_norm" else size
-    a, b = _count(kind, 8, size), _count(kind, 16, size)
-    out = {}
-    for i, phase in enumerate(PHASES):
-        if [n for n, _ in a[i]] != [n for n, _ in b[i]]:
-            raise RuntimeError(f"reference_ops: {kind} {phase} ran other kernels at 8 and "
-                               f"16; cannot scale")
-        out[phase] = tuple((n, x + (y - x) * (big - 8) / 8)
-                           for (n, x), (_, y) in zip(a[i], b[i]))
-    return out
+    from .titan_eager import scaled
+    return scaled(_count(kind, 8, size), _count(kind, 16, size), big,
+                  f"reference_ops: {kind}")
 
 
 def achieved_rate(card: str, kind: str, phase: str, size: "int | None" = None) -> float:

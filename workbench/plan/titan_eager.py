@@ -72,7 +72,7 @@ from torch.utils._pytree import tree_leaves
 from ..sim_mesh.cost import compute_time
 from .eager_rates import kernel_name
 
-__all__ = ["NORM_TYPES", "kernels", "extra_seconds", "check", "assumption"]
+__all__ = ["NORM_TYPES", "kernels", "scaled", "extra_seconds", "check", "assumption"]
 
 NORM_TYPES = ("rmsnorm", "fused_rmsnorm")
 PARTS = ("norm", "pre_attention", "swiglu", "input_grads")
@@ -219,13 +219,19 @@ def kernels(part: str, tokens: int, h: int, heads: int, kv_heads: int, d: int,
                          f"and d={d} even (RoPE pairs)")
     s = tokens // batch
     a, b = (_measure(part, r, h, heads, kv_heads, d, batch) for r in (8, 16))
+    return scaled(a, b, s, f"kernels: {part}")
+
+
+def scaled(a, b, n, who: str) -> dict:
+    """Per phase, each kernel's bytes at size ``n``, linear through its counts at sizes 8
+    (``a``) and 16 (``b``) (forward and backward lists of (name, bytes)); the two runs must
+    have launched the same kernels."""
     out = {}
     for i, phase in enumerate(("forward", "backward")):
-        if [n for n, _ in a[i]] != [n for n, _ in b[i]]:
-            raise RuntimeError(f"kernels: {part} {phase} ran other kernels at 8 and 16 "
-                               f"tokens; cannot scale")
-        out[phase] = tuple((n, x + (y - x) * (s - 8) / 8)
-                           for (n, x), (_, y) in zip(a[i], b[i]))
+        if [k for k, _ in a[i]] != [k for k, _ in b[i]]:
+            raise RuntimeError(f"{who} {phase} ran other kernels at 8 and 16; cannot scale")
+        out[phase] = tuple((k, x + (y - x) * (n - 8) / 8)
+                           for (k, x), (_, y) in zip(a[i], b[i]))
     return out
 
 
