@@ -40,9 +40,12 @@ reads high: the count takes attention as 4 b s^2 h per layer, 83% of the FLOPs a
 twice what the causal kernel computes; the table says so under it.)
 
 Target (issue 21): the search in under 10 s on a 2-core machine; GPT-3 175B on 1,024
-A100s: 13,464 layouts tried, 3,965 fit, 141 of them estimated (``plan.step_floor``),
-0.52-0.71 s cold at load average 4.5-5 (the search before that floor, the memoized
-communication buffers and the ZeRO dedupe: 5.2-5.9 s in the same minutes).  The search
+A100s: 13,464 layouts tried, 4,188 fit.  On 2026-11-29 it took 7.35 s cold alone, 14.7 s
+at load average 6, two thirds of it in the memory filter's walk of interleaved schedules
+(``plan.in_flight_peak`` built all p ranks' rows of each (pp, m, v) and checked them to
+read one rank); walking that rank's order alone (``schedules.interleaved.rank_order``),
+keeping only the vectors a peak can be at: 4.3 s cold in the same minutes, the printed
+table unchanged.  The search
 is timed cold (empty caches, first call) and warm; ``estimate`` is timed over the
 layouts the search kept, cold caches cleared before each timing round, as the median of
 5 rounds.

@@ -41,22 +41,47 @@ def schedule(kind: str, pp: int, m: int, v: int):
 
 @lru_cache(maxsize=1024)
 def in_flight_counts(kind: str, pp: int, m: int, v: int, rank: int) -> tuple:
-    """The distinct vectors (micro-batches in flight of each of ``rank``'s chunks, chunk
-    order) right after each of its forwards: the instants a peak can be at."""
-    sched = schedule(kind, pp, m, v)
-    release = "W" if sched.split_backward else "B"
-    cur, seen = [0] * sched.v, set()
-    for a in sched.actions[rank]:
-        if a.kind == "F":
-            cur[a.chunk] += 1
-            seen.add(tuple(cur))
-        elif a.kind == release:
-            cur[a.chunk] -= 1
-    return tuple(sorted(seen))
+    """The vectors (micro-batches in flight of each of ``rank``'s chunks, chunk order) at
+    the instants a peak can be at: right after a forward that a backward (or the end)
+    follows, none below another in every chunk (a count only grows between two such
+    instants, and chunk bytes are not negative).  Interleaved 1F1B walks the rank's own
+    order (``schedules.interleaved.rank_order``) without building the schedule's p rows:
+    a search asks this of hundreds of shapes before it prices any."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < pp:
+        raise ValueError(f"in_flight_counts(rank={rank!r}): a pipeline rank 0 .. {pp - 1}")
+    if kind == "interleaved_1f1b" and v > 1:
+        from ..parallel.schedules._check import check_pm
+        from ..parallel.schedules.interleaved import _steps, rank_order
+        check_pm("interleaved_1f1b", pp, m, v)
+        if m % pp:                                   # the schedule's own message
+            schedule(kind, pp, m, v)
+        group = [c for _, c in _steps(pp, v, m * v)]
+        steps = [(fwd, group[k] if fwd else v - 1 - group[k])
+                 for fwd, k in rank_order(pp, m, v, rank)]
+    else:
+        sched = schedule(kind, pp, m, v)
+        release = "W" if sched.split_backward else "B"
+        steps = [(a.kind == "F", a.chunk) for a in sched.actions[rank]
+                 if a.kind in ("F", release)]
+        v = sched.v
+    cur, seen = [0] * v, set()
+    for i, (fwd, c) in enumerate(steps):
+        if fwd:
+            cur[c] += 1
+            if i + 1 == len(steps) or not steps[i + 1][0]:
+                seen.add(tuple(cur))
+        else:
+            cur[c] -= 1
+    top = [x for x in seen
+           if not any(y != x and all(b >= a for a, b in zip(x, y)) for y in seen)]
+    return tuple(sorted(top))
 
 
 def peak_bytes(kind: str, pp: int, m: int, v: int, rank: int, chunk_bytes) -> float:
     """The largest sum of ``chunk_bytes[c]`` (one micro-batch of ``rank``'s chunk c) over
     the chunks in flight at once on ``rank`` (module docstring)."""
+    if any(b < 0 for b in chunk_bytes):
+        raise ValueError(f"peak_bytes(chunk_bytes={list(chunk_bytes)!r}): bytes of a chunk's "
+                         f"micro-batch cannot be negative")
     return max(sum(n * b for n, b in zip(counts, chunk_bytes))
                for counts in in_flight_counts(kind, pp, m, v, rank))

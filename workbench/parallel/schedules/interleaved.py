@@ -21,7 +21,7 @@ from ._check import check_pm
 from .actions import Action, Schedule
 from .one_f_one_b import one_f_one_b
 
-__all__ = ["interleaved_1f1b"]
+__all__ = ["interleaved_1f1b", "rank_order"]
 
 
 def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
@@ -42,23 +42,32 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
         fix = f"use m={up} or m={down}" if down else f"use m={up}"     # m < p: no m below
         raise ValueError(f"interleaved_1f1b(m={m}, p={p}): the number of micro-batches must be "
                          f"a multiple of the pipeline size (Megatron-LM requires it too); {fix}")
-    total = m * v                                # forwards (and backwards) per rank
-
-    def fwd(k: int) -> Action:
-        return Action("F", (k // (p * v)) * p + k % p, (k // p) % v)
-
-    def bwd(k: int) -> Action:
-        return Action("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
-
+    fwds = [Action("F", mb, c) for mb, c in _steps(p, v, m * v)]
+    bwds = [Action("B", mb, v - 1 - c) for mb, c in _steps(p, v, m * v)]
     rows = []
-    for r in range(p):
-        if m == p:                               # Megatron: all warm-up when m == p
-            warmup = total
-        else:
-            warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
-        row = [fwd(k) for k in range(warmup)]    # warm-up: fill all v chunks
-        for k in range(total - warmup):          # steady state: 1F then 1B
-            row += [fwd(warmup + k), bwd(k)]
-        row += [bwd(k) for k in range(total - warmup, total)]   # cool-down
-        rows.append(tuple(row))
+    for r in range(p):                           # ranks share the Action objects
+        rows.append(tuple(fwds[k] if fwd else bwds[k] for fwd, k in rank_order(p, m, v, r)))
     return Schedule(p, m, v, tuple(rows), name="interleaved_1f1b")
+
+
+def _steps(p: int, v: int, total: int):
+    """(micro-batch, chunk group) of forward step k = 0 .. total - 1 (module docstring):
+    forward k runs that chunk, backward k the same micro-batch on chunk v - 1 - group."""
+    return [((k // (p * v)) * p + k % p, (k // p) % v) for k in range(total)]
+
+
+def rank_order(p: int, m: int, v: int, r: int):
+    """Rank ``r``'s run order as (is_forward, k) pairs: forward step k or backward step k
+    (``_steps``), Megatron's warm-up, steady 1F1B and cool-down; the one definition of the
+    order, which :func:`interleaved_1f1b` builds its rows from and ``plan.in_flight_peak``
+    walks for one rank without building the others' (checked m % p == 0, v >= 2)."""
+    total = m * v                                # forwards (and backwards) per rank
+    if m == p:                                   # Megatron: all warm-up when m == p
+        warmup = total
+    else:
+        warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
+    order = [(True, k) for k in range(warmup)]   # warm-up: fill all v chunks
+    for k in range(total - warmup):              # steady state: 1F then 1B
+        order += [(True, warmup + k), (False, k)]
+    order += [(False, k) for k in range(total - warmup, total)]   # cool-down
+    return order
