@@ -97,7 +97,10 @@ issued when the host's work for it ends, the device running them when issued and
 :func:`forward_spans` splits the planner's own forward ops of a row's layer among the
 modules Megatron-core's Transformer Engine spec runs (``FORWARD_MODULES``,
 ``gpt_layer_specs.py:46-71, 115-120``); :func:`host_check` runs a micro-batch's forward
-from an empty queue.  The one host figure of 2024 found: Megatron-core's
+from an empty queue.  (Already priced and not re-added: the device-side gap between
+back-to-back kernels, ``launch_overhead`` 1 us per launch in ``profiles/h100.json``,
+the CUDA Graphs blog's figure, ``sim_mesh.kernel_cost``; what this checks is the host's
+Python and dispatch before each launch.)  The one host figure of 2024 found: Megatron-core's
 ``TEColumnParallelLinear``, BF16, TP 1, 140 us per forward (its own
 ``ColumnParallelLinear`` 74 us; 115 us after the pull request: NVIDIA/TransformerEngine
 #1191, 2024-09-18, whose changes postdate TE v1.8-v1.11, so 140 us stands for the
