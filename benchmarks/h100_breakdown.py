@@ -53,23 +53,15 @@ question named is already priced, from its source, and none leaves the 71 ms (1.
   parameters is 0.4 ms;
 - Transformer Engine's fused kernels (the QKV bias in the GEMM epilogue, its gradient
   from the wgrad GEMM, q/k/v copied for cuDNN's attention): ``layer_cost.TE_SOURCES``;
-- host (CPU) time: not priced.  The host keeps ahead of the device while its time per
-  layer is under the device's (2.9 ms at 1.7B, 4.8 ms at 7.1B, one micro-batch); the
-  per-bucket NaN check (``param_and_grad_buffer.py:111-118``, ``assert not
+- host (CPU) time: not priced; checked on 2026-11-29 (h100s13) against the one 2024
+  component figure found, section "Host time" below: no row's forward is paced by it.
+  The per-bucket NaN check (``param_and_grad_buffer.py:111-118``, ``assert not
   norm.isnan()``) and the loss's (``pretrain_gpt.py:136-141``) drain the queue 26 + 4
-  times a step (1.7B), each costing the host's lead-in to the next kernel (tens of us
-  ASSUMED: about 1-2 ms a step, ``step_audit``).  Transformer Engine's host time per
-  module, measured: a BF16 ``Linear`` forward + backward 311 us, ``LayerNormLinear``
-  398 us on a GB200's Grace CPU before NVIDIA/TransformerEngine pull request #3523
-  (2026) trimmed them, where a plain PyTorch ``Linear`` forward's host time is 13.5 us on
-  an H100 DGX's Xeon against 33-37 us on Grace (#2053, 2025); a Megatron layer's four
-  TE linear modules (two ``LayerNormLinear``, two ``Linear``) take 1.42 ms of Grace host
-  time at those figures, about 0.55 ms on the Xeon at that ratio, beside the 1.7B's
-  2.9 ms of device time; the attention module's host time is not measured there.  The
-  2024 releases (TE 1.7-1.8) are slower on the host than those of 2025-26 (#2053 and
-  #3523 trim it), by an amount not measured; the host would have to take four to five
-  times the 2025-26 figures to pace the 1.7B: the one lead left for the small rows, not
-  a priced term;
+  times a step (1.7B), each costing the host's lead-in to the next kernel.  Later figures,
+  for scale: a BF16 ``Linear`` forward + backward 311 us, ``LayerNormLinear`` 398 us on a
+  GB200's Grace CPU before NVIDIA/TransformerEngine pull request #3523 (2026) trimmed
+  them; a plain PyTorch ``Linear`` forward's host time 13.5 us on an H100 DGX's Xeon
+  against 33-37 us on Grace (#2053, 2025);
 - the batch's copy to the device: f2e5db402c builds the causal mask in the data loader
   by default (``--no-create-attention-mask-in-dataloader`` is opt-out,
   ``training/arguments.py:1576``), a 4,096 x 4,096 bool per sample, which
@@ -94,6 +86,50 @@ GPU per node giving small or medium message times was found (searched: NVIDIA/nc
 nccl-tests issues, vendors' pages; only the 32-node A100 tree latency of NVIDIA/nccl #652
 and the bus bandwidths without sizes of #1229, both held in tests/test_nccl_scale.py), so
 that latency stays the tuning model's, unchecked at this scale.
+
+Host time (2026-11-29, h100s13).  Does the host pace the small rows' layers?  Within a
+layer the device waits only when the host's launch time for a span exceeds the work
+already queued; the queue runs ahead otherwise (no CUDA graph in these runs:
+f2e5db402c's training loop never fills ``TransformerBlock.cuda_graphs``,
+``transformer_block.py:132-136, 410``; ``enable_cuda_graph`` is a config field no
+argument of ``megatron/training`` sets).  :func:`queue_idle` is that model (each span's kernels
+issued when the host's work for it ends, the device running them when issued and free);
+:func:`forward_spans` splits the planner's own forward ops of a row's layer among the
+modules Megatron-core's Transformer Engine spec runs (``FORWARD_MODULES``,
+``gpt_layer_specs.py:46-71, 115-120``); :func:`host_check` runs a micro-batch's forward
+from an empty queue.  (Already priced and not re-added: the device-side gap between
+back-to-back kernels, ``launch_overhead`` 1 us per launch in ``profiles/h100.json``,
+the CUDA Graphs blog's figure, ``sim_mesh.kernel_cost``; what this checks is the host's
+Python and dispatch before each launch.)  The one host figure of 2024 found: Megatron-core's
+``TEColumnParallelLinear``, BF16, TP 1, 140 us per forward (its own
+``ColumnParallelLinear`` 74 us; 115 us after the pull request: NVIDIA/TransformerEngine
+#1191, 2024-09-18, whose changes postdate TE v1.8-v1.11, so 140 us stands for the
+README's mid-2024 runs; the measuring machine is not stated).  Taken for all four
+linear modules (a ``LayerNormLinear`` does at least a ``Linear``'s host work) with the
+attention module, the bias-dropout-adds, the activation and Megatron's Python around
+them at zero (no figure), the host's forward is at least 0.56 ms a layer, against
+the device's 0.93 ms (1.7B), 1.58 ms (7.1B) and 1.3-6.7 ms (16B-462B): the device waits
+only for the lead-in (0.14 ms per micro-batch's forward from an empty queue, the first
+module's host time); nothing is priced (``python benchmarks/h100_breakdown.py``, last
+table).  To close the 1.7B's gap (71 ms a step) by the forward alone its host would
+need 1.66 ms a layer, 3.0 times the bound (7.1B: 2.49 ms, 4.5 times): the attention
+module and Megatron's Python would have to take 1.1 ms (1.7B) or 1.9 ms (7.1B) a layer
+of host time beyond the four linear modules.  The backward: no 2024 figure; the
+device's 1.99 ms a layer (1.7B) is above even the four modules' forward + backward at
+the GB200 Grace figures of #3523 (1.42 ms, 2026).  The syncs: at one TE module's
+forward (140 us, ASSUMED the same in the backward) per sync, 30 a step take at most
+4.2 ms of the 1.7B's 452 ms (7.1B: 51, 7.1 ms of 800 ms): under 1.1% of either step,
+printed, not priced (the host time from a sync to the next kernel is not measured).
+Searched, nothing found (issues and pages corpora, TE's commit log 2023-2025): a 2024
+host figure for ``LayerNormLinear``, ``DotProductAttention`` (TE v1.8 selects its
+backend in Python on every forward, ``attention.py`` ``DotProductAttention.forward``;
+#1074, 2024-08, removed logging from the forward and backward "due to CPU overhead",
+no figure), any TE module's backward, Megatron-core's per-layer Python, or a whole
+Megatron layer's host time on a DGX H100 (#127, 2023, times a TE ``Linear``'s forward
+and backward with CUDA events; #445, 2023-10, a TE ``Linear``'s "cost_time", 0.57 ms
+against PyTorch's 0.18 ms at 1,024 x 1,024 on an H100, host and device not separated;
+#761 and #836, 2024, FP8 runs, profiles shown as images).  So host time stays unpriced: the sourced part cannot pace
+these layers, the rest has no figure.
 """
 import os
 import sys
@@ -102,9 +138,50 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import published as P  # noqa: E402
+import step_audit as SA  # noqa: E402
 from workbench.plan import costs as C  # noqa: E402
 from workbench.plan import frameworks as F  # noqa: E402
+from workbench.plan import megatron_buckets as MB  # noqa: E402
+from workbench.plan import zero_cost as Z  # noqa: E402
 from workbench.plan.edge_cost import edge_times  # noqa: E402
+
+# Host (CPU) time of one forward of a Megatron-core linear module, BF16, TP = 1, measured
+# by Transformer Engine's developers in September 2024 (NVIDIA/TransformerEngine pull
+# request #1191, description of 2024-09-18, Megatron-LM 6b35ca80e8): Megatron-core's
+# ``TEColumnParallelLinear`` (TE's ``Linear`` under Megatron's wrapper) 140 us, its own
+# ``ColumnParallelLinear`` 74 us; 115 us after #1191 (merged 2024-10-03, after TE v1.11).
+# TE v1.8 (2024-07-24) carries the same module code #1191 trimmed (its changes: no import
+# of ``cpu_offload`` per forward, memoized NCCL group properties, no ``nn.Module``
+# ``__setattr__`` / parameter getter per call), so 140 us stands for mid-2024.  The
+# hardware of the measurement is not stated in the description read.
+TE_LINEAR_FWD_HOST_2024 = 140e-6
+MCORE_LINEAR_FWD_HOST_2024 = 74e-6
+TE_LINEAR_FWD_HOST_AFTER_1191 = 115e-6
+HOST_SOURCE = ("NVIDIA/TransformerEngine pull request #1191 (2024-09-18): Megatron-core "
+               "TEColumnParallelLinear 140 us host time per forward, BF16, TP=1 "
+               "(ColumnParallelLinear 74 us; 115 us after the PR)")
+
+# A Megatron GPT layer's forward as Megatron-core with Transformer Engine's spec issues
+# it (f2e5db402c megatron/core/models/gpt/gpt_layer_specs.py:46-71, 115-120): each module
+# with the planner's forward ops it launches (``layer_cost``'s names; the TP collectives
+# of a sequence-parallel layout inside the linear modules that run them) and whether its
+# host time has a 2024 figure (``TE_LINEAR_FWD_HOST_2024``: the four TE linear modules;
+# a ``LayerNormLinear`` does at least a ``Linear``'s host work, so the figure is a lower
+# bound for the two of them).  TEDotProductAttention, the bias-dropout-adds and the
+# activation (Megatron's Python around them) have no 2024 host figure: zero here, so
+# the host time of the layer is a LOWER BOUND.
+FORWARD_MODULES = (
+    ("linear_qkv: TELayerNormColumnParallelLinear",
+     ("layernorm_1", "sp_all_gather_1", "qkv_gemm"), True),
+    ("core_attention: TEDotProductAttention", ("qkv_transpose", "flash_attention"), False),
+    ("linear_proj: TERowParallelLinear", ("proj_gemm", "tp_out_1"), True),
+    ("self_attn_bda", ("bias_dropout_add_1",), False),
+    ("linear_fc1: TELayerNormColumnParallelLinear",
+     ("layernorm_2", "sp_all_gather_2", "fc1_gemm"), True),
+    ("activation: bias_gelu", ("bias_gelu",), False),
+    ("linear_fc2: TERowParallelLinear", ("fc2_gemm", "tp_out_2"), True),
+    ("mlp_bda", ("bias_dropout_add_2",), False),
+)
 
 
 def rows():
@@ -149,6 +226,80 @@ def breakdown(row) -> dict:
                 room=published - compute - d["optimizer"])
 
 
+def queue_idle(spans) -> float:
+    """Seconds the device waits for the host over ``spans``, a sequence of (host seconds,
+    device seconds) in issue order, starting from an empty launch queue (just after a
+    host sync): the host issues span k's kernels once its own work for span k is done
+    (at the end of it: an upper bound on the wait, the kernels of a real module leave
+    before its bookkeeping ends), the device runs them when both they are issued and its
+    previous work is done; the queue otherwise runs ahead without bound (no CUDA graph:
+    f2e5db402c's training loop never fills ``TransformerBlock.cuda_graphs``,
+    ``transformer_block.py:132-136, 410``, and has no flag for it).  The result is the
+    device's finish less its work: the lead-in to the first kernel plus every span the
+    host reached late."""
+    host_t = dev_t = work = 0.0
+    for k, (h, d) in enumerate(spans):
+        if h < 0 or d < 0:
+            raise ValueError(f"queue_idle: span {k} has host {h!r} and device {d!r} "
+                             f"seconds; both must be >= 0")
+        host_t += h
+        dev_t = max(dev_t, host_t) + d
+        work += d
+    return dev_t - work
+
+
+def forward_spans(row, host_per_linear: float = TE_LINEAR_FWD_HOST_2024) -> list:
+    """One layer's forward as (module, host seconds, device seconds), issue order
+    (``FORWARD_MODULES``): the device seconds are the planner's own forward ops of the
+    row's layer (``step_audit._layer_ops``, as ``estimate`` prices them; ``exposed``
+    time), each op placed in exactly one module; the host seconds ``host_per_linear``
+    for each TE linear module, 0 for the modules without a 2024 figure."""
+    cfg, lay, cl = P.build(row)
+    ops = SA._layer_ops(cfg, lay, cl.profile, row.get("attention", "flash"),
+                        row.get("tp_comm_overlap", False), row.get("transformer_engine", False))
+    fwd = {o["name"]: o["exposed"] for o in ops if o["phase"] == "forward"}
+    placed = [n for _, names, _ in FORWARD_MODULES for n in names]
+    left = sorted(set(fwd) - set(placed))
+    if left:
+        raise ValueError(f"h100_breakdown.forward_spans: forward ops {left} of "
+                         f"{row['name']} are in no module of FORWARD_MODULES; place them")
+    return [(name, host_per_linear if sourced else 0.0, sum(fwd.get(n, 0.0) for n in names))
+            for name, names, sourced in FORWARD_MODULES]
+
+
+def host_check(row) -> dict:
+    """The host against the device for one row's layer forward and its syncs (module
+    docstring, "Host time"): seconds per layer and micro-batch, or per step."""
+    cfg, lay, cl = P.build(row)
+    r = P.predict(row)
+    est = r["estimate"]
+    d = est.details
+    spans = forward_spans(row)
+    s = d["per_rank"][d["slowest_stage"]]["stage"]
+    n_layers, m = lay.stage_layers(cfg.n_layer)[s], d["micro_batches"]
+    host = sum(h for _, h, _ in spans)
+    device = sum(x for _, _, x in spans)
+    # a micro-batch's forward through the stage's layers from an empty queue
+    idle = queue_idle([(h, x) for _ in range(n_layers) for _, h, x in spans])
+    published = est.step_time * r["ratio"]
+    gap = published - est.step_time
+    # syncs a step: the loss's NaN check each micro-batch (pretrain_gpt.py:136-141) and
+    # each bucket's in the last backward (param_and_grad_buffer.py:111-118)
+    edge = edge_times(cfg, lay.micro_batch, lay.tp, lay.sp, cl.profile)
+    blocks = Z.stage_blocks(cfg, lay, s, d["layer"], d["head"], edge)
+    n_buckets = len(MB.buckets(cfg, lay, s, blocks)) if MB.applies(cfg, lay, s, True) \
+        else 1
+    return dict(name=row["name"], layout=lay.short(), m=m, layers=n_layers,
+                device_forward=device, host_forward_bound=host,
+                layer_forward=d["layer"].fwd_compute, idle_per_forward=idle,
+                lead_in=spans[0][1], host_paces=host > device,
+                gap=gap, published=published, predicted=est.step_time,
+                # the host per layer forward at which the forwards' waits alone would
+                # add the published step's excess (optimistic rows only)
+                host_to_close_gap=device + gap / (m * n_layers) if gap > 0 else None,
+                syncs=m + n_buckets, sync_bound=(m + n_buckets) * TE_LINEAR_FWD_HOST_2024)
+
+
 def main():
     out = [breakdown(row) for row in rows()]
     print("Megatron-LM README H100 rows (f2e5db402c): the predicted step's terms, seconds "
@@ -169,6 +320,19 @@ def main():
         print(f"  {x['name']:<9}{x['layout']:<40}{x['m']:>3}{x['nodes']:>6}{x['per_node']:>6}"
               f"{x['params'] / 1e9:>7.2f}B{x['reduce_scatter']:>10.3f}{x['all_gather']:>10.3f}"
               f"{x['last_backward']:>9.3f}{x['first_forward']:>8.3f}")
+    print("  host vs device, one layer's forward (ms): TE linear modules at "
+          f"{1e6 * TE_LINEAR_FWD_HOST_2024:.0f} us each ({HOST_SOURCE}); the attention "
+          "module and Megatron's Python unmeasured (0): the host is a LOWER BOUND")
+    print(f"  {'model':<9}{'device':>8}{'host>=':>8}{'paces':>6}{'idle/fwd':>9}"
+          f"{'host to close gap':>18}{'x bound':>8}{'syncs':>6}{'sync bound':>11}")
+    for x in (host_check(row) for row in rows()):
+        need = x["host_to_close_gap"]
+        close = (f"{1e3 * need:>18.3f}{need / x['host_forward_bound']:>8.2f}"
+                 if need is not None else f"{'-':>18}{'':>8}")
+        print(f"  {x['name']:<9}{1e3 * x['device_forward']:>8.3f}"
+              f"{1e3 * x['host_forward_bound']:>8.3f}{str(x['host_paces']):>6}"
+              f"{1e3 * x['idle_per_forward']:>9.3f}{close}{x['syncs']:>6}"
+              f"{1e3 * x['sync_bound']:>11.2f}")
     return out
 
 
