@@ -128,6 +128,14 @@ What the comparison says (measured when this module was written; the band in
   1.191, 1.145): the 8B rows 1.079 / 1.130 (H100), 1.133 (A100), the 13B 1.155 / 1.160,
   the 70Bs 1.105 .. 1.113.  What else torchtitan runs per step, checked and priced or
   negligible: ``benchmarks/torchtitan_breakdown.py``'s docstring.
+- torchtitan's Triton RMSNorm (``fused_rmsnorm``, the 13B and Llama 3 8B A100 rows'
+  configs; 2026-11-29, ``plan.eager_rates``): priced at the rates Liger-Kernel's RMSNorm of
+  the same design reached on A100s (0.69 / 0.56 of the datasheet bandwidth forward /
+  backward) instead of the plain 0.88: Llama 3 8B 1.133 -> 1.130, Llama 2 13B 1.155 ->
+  1.152 and 1.160 -> 1.157.  The host's time (FSDP2's hooks, the SAC dispatch mode, the
+  DTensor optimizer) read against published figures: hidden behind the GPU but for about
+  a millisecond a step, the optimizer's not priced (``benchmarks/torchtitan_breakdown.py``'s
+  docstring).
 - Full AC's recompute, read from the pairs of rows that differ only in recompute and
   local batch (``benchmarks/torchtitan_breakdown.py``, "The pairs' relative errors",
   2026-11-28): torchtitan's non-reentrant checkpoint stops its recompute before w2's GEMM
