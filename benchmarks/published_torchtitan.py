@@ -30,8 +30,13 @@ its mirror (``git show <commit>:<path>``):
   ``fused_rmsnorm`` (a Triton kernel), the 70Bs with ``rmsnorm`` (ASSUMED for the
   tables' rows: those two configs describe 2D runs, ``tensor_parallel_degree = 8``,
   local batch 16 / 8, full checkpointing, not the 1D rows; local batch and checkpointing
-  are the tables'); op-level SAC as at 9dec370ad2 (``parallelize_llama.py``'s
-  ``no_recompute_list`` and "every second mm").
+  are the tables'; both commits refuse the Triton norm with TP, "fused_rmsnorm not yet
+  compatible with TP" (``torchtitan/parallelisms/parallelize_llama.py``:142-146, until
+  pytorch/torchtitan#364, opened 2024-05-25), so those 2D configs had no choice; were the
+  1D 70B rows run with ``fused_rmsnorm`` as the 1D 13B and 8B configs were, they would
+  read 1.167 / 1.170 / 1.172 instead of 1.105 / 1.107 / 1.113: the assumption is worth
+  0.06 on them, in the optimistic direction, 2026-11-29); op-level SAC as at 9dec370ad2
+  (``parallelize_llama.py``'s ``no_recompute_list`` and "every second mm").
   The network of those A100s is not stated: priced as the ``a100`` profile's DGX A100
   (one 200 Gb/s HDR InfiniBand port per GPU), UNCERTAIN; Meta's two A100 clusters of the time both
   had 200 Gbps endpoints (Touvron et al. 2023, "Llama 2", sec. 2.2.1: RSC on InfiniBand,

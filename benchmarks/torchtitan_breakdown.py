@@ -83,7 +83,9 @@ gets wrong in their ratio is a component that scales with that knob, not the net
    candidates: HBM contention of the recompute with the backward's reduce-scatter and
    all-gather (the recompute opens each block's backward, when the previous block's
    reduce-scatter runs; ``overlap_rate`` prices SMs only), the SAC dispatch mode's host
-   time per op.  No change.
+   time per op.  No change.  (2026-11-29, titan13: the Triton norm priced at its measured
+   rate, 0.430 -> 0.432 s; the dispatch mode's host time runs ahead of the GPU, no CPU
+   sync inside a step: not this gap, below.)
 3. Llama 3.1 8B on 128 over 8 H100s, both local batch 2: measured 0.973, predicted 1.016.
    The per-GPU work is the same; the planner's only terms that differ are the optimizer
    step (foreach AdamW and clipping over the rank's shard, 1/8 against 1/128 of the
@@ -131,8 +133,10 @@ Re-read on 2026-11-29 (titan13): the Triton RMSNorm, the host, what else runs.
 - The norm of the A100 rows.  ``fused_rmsnorm`` in the configs of the 13B and Llama 3 8B
   rows (pytorch/torchtitan@eb6aa6389 ``train_configs/llama_13b.toml``:21,
   @1ea476e9f ``train_configs/llama3_8b.toml``:21), ``rmsnorm`` in the 70Bs' (2D configs,
-  ``tensor_parallel_degree = 8``; the Triton norm ran with TP only from
-  pytorch/torchtitan#364, opened 2024-05-25: the 1D 70B rows' norm stays ASSUMED).  The kernel
+  ``tensor_parallel_degree = 8``, which both commits refuse with the Triton norm,
+  ``parallelize_llama.py``:142-146, until pytorch/torchtitan#364, opened 2024-05-25: the
+  1D 70B rows' norm stays ASSUMED; run with ``fused_rmsnorm`` they would read 1.167 ..
+  1.172, not 1.105 .. 1.113).  The kernel
   (``torchtitan/models/norms.py``, the same file at both commits; added by #181, whose
   only figure is end to end, "+15% MFU with FSDP2 7B", not used) was priced as one fused
   pass each way at the plain memory rate.  Now at the rates Liger-Kernel's RMSNorm of the
