@@ -79,8 +79,8 @@ buffer: not torchtitan's design, not used.  So (``TRITON_MEASURED``):
 - backward: the A100 80GB PCIe's rows (0.5.2, torchtitan's design): 1.14 TB/s, 0.56 of
   2,039 GB/s (1.58x longer), carried in bytes per second to the SXM card as the forward
   shows it may (ASSUMPTION for the backward).  Its rows at H <= 8,192 sit on one floor
-  (0.123-0.125 ms whatever the size: the host's time for the Python backward, which the
-  GPU then waits for), not a kernel rate: only H = 16,384, above that floor, is read.
+  (0.123-0.125 ms while the bytes grow eightfold: read as the host's time per call of the
+  Python backward, not a kernel rate): only H = 16,384, 1.5x above that floor, is read.
 
 The rate is read at H = 16,384 over Liger's 2,048 rows (``TRITON_RATE_SIZE``): 33.5 M
 elements a launch, as many as Llama 3 8B's norm at 8,192 tokens (8,192 x 4,096; the 13B
