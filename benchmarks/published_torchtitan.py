@@ -30,8 +30,13 @@ its mirror (``git show <commit>:<path>``):
   ``fused_rmsnorm`` (a Triton kernel), the 70Bs with ``rmsnorm`` (ASSUMED for the
   tables' rows: those two configs describe 2D runs, ``tensor_parallel_degree = 8``,
   local batch 16 / 8, full checkpointing, not the 1D rows; local batch and checkpointing
-  are the tables'); op-level SAC as at 9dec370ad2 (``parallelize_llama.py``'s
-  ``no_recompute_list`` and "every second mm").
+  are the tables'; both commits refuse the Triton norm with TP, "fused_rmsnorm not yet
+  compatible with TP" (``torchtitan/parallelisms/parallelize_llama.py``:142-146, until
+  pytorch/torchtitan#364, opened 2024-05-25), so those 2D configs had no choice; were the
+  1D 70B rows run with ``fused_rmsnorm`` as the 1D 13B and 8B configs were, they would
+  read 1.167 / 1.170 / 1.172 instead of 1.105 / 1.107 / 1.113: the assumption is worth
+  0.06 on them, in the optimistic direction, 2026-11-29); op-level SAC as at 9dec370ad2
+  (``parallelize_llama.py``'s ``no_recompute_list`` and "every second mm").
   The network of those A100s is not stated: priced as the ``a100`` profile's DGX A100
   (one 200 Gb/s HDR InfiniBand port per GPU), UNCERTAIN; Meta's two A100 clusters of the time both
   had 200 Gbps endpoints (Touvron et al. 2023, "Llama 2", sec. 2.2.1: RSC on InfiniBand,
@@ -128,6 +133,14 @@ What the comparison says (measured when this module was written; the band in
   1.191, 1.145): the 8B rows 1.079 / 1.130 (H100), 1.133 (A100), the 13B 1.155 / 1.160,
   the 70Bs 1.105 .. 1.113.  What else torchtitan runs per step, checked and priced or
   negligible: ``benchmarks/torchtitan_breakdown.py``'s docstring.
+- torchtitan's Triton RMSNorm (``fused_rmsnorm``, the 13B and Llama 3 8B A100 rows'
+  configs; 2026-11-29, ``plan.eager_rates``): priced at the rates Liger-Kernel's RMSNorm of
+  the same design reached on A100s (0.69 / 0.56 of the datasheet bandwidth forward /
+  backward) instead of the plain 0.88: Llama 3 8B 1.133 -> 1.130, Llama 2 13B 1.155 ->
+  1.152 and 1.160 -> 1.157.  The host's time (FSDP2's hooks, the SAC dispatch mode, the
+  DTensor optimizer) read against published figures: hidden behind the GPU but for about
+  a millisecond a step, the optimizer's not priced (``benchmarks/torchtitan_breakdown.py``'s
+  docstring).
 - Full AC's recompute, read from the pairs of rows that differ only in recompute and
   local batch (``benchmarks/torchtitan_breakdown.py``, "The pairs' relative errors",
   2026-11-28): torchtitan's non-reentrant checkpoint stops its recompute before w2's GEMM

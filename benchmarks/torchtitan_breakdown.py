@@ -83,7 +83,9 @@ gets wrong in their ratio is a component that scales with that knob, not the net
    candidates: HBM contention of the recompute with the backward's reduce-scatter and
    all-gather (the recompute opens each block's backward, when the previous block's
    reduce-scatter runs; ``overlap_rate`` prices SMs only), the SAC dispatch mode's host
-   time per op.  No change.
+   time per op.  No change.  (2026-11-29, titan13: the Triton norm priced at its measured
+   rate, 0.430 -> 0.432 s; the dispatch mode's host time runs ahead of the GPU, no CPU
+   sync inside a step: not this gap, below.)
 3. Llama 3.1 8B on 128 over 8 H100s, both local batch 2: measured 0.973, predicted 1.016.
    The per-GPU work is the same; the planner's only terms that differ are the optimizer
    step (foreach AdamW and clipping over the rank's shard, 1/8 against 1/128 of the
@@ -123,11 +125,58 @@ steps, ``gc.collect(1)`` every 50 (not in steps 81-90, which the H100 figure rea
 profiler (``profile_freq`` 100, warm-up 3, active 1) waits in those steps; FSDP2's final
 callback makes the compute stream wait for the last reduce-scatter before the optimizer
 (priced: ``plan.fsdp2_root``).  Still unpriced: the clusters' power caps (500 W H100s;
-350 or 400 W A100s), the rate of torchtitan's Triton ``fused_rmsnorm`` (priced as one
-fused pass each way; its backward loops over rows per SM, not measured: about 17 ms a
-step on the 8B A100 row were it at half the price), the HBM2e H100's eager rates were
-they the NVL's share of its bandwidth rather than its bytes per second
-(``plan.eager_rates``).
+350 or 400 W A100s), the HBM2e H100's eager rates were they the NVL's share of its
+bandwidth rather than its bytes per second (``plan.eager_rates``).
+
+Re-read on 2026-11-29 (titan13): the Triton RMSNorm, the host, what else runs.
+
+- The norm of the A100 rows.  ``fused_rmsnorm`` in the configs of the 13B and Llama 3 8B
+  rows (pytorch/torchtitan@eb6aa6389 ``train_configs/llama_13b.toml``:21,
+  @1ea476e9f ``train_configs/llama3_8b.toml``:21), ``rmsnorm`` in the 70Bs' (2D configs,
+  ``tensor_parallel_degree = 8``, which both commits refuse with the Triton norm,
+  ``parallelize_llama.py``:142-146, until pytorch/torchtitan#364, opened 2024-05-25: the
+  1D 70B rows' norm stays ASSUMED; run with ``fused_rmsnorm`` they would read 1.167 ..
+  1.172, not 1.105 .. 1.113).  The kernel
+  (``torchtitan/models/norms.py``, the same file at both commits; added by #181, whose
+  only figure is end to end, "+15% MFU with FSDP2 7B", not used) was priced as one fused
+  pass each way at the plain memory rate.  Now at the rates Liger-Kernel's RMSNorm of the
+  same design (a program per row forward; a program per SM looping over the rows
+  backward, fp32 weight-gradient rows summed after) reached in Liger's published A100
+  benchmarks (``plan.eager_rates``: ``TRITON_MEASURED``, 0.69 / 0.56 of the SXM's 2,039
+  GB/s forward / backward where the plain rate is 0.88), its bytes counted from its
+  source (``plan.titan_eager.triton_norm_kernels``; ``tests/test_titan13.py``): +0.28 ms
+  a 13B block with op-level SAC (11 ms a step), +0.22 ms an 8B block (7 ms).  Rows
+  (``python -m benchmarks.published``): Llama 3 8B 1.133 -> 1.130, Llama 2 13B 1.155 ->
+  1.152 and 1.160 -> 1.157; the 13B pair's recompute 0.430 -> 0.432 s (measured 0.514);
+  the summary unchanged (median 1.078, 32 within 15%, 3 beyond 30%).
+- The host.  FSDP2 runs "without any CPU synchronization" (pytorch/torchtitan@eb6aa6389
+  ``docs/fsdp.md``:10, :72: no ``limit_all_gathers``), so within a step the host waits for
+  the GPU nowhere but at the pageable ``input_ids.cuda()`` / ``labels.cuda()`` of its
+  start (``train.py``:279-280); after it the GPU waits only while the host's time since
+  that sync exceeds the GPU work it has issued.  Published host figures are far below the
+  rows' GPU spans: FSDP2's ``pre_forward`` about 1 ms a unit (pytorch/pytorch#173680,
+  torch 2.10, "1 ms launches can be ok for some transformer architectures"; in the
+  April 2024 code not measured) against a block's forward of 19.9-69.9 ms and backward of
+  49-198 ms here (the table above); so FSDP2's hooks, the SAC dispatch mode's Python per
+  aten op (no published per-op figure found) and the eager ops' launches stay behind the
+  GPU after the first unit's launches (about a millisecond a step, as before).  The
+  optimizer step's host time on DTensor (foreach AdamW and ``clip_grad_norm_`` over the
+  rank's 291 / 363 / 723 sharded tensors for 8B / 13B / 70B) was measured at up to 187 ms
+  on the CPU for a model of many small weights under torch 2.4.0 with a debugger hook on
+  (pytorch/pytorch#134191, "uncompiled AdamW + FSDP2 + pydevd: 187 ms on CPU"; FSDP1 6
+  ms): it runs while the GPU still drains the backward's queued kernels, by how much the
+  host leads then (the depth of CUDA's launch queue) has no source here, and no figure
+  for these models' tensors exists: not priced (at most its excess over that lead and
+  the optimizer's own GPU time, 6-57 ms, is exposed).
+- What else runs on the GPU, re-read at eb6aa6389 (``train.py``, ``models/llama/
+  model.py``): ``freqs_cis`` is a persistent buffer sliced per step (a view), the SDPA
+  output's ``transpose(1, 2).contiguous()`` copies nothing (flash returns (b, s, h, d)),
+  ``repeat_kv`` is a no-op for the Llama 2 MHA models (n_rep = 1), AdamW ``foreach=True``
+  (``build_optimizer``, :86-102) runs the 20 fp32 accesses priced, ``clip_grad_norm_
+  (..., foreach=True)`` its norm and multiply (priced), ``enable_tensorboard`` and the
+  profiler (``enable_profiling = true``, ``profile_freq = 100`` in the 13B config) write
+  from the host at log and profile steps only.  Nothing unpriced found that moves a row
+  by more than 0.1%.
 """
 from __future__ import annotations
 

@@ -51,6 +51,44 @@ rate (ASSUMPTION: the same class of broadcast, non-contiguous kernels; not measu
 torchtitan's RMSNorm multiplies by a bf16 weight where the benchmark's is fp32 (an fp32
 product; counted as it ran); its RoPE multiplies complex64 views where the benchmark's
 rotates halves (ASSUMPTION: the same rate per counted byte).
+
+**torchtitan's Triton RMSNorm** (``norm_type = "fused_rmsnorm"``, the April 2024 A100
+configs of the 13B and Llama 3 8B rows: pytorch/torchtitan@eb6aa6389
+``train_configs/llama_13b.toml``:21, @1ea476e9f ``train_configs/llama3_8b.toml``:21; the
+kernels in ``torchtitan/models/norms.py``, the same file at both commits, added by
+pytorch/torchtitan#181, whose only figure is end to end: "+15% MFU with FSDP2 7B").  Its
+forward ``_rms_norm_fwd_kernel`` (``norms.py``:120) runs one program per row (``grid =
+(M,)``, :238): load the row and the weight, the fp32 sum of squares, store the row's
+rstd and the output; its backward ``_rms_norm_bwd_kernel_sm`` (:168) runs one program per
+SM (``grid = (sm_count,)``, :284), each looping over ``ceil(M / sm_count)`` rows (:196,
+:279): load x and dy, store dx, accumulate the weight gradient in fp32 registers and
+store it as one row of an (sm_count, N) fp32 buffer (:275), which ``_dw.sum(0).to(weight.
+dtype)`` (:301) reduces.  Its own rate was never published; Liger-Kernel's RMSNorm (the
+provider "liger" of the same benchmark files) is the same design: at liger 0.5.2
+(linkedin/Liger-Kernel@bdbfeadf99 ``src/liger_kernel/ops/rms_norm.py``) a forward of one
+program per row (:42, launched :226) and a backward of ``sm_count`` programs looping over
+``rows_per_program`` rows (:114, :157, :251-263) into an (sm_count, N) fp32 buffer summed
+after (:258, :293); at liger 0.2.1 (the A100-SXM4-80GB rows; b5672a153b, :205) the same
+forward, but a backward of one program per row writing a full (M, N) weight-gradient
+buffer: not torchtitan's design, not used.  So (``TRITON_MEASURED``):
+
+- forward: the A100-SXM4-80GB's "liger" rows (0.2.1) and the A100 80GB PCIe's (0.5.2),
+  within 0.1% of each other at H = 16,384 (95.26 / 95.23 us: not bound by HBM, whose
+  bandwidth differs by 5%): 1.41 TB/s of counted bytes, 0.69 of the SXM's 2,039 GB/s
+  where the fused block prices 0.88 (1.27x longer);
+- backward: the A100 80GB PCIe's rows (0.5.2, torchtitan's design): 1.14 TB/s, 0.56 of
+  2,039 GB/s (1.58x longer), carried in bytes per second to the SXM card as the forward
+  shows it may (ASSUMPTION for the backward).  Its rows at H <= 8,192 sit on one floor
+  (0.123-0.125 ms while the bytes grow eightfold: read as the host's time per call of the
+  Python backward, not a kernel rate): only H = 16,384, 1.5x above that floor, is read.
+
+The rate is read at H = 16,384 over Liger's 2,048 rows (``TRITON_RATE_SIZE``): 33.5 M
+elements a launch, as many as Llama 3 8B's norm at 8,192 tokens (8,192 x 4,096; the 13B
+row's 8,192 x 5,120, 41.9 M).  ASSUMPTION: torchtitan's kernel moves its bytes at the
+rate Liger's reached there; its rows are shorter (4,096 / 5,120 against 16,384) and
+each backward program loops over 76 rows, not 19, and it autotunes ``num_warps``
+(``@triton.autotune(..., key=["N"])``, :108-117) where Liger fixes them
+(``calculate_settings``): how those differences move the rate is not measured.
 """
 from __future__ import annotations
 
@@ -59,7 +97,8 @@ from functools import lru_cache
 import torch
 
 __all__ = ["MEASURED", "KINDS", "reference_ops", "achieved_rate", "profile_rate",
-           "kernel_name"]
+           "kernel_name", "TRITON_KIND", "TRITON_MEASURED", "TRITON_RATE_SIZE",
+           "triton_reference_ops", "triton_achieved_rate"]
 
 _LIGER = "linkedin/Liger-Kernel"
 # medians (y_value_50, ms) of the "huggingface" provider's speed rows: rms_norm at M = 2048
@@ -97,17 +136,47 @@ MEASURED = {
 }
 KINDS = ("rms_norm", "rope")
 PHASES = ("forward", "backward")
+# torchtitan's Triton RMSNorm (module docstring): its rate has its own kernel names
+TRITON_KIND = "triton_rms_norm"
+# medians (y_value_50, ms) of the "liger" provider's rms_norm speed rows, M = 2,048 rows of
+# H, bf16 (benchmark_rms_norm.py: ``LigerRMSNorm(hidden_size=H)``, an fp32 weight, the
+# default ``in_place=True``: dx written over dy; x.grad reset each rep, the weight's
+# gradient accumulated).  Forward from both A100s; backward only where the kernel is
+# torchtitan's design and above the host floor (module docstring)
+TRITON_MEASURED = {
+    "A100-SXM4-80GB": {
+        "source": f"{_LIGER}@2120862ba5:benchmark/data/all_benchmark_data.csv, rows "
+                  f"'rms_norm,liger' of 2024-09-03 (liger 0.2.1, kernel at b5672a153b "
+                  f"src/liger_kernel/ops/rms_norm.py)",
+        "forward": {8192: 0.0517439991235733, 16384: 0.0952640026807785,
+                    32768: 0.18223999440670013},
+    },
+    "A100 80GB PCIe": {
+        "source": f"{_LIGER}@bdbfeadf99:benchmark/data/a100_all_benchmark_data.csv, rows "
+                  f"'rms_norm,liger' of 2025-01-25 (liger 0.5.2, kernel at bdbfeadf99 "
+                  f"src/liger_kernel/ops/rms_norm.py)",
+        "forward": {8192: 0.04915200173854828, 16384: 0.09523200243711472,
+                    32768: 0.17715199291706085},
+        # H = 1,024 .. 8,192: 0.1249, 0.1249, 0.1239, 0.1229 ms (the host floor)
+        "backward": {16384: 0.18943999707698822},
+        "host_floor": {1024: 0.12492799758911133, 2048: 0.12492799758911133,
+                       4096: 0.12390399724245071, 8192: 0.1228799968957901},
+    },
+}
+TRITON_RATE_SIZE = 16384
+_A100_SMS = 108             # the A100's SMs (sm_count, the (sm_count, H) gradient buffer)
 # the size each profile's rate is read at: the largest measured (the rows' sizes)
 RATE_SIZE = {"rms_norm": 32768, "rope": 16384}
 _ROWS, _HIDDEN, _HQ, _HK = 2048, 8192, 32, 8       # the benchmarks' fixed dimensions
 
 
 def kernel_name(kind: str, phase: str) -> str:
-    """The profile's ``kernel_bandwidth`` key of ``kind``'s eager kernels in ``phase``."""
-    if kind not in KINDS or phase not in PHASES:
+    """The profile's ``kernel_bandwidth`` key of ``kind``'s eager kernels in ``phase``
+    (``TRITON_KIND``: torchtitan's Triton RMSNorm's)."""
+    if kind not in KINDS + (TRITON_KIND,) or phase not in PHASES:
         raise ValueError(f"kernel_name: kind={kind!r}, phase={phase!r}; use one of "
-                         f"{list(KINDS)} and {list(PHASES)}")
-    return f"eager_{kind}_{phase}"
+                         f"{list(KINDS) + [TRITON_KIND]} and {list(PHASES)}")
+    return f"{kind}_{phase}" if kind == TRITON_KIND else f"eager_{kind}_{phase}"
 
 
 def _hf_rms_norm(x, w, eps=1e-6):
@@ -191,3 +260,40 @@ def profile_rate(card: str, kind: str, phase: str, memory_rate: float) -> float:
     """The rate a profile carries for ``kind``'s eager kernels: ``card``'s achieved rate,
     no faster than the profile's plain memory rate ``memory_rate`` (module docstring)."""
     return min(achieved_rate(card, kind, phase), memory_rate)
+
+
+def triton_reference_ops(phase: str, h: int, rows: int = _ROWS, sms: int = _A100_SMS):
+    """The kernels Liger's "liger" RMSNorm benchmark runs per call (liger 0.5.2, the module
+    docstring's lines), ((name, bytes read + written), ...), over ``rows`` rows of ``h``
+    bf16 elements with its fp32 weight: forward, the kernel (x and the weight read, y and
+    the row's fp32 rstd written); backward, the kernel (x, dy, the weight, rstd read; dx
+    written over dy; its (sms, h) fp32 weight-gradient rows), their ``sum(dim=0)``, and
+    autograd's accumulation into the weight's fp32 ``.grad`` (``.to(W.dtype)`` of an fp32
+    sum copies nothing; x's gradient is taken, not added: ``grad_to_none=[x]``)."""
+    if phase not in PHASES:
+        raise ValueError(f"triton_reference_ops: phase={phase!r}; use one of {list(PHASES)}")
+    for name, v in (("h", h), ("rows", rows), ("sms", sms)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"triton_reference_ops: {name}={v!r} must be an int >= 1")
+    x, w, r = 2 * rows * h, 4 * h, 4 * rows
+    if phase == "forward":
+        return (("_rms_norm_forward_kernel", 2 * x + w + r),)
+    return (("_rms_norm_backward_kernel", 3 * x + w + r + 4 * sms * h),
+            ("sum", 4 * sms * h + 4 * h),
+            ("add_", 3 * 4 * h))
+
+
+def triton_achieved_rate(card: str, phase: str, size: int = TRITON_RATE_SIZE) -> float:
+    """Bytes per second Liger's Triton RMSNorm moved on ``card`` (a key of
+    ``TRITON_MEASURED``) in ``phase`` at H = ``size``: counted bytes / measured seconds."""
+    if card not in TRITON_MEASURED:
+        raise ValueError(f"triton_achieved_rate: card={card!r}; use one of "
+                         f"{list(TRITON_MEASURED)}")
+    if phase not in PHASES:
+        raise ValueError(f"triton_achieved_rate: phase={phase!r}; use one of {list(PHASES)}")
+    got = TRITON_MEASURED[card].get(phase, {})
+    if size not in got:
+        raise ValueError(f"triton_achieved_rate: no {phase} of H={size!r} on {card!r} "
+                         f"(measured: {sorted(got)}; the backward only where the kernel "
+                         f"is torchtitan's design and above the host floor)")
+    return sum(b for _, b in triton_reference_ops(phase, size)) / (got[size] * 1e-3)

@@ -14,7 +14,12 @@ code at 9dec370ad2 (pytorch/torchtitan, ``torchtitan/models/llama/model.py`` and
   casts, the products' two gradients, the weight gradient's reduction, ``pow``'s and
   ``mean``'s backward), where the fused block prices one read of x and one write of y
   forward and one pass backward.  ``"fused_rmsnorm"`` (torchtitan's Triton kernel, one
-  pass each way) is priced as the fused block prices it;
+  pass each way): its kernels (:func:`triton_norm_kernels`: the forward, the backward's
+  per-SM loop and the reduction of its (sm_count, h) fp32 weight-gradient rows, the cast
+  to the weight's dtype) at the rates Liger-Kernel's kernel of the same design reached on
+  the A100 (``plan.eager_rates``, ``profile.kernel_bandwidth["triton_rms_norm_forward"]``
+  / ``"_backward"``); a profile without them prices it as the fused block prices it (one
+  pass each way at the plain memory rate), as before 2026-11-29;
 - ``apply_rotary_emb``: q and k cast to fp32 (``xq.float()``), viewed as complex,
   multiplied by ``freqs_cis`` (complex64) and cast back (``type_as``): three kernels each
   forward and backward, where the fused block prices one;
@@ -70,9 +75,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..sim_mesh.cost import compute_time
-from .eager_rates import kernel_name
+from .eager_rates import PHASES as _PHASES, TRITON_KIND, kernel_name
 
-__all__ = ["NORM_TYPES", "kernels", "scaled", "extra_seconds", "check", "assumption"]
+__all__ = ["NORM_TYPES", "kernels", "scaled", "extra_seconds", "check", "assumption",
+           "triton_norm_kernels"]
 
 NORM_TYPES = ("rmsnorm", "fused_rmsnorm")
 PARTS = ("norm", "pre_attention", "swiglu", "input_grads")
@@ -235,6 +241,32 @@ def scaled(a, b, n, who: str) -> dict:
     return out
 
 
+def triton_norm_kernels(tokens: int, h: int, sms: int, e: int = 2) -> dict:
+    """The kernels torchtitan's Triton ``FusedRMSNorm`` runs over ``tokens`` rows of ``h``
+    (pytorch/torchtitan@eb6aa6389 ``torchtitan/models/norms.py``, the same at 1ea476e9f),
+    ``e`` bytes per element of the input and of the weight (bf16 under FSDP2's
+    ``param_dtype``), on a GPU of ``sms`` SMs: ``{"forward": ((name, bytes read + written),
+    ...), "backward": ...}``.  Forward, ``_rms_norm_fwd_kernel`` (:120, one program per
+    row): x and the weight read, y (``empty_like(x)``, :229) and the row's fp32 rstd
+    (:230) written.  Backward, ``_rms_norm_bwd_kernel_sm`` (:168, ``sms`` programs, :284):
+    x, dy, the weight and rstd read, dx (``empty_like(x)``, :271) written and its
+    program's fp32 weight-gradient row of the (sms, h) buffer (:275); then ``_dw.sum(0)``
+    (fp32) and ``.to(weight.dtype)`` (:301)."""
+    for name, v in (("tokens", tokens), ("h", h), ("sms", sms), ("e", e)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"triton_norm_kernels: {name}={v!r} must be an int >= 1")
+    x, w, r = e * tokens * h, e * h, 4 * tokens
+    return {"forward": (("_rms_norm_fwd_kernel", 2 * x + w + r),),
+            "backward": (("_rms_norm_bwd_kernel_sm", 3 * x + w + r + 4 * sms * h),
+                         ("sum", 4 * sms * h + 4 * h),
+                         ("_to_copy", 4 * h + e * h))}
+
+
+def _triton_rates(prof) -> bool:
+    """Whether ``prof`` carries the measured rates of torchtitan's Triton RMSNorm."""
+    return all(kernel_name(TRITON_KIND, ph) in prof.kernel_bandwidth for ph in _PHASES)
+
+
 def _seconds(ops, prof, kind=None, phase="forward") -> float:
     """Seconds of eager kernels ``ops`` on ``prof``: each one launch moving its bytes at
     the rate the profile measured for ``kind``'s eager kernels (``eager_rates``:
@@ -309,9 +341,18 @@ def extra_seconds(cfg, lay, prof, norm_type: str) -> dict:
              (None, kernels("input_grads", T, h, a // t, g // t, d))]
     replaced = {"rope_q", "rope_k", "rope_q_grad", "rope_k_grad",
                 "silu", "swiglu_mul", "silu_grad", "swiglu_mul_grad"}
+    norms = {"attn_norm", "mlp_norm", "attn_norm_grad", "mlp_norm_grad"}
     if norm_type == "rmsnorm":
         parts += [("rms_norm", kernels("norm", Tn, h, a // t, g // t, d))] * 2
-        replaced |= {"attn_norm", "mlp_norm", "attn_norm_grad", "mlp_norm_grad"}
+        replaced |= norms
+    elif _triton_rates(prof):
+        sms = prof.topology.sm_count          # the backward's programs (one per SM)
+        if not sms:
+            raise ValueError(f"torchtitan_eager='fused_rmsnorm' on profile {prof.name!r}: "
+                             f"it carries the Triton RMSNorm's rates but not "
+                             f"topology.sm_count, the kernel's backward programs; give it")
+        parts += [(TRITON_KIND, triton_norm_kernels(Tn, h, sms, e))] * 2
+        replaced |= norms
     ef = sum(_seconds(p["forward"], prof, k, "forward") for k, p in parts)
     eb = sum(_seconds(p["backward"], prof, k, "backward") for k, p in parts)
     ff, fb = _fused(replaced, fwd_ops, bwd_ops, prof)
@@ -331,12 +372,19 @@ def assumption(norm_type: str, extra: dict, layers: int) -> str:
     norm = "RMSNorm's casts, square, mean, rsqrt and products, " \
         if norm_type == "rmsnorm" else ""
     got = extra.get("measured_rates", ())
+    triton = [k for k in got if k.startswith(TRITON_KIND)]
+    eager = [k for k in got if k not in triton]
     rates = ((f"{'the norm' if norm_type == 'rmsnorm' else ''}"
               f"{' and ' if norm_type == 'rmsnorm' else ''}RoPE / repeat_kv kernels at "
               f"the rates eager RMSNorm and RoPE reached in Liger-Kernel's benchmarks "
-              f"(plan/eager_rates.py: {', '.join(got)}), the others at the plain memory "
-              f"rate") if got else "every kernel at the profile's plain memory rate "
+              f"(plan/eager_rates.py: {', '.join(eager)}), the others at the plain memory "
+              f"rate") if eager else "every kernel at the profile's plain memory rate "
              "(no measured eager rates: plan/eager_rates.py)")
+    if norm_type == "fused_rmsnorm":
+        rates += ("; the Triton RMSNorm at the rates Liger-Kernel's kernel of its design "
+                  f"reached on the A100 ({', '.join(triton)}; ASSUMPTION: the same rate "
+                  "for torchtitan's)") if triton else \
+            "; the Triton RMSNorm as the fused block's (no measured rate for it)"
     return (f"torchtitan's eager Llama block (plan/titan_eager.py, norm_type={norm_type}): "
             f"{extra['kernels']} forward kernels per block ({norm}RoPE in fp32 complex, "
             f"repeat_kv copies, silu and the product; backward: the product's two "
