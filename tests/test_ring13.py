@@ -1,13 +1,14 @@
 """A sequence in load-balanced ring order (to_ring_layout) meets what test_cp12 left open.
 
-Was (``python -m benchmarks.ring_order_probe``, the 67 "+" cases at cp 2 and 4): 30
+Was (``python -m benchmarks.ring_order_probe``, the 69 "+" cases at cp 2 and 4): 32
 differed from one device and 8 more lost the record with the values in ring order, no
 error: a DistTensor sharded by hand with no record taken as being in the ring's order
 beside a recorded one, ``from_ring_layout`` of a tensor with no record "undoing" an order
 it was not in, nonzero / masked_select / unique_consecutive listing elements in the ring's
 order, repeat / tile end to end, reshape / view / flatten / unflatten merging or splitting
-the ring dim, ``x[:, i] = v`` and index_put at natural positions, an einsum whose output
-columns lost their order. Now each is refused naming the op, the dim and the fix, or
+the ring dim, ``x[:, i] = v`` and index_put at natural positions, a batched matmul over
+the sequence with a plain weight per position, an einsum whose output columns lost their
+order. Now each is refused naming the op, the dim and the fix, or
 (order-preserving along the dim) keeps the record and equals one device.
 """
 import pytest
@@ -110,6 +111,8 @@ _REFUSED = {
     "flatten(1)": (lambda x: x.flatten(1), "flatten: "),
     "unflatten seq": (lambda x: x.unflatten(1, (2, -1)), "unflatten: "),
     "argmax along seq": (lambda x: torch.argmax(x, 1), "indices would count the ring's order"),
+    "matmul batched over seq, plain w": (
+        lambda x: x.unsqueeze(2) @ torch.randn(x.shape[1], H, 2), "matmul: input 1"),
     "einsum with a plain weight along seq": (
         lambda x: torch.einsum("bsh,sg->bhg", x, torch.randn(x.shape[1], 2)), "einsum: input 1"),
 }
@@ -158,6 +161,14 @@ def test_order_preserving_ops_keep_the_record_and_equal_one_device(name, p):
     want = _KEPT[name](x)
     torch.testing.assert_close(_natural(out), want)
     assert out.dtype == want.dtype
+
+
+def test_a_batched_matmul_over_the_sequence_takes_weights_laid_out_with_it():
+    x, rx = _x(2)
+    w = torch.randn(x.shape[1], H, 2, generator=torch.Generator().manual_seed(3))
+    out = rx.unsqueeze(2) @ _ring(w, _mesh(2), 0)
+    assert ring_order_of(out) == RingOrder(0, 2, 1, True)
+    torch.testing.assert_close(_natural(out), x.unsqueeze(2) @ w)
 
 
 def test_einsum_records_both_sequence_dims_of_a_score_matrix():

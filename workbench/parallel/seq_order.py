@@ -26,14 +26,21 @@ tensor as a :class:`RingOrder` (``x._ring_order``), and kept exactly where it is
 * :func:`check_op` (the dispatcher, before the op runs) refuses, naming the fix, what
   would give another answer than one device on the sequence in its own order: an op
   that reads positions along a recorded dim (:func:`sensitive_dims`: scans, flip, roll,
-  slices and picks, index_select / gather, argmax / sort / topk, pad, convolutions and
-  pools, tril / triu, split / cat; causal attention outside ``context_parallel``), and
+  slices and picks, index_select / gather, argmax / sort / topk (their indices would count
+  the ring's order), pad, convolutions and pools, tril / triu, split / cat, repeat / tile
+  along it, the data-dependent ops that list elements in the order met (nonzero,
+  masked_select, ``x[mask]``, unique_consecutive, unsorted unique or its inverse), a view
+  that merges the dim with another or splits it (its order could not be recorded); causal
+  attention outside ``context_parallel``; ``x[i] = v`` at positions or with values in the
+  sequence's own order, :func:`check_write`), and
   an op where a recorded dim meets a tensor varying along it whose order is not recorded
   the same: a plain tensor (a causal mask ``torch.triu(torch.ones(S, S), 1)``, a
   key-padding mask, RoPE's cos/sin tables from positions 0..S-1), a DistTensor with no
   record that is whole on the ring's mesh dim, or one recorded on another dim (a mask
-  laid out along its rows, whose keys are not); a DistTensor sharded there by hand with
-  no record is taken as given, as above (its output has no record).  Permuting such a plain tensor "into" the order would be exact only if it were
+  laid out along its rows, whose keys are not), or a DistTensor sharded there by hand with
+  no record (``distribute_tensor(t, mesh, [Shard(1)])`` of a sequence in its own order, or
+  of one put in ring order by hand: they look the same; ``set_ring_order`` states the
+  latter).  Permuting such a plain tensor "into" the order would be exact only if it were
   in the sequence's own order, and one put in ring order by hand (``cos[perm]``, this
   module's earlier advice) looks the same: refused either way, with the fix
   (``F.scaled_dot_product_attention(..., is_causal=True)`` inside ``context_parallel``;
@@ -48,7 +55,9 @@ tensor as a :class:`RingOrder` (``x._ring_order``), and kept exactly where it is
 A tensor with no recorded order may still be in ring order (laid out by hand,
 ``shard_tensor(ring_order(t, p, 2), ...)``): "not recorded" means "not known", and
 load-balanced causal attention inside ``context_parallel`` refuses it, naming
-``to_ring_layout``.  PyTorch keeps the same fact on the context instead
+``to_ring_layout``, as ``from_ring_layout`` does (undoing an order it may not be in would
+scramble it) and any op where it meets a recorded one; ``set_ring_order`` states it.
+PyTorch keeps the same fact on the context instead
 (``torch.distributed.tensor.experimental.context_parallel`` reorders the ``buffers`` it
 is given and its attention assumes that order of every input; ``context_parallel_
 unshard`` undoes it), so an input sharded another way gives a wrong attention there;
@@ -459,6 +468,9 @@ def _aligned_dim(opdef, x, o, y, i, j, cand_dst, attrs):
             return y.ndim - 2
         if i == 1 and j == 0 and x.ndim >= 2 and o.dim == x.ndim - 2:
             return y.ndim - 1
+        if x.ndim >= 3 and y.ndim >= 3 and o.dim < x.ndim - 2:
+            e = y.ndim - x.ndim + o.dim          # a batch dim: broadcast, right-aligned
+            return e if 0 <= e < y.ndim - 2 else None     # over the batch dims
         if not (o.dim == x.ndim - 1 if i == 0 else o.dim == x.ndim - 2):
             return None                          # a row or column dim: the output's own
     if opdef.op_class == "elementwise":           # broadcasting, right-aligned
@@ -493,9 +505,9 @@ def check_op(opdef, inputs, specs, plans, attrs) -> None:
             raise RingOrderError(
                 f"{name}: input {i} (shape {tuple(x.shape)}) has its {o} (to_ring_layout), "
                 f"and {name} reads positions along dim {o.dim} ({_how_read(name, attrs)}): "
-                f"on the ring's order it would give another answer than on the sequence's own (a causal "
-                f"triangle, a scan, a slice or an index would count positions in the wrong "
-                f"order). "
+                f"on the ring's order it would give another answer than on the sequence's "
+                f"own (a causal triangle, a scan, a slice or an index would count positions "
+                f"in the wrong order). "
                 + _fix(x, o, name) + (
                     "; for causal attention call F.scaled_dot_product_attention(q, k, v, "
                     "is_causal=True) (inside context_parallel it runs as the load-balanced "
