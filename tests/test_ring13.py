@@ -101,6 +101,8 @@ def test_from_ring_layout_of_an_unrecorded_tensor_is_refused_unless_stated(p):
 
 _REFUSED = {
     "nonzero": (lambda x: torch.nonzero(x > 1), "nonzero: .*lists elements"),
+    "argwhere": (lambda x: torch.argwhere(x > 1), "argwhere: "),
+    "x[x > 1]": (lambda x: x[x > 1], "bool_mask_index: "),
     "masked_select": (lambda x: torch.masked_select(x, x > 1), "masked_select: .*lists"),
     "unique_consecutive": (lambda x: torch.unique_consecutive(x, dim=1), "unique_consecutive"),
     "unique inverse": (lambda x: torch.unique(x, return_inverse=True)[1], "unique: "),
@@ -150,6 +152,10 @@ _KEPT = {
     "einsum bsh,bth->bst": lambda x: torch.einsum("bsh,bth->bst", x, x),
     "unique sorted": lambda x: torch.unique(x),
     "where x > 1": lambda x: torch.where(x > 1, x, 0.0),
+    "sort over H indices": lambda x: torch.sort(x, 2).indices,
+    "topk over H values": lambda x: torch.topk(x, 2, 2).values,
+    "cumsum over H": lambda x: torch.cumsum(x, 2),
+    "flip over H": lambda x: torch.flip(x, [2]),
 }
 
 
