@@ -56,7 +56,8 @@ def test_ring_attention_in_float64_is_float64_sdpa(p, balanced, causal, hkv, via
     else:
         with cp.context_parallel(mesh, "cp", balanced=balanced):
             out = F.scaled_dot_product_attention(*dist, is_causal=causal, enable_gqa=True)
-    (out * wb.shard_tensor(cp.ring_order(go, p, 2, balanced), mesh, [S(2)])).sum().backward()
+    # the gradient laid out as out, its order recorded (a hand-sharded one is refused)
+    (out * cp.to_ring_layout(wb.shard_tensor(go, mesh, [R]), "cp", 2, balanced)).sum().backward()
     inv = torch.argsort(cp.slot_positions(n, p, balanced))
     assert out.dtype == torch.float64
     torch.testing.assert_close(out.full()[:, :, inv], ref, rtol=1e-12, atol=1e-12)

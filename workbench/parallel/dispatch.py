@@ -810,7 +810,7 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
     for x in inputs:               # and the other dims in that order (seq_order.py)
         if type(x) is DistTensor and (getattr(x, "_ring_order", None) is not None
                                       or getattr(x, "_ring_also", ())):
-            _seq_order.propagate_whole(opdef, inputs, out_shapes, wrapped)
+            _seq_order.propagate_whole(opdef, inputs, out_shapes, wrapped, attrs)
             break
     for h in _HOOKS:
         h(dec, specs, wrapped, cost)

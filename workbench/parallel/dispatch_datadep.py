@@ -18,6 +18,7 @@ from .dispatch_local import as_dist
 from .ops_table import pricing
 from .placement import Replicate
 from .reshard import execute
+from .seq_order import check_op, orders_of
 
 __all__ = ["run_data_dependent"]
 
@@ -39,6 +40,10 @@ def run_data_dependent(entry, inputs, attrs, hooks=(), force=None):
                   if isinstance(x, torch.Tensor) else None for x in inputs)
     dec = infer(entry.name, *specs, **attrs)
     cand = (force(dec) if force is not None else None) or dec.chosen
+    for x in inputs:         # elements listed in a ring order's positions: refused
+        if type(x) is DistTensor and orders_of(x):        # (seq_order.py)
+            check_op(entry, inputs, specs, cand.plans, attrs)
+            break
     whole = []
     for x, plan in zip(inputs, cand.plans):
         if isinstance(x, DistTensor):

@@ -36,6 +36,7 @@ from . import inplace_overlap as overlap
 from . import storage
 from .dist_tensor import DistTensor, shard_tensor
 from .ops_table.checks import _to_meta
+from .seq_order import check_write, orders_of, same_order
 from .views import copy_link, push_link, refresh, through_view
 
 __all__ = ["method", "assign", "setitem", "init", "out_call", "inplace_kwarg", "IDUNDERS",
@@ -504,9 +505,14 @@ def setitem(x: DistTensor, index, value) -> None:
         m = _meta_self(x)
         m[_meta(idx)] = _meta(val) if isinstance(val, torch.Tensor) else val
     _judge(judge)
+    if orders_of(x):            # positions / values in the sequence's own order written
+        check_write(x, index, mask, value, vals, "__setitem__")   # on a ring (seq_order)
     ps_mask = [Replicate() if p.is_partial() else p for p in x.placements]
     m = shard_tensor(mask, x.mesh, ps_mask, src_data_rank=None)
     v = shard_tensor(vals, x.mesh, x.placements, src_data_rank=None)
+    if orders_of(x):            # built in x's global order (checked above): x's record
+        same_order(m, x)
+        same_order(v, x)
     y = dispatch(torch.where, (m, v, x), None)
     assign(x, y, "__setitem__", sources=(x,))
 
@@ -567,11 +573,11 @@ def _bool_masks(index):
 def index_put_(x: DistTensor, indices, values, accumulate=False) -> DistTensor:
     """``x.index_put_(indices, values, accumulate)``: ``x[indices] = values``; with
     ``accumulate``, the values (repeated indices summed, as torch) are added to ``x``."""
+    if not accumulate:
+        setitem(x, tuple(indices), values)     # (its ring-order check sees DistTensors)
+        return x
     idx = _full_args(tuple(indices))
     val = values.full() if isinstance(values, DistTensor) else values
-    if not accumulate:
-        setitem(x, idx, val)
-        return x
     delta = torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
     # a tensor of another dtype raises as torch ("Index put requires the source and
     # destination dtypes match"; cast here before, silently: seed 994561)

@@ -26,14 +26,21 @@ tensor as a :class:`RingOrder` (``x._ring_order``), and kept exactly where it is
 * :func:`check_op` (the dispatcher, before the op runs) refuses, naming the fix, what
   would give another answer than one device on the sequence in its own order: an op
   that reads positions along a recorded dim (:func:`sensitive_dims`: scans, flip, roll,
-  slices and picks, index_select / gather, argmax / sort / topk, pad, convolutions and
-  pools, tril / triu, split / cat; causal attention outside ``context_parallel``), and
+  slices and picks, index_select / gather, argmax / sort / topk (their indices would count
+  the ring's order), pad, convolutions and pools, tril / triu, split / cat, repeat / tile
+  along it, the data-dependent ops that list elements in the order met (nonzero,
+  masked_select, ``x[mask]``, unique_consecutive, unsorted unique or its inverse), a view
+  that merges the dim with another or splits it (its order could not be recorded); causal
+  attention outside ``context_parallel``; ``x[i] = v`` at positions or with values in the
+  sequence's own order, :func:`check_write`), and
   an op where a recorded dim meets a tensor varying along it whose order is not recorded
   the same: a plain tensor (a causal mask ``torch.triu(torch.ones(S, S), 1)``, a
   key-padding mask, RoPE's cos/sin tables from positions 0..S-1), a DistTensor with no
   record that is whole on the ring's mesh dim, or one recorded on another dim (a mask
-  laid out along its rows, whose keys are not); a DistTensor sharded there by hand with
-  no record is taken as given, as above (its output has no record).  Permuting such a plain tensor "into" the order would be exact only if it were
+  laid out along its rows, whose keys are not), or a DistTensor sharded there by hand with
+  no record (``distribute_tensor(t, mesh, [Shard(1)])`` of a sequence in its own order, or
+  of one put in ring order by hand: they look the same; ``set_ring_order`` states the
+  latter).  Permuting such a plain tensor "into" the order would be exact only if it were
   in the sequence's own order, and one put in ring order by hand (``cos[perm]``, this
   module's earlier advice) looks the same: refused either way, with the fix
   (``F.scaled_dot_product_attention(..., is_causal=True)`` inside ``context_parallel``;
@@ -48,7 +55,9 @@ tensor as a :class:`RingOrder` (``x._ring_order``), and kept exactly where it is
 A tensor with no recorded order may still be in ring order (laid out by hand,
 ``shard_tensor(ring_order(t, p, 2), ...)``): "not recorded" means "not known", and
 load-balanced causal attention inside ``context_parallel`` refuses it, naming
-``to_ring_layout``.  PyTorch keeps the same fact on the context instead
+``to_ring_layout``, as ``from_ring_layout`` does (undoing an order it may not be in would
+scramble it) and any op where it meets a recorded one; ``set_ring_order`` states it.
+PyTorch keeps the same fact on the context instead
 (``torch.distributed.tensor.experimental.context_parallel`` reorders the ``buffers`` it
 is given and its attention assumes that order of every input; ``context_parallel_
 unshard`` undoes it), so an input sharded another way gives a wrong attention there;
@@ -67,7 +76,7 @@ from .placement import Shard
 
 __all__ = ["RingOrder", "ring_order_of", "set_ring_order", "same_order", "propagate",
            "check_order", "check_op", "sensitive_dims", "reordering", "orders_of",
-           "propagate_whole"]
+           "propagate_whole", "check_write", "RingOrderError"]
 
 
 class RingOrderError(ValueError):
@@ -128,6 +137,7 @@ def orders_of(x) -> tuple:
 
 
 _MATMULS = frozenset(("matmul", "bmm", "mm"))
+_TOKENWISE = frozenset(("moe_combine", "attach_aux_loss"))    # (G, S, ...) token by token
 
 
 def _also(w, orders):
@@ -137,7 +147,12 @@ def _also(w, orders):
     main = getattr(w, "_ring_order", None)
     have = {o.dim for o in ((main,) if main is not None else ())}
     keep = []
+    ps = w.placements
     for o in orders:
+        if o.mesh_dim < len(ps) and ps[o.mesh_dim].is_shard() and \
+                ps[o.mesh_dim].dim % w.ndim == o.dim:
+            continue        # sharded there: its order is propagate's to tell (an input
+            #                 sharded there with no record of it leaves it unknown)
         if o.dim not in have and 0 <= o.dim < w.ndim:
             have.add(o.dim)
             keep.append(o)
@@ -145,10 +160,11 @@ def _also(w, orders):
         w._ring_also = tuple(getattr(w, "_ring_also", ())) + tuple(keep)
 
 
-def propagate_whole(opdef, inputs, out_shapes, wrapped) -> None:
+def propagate_whole(opdef, inputs, out_shapes, wrapped, attrs=None) -> None:
     """The dims in ring order that are whole on the ring's mesh dim, or that the op's rule
     gathered: a matmul's output columns are its second input's last dim (``q @ k^T``:
-    the keys), its rows its first input's rows; an elementwise op or a norm (position by
+    the keys), its rows its first input's rows; an einsum's output letter is in the order
+    of its input dim of that letter; an elementwise op or a norm (position by
     position along every dim, or a softmax / normalisation along one: its output in the
     input's order) keeps its same-shaped input's. Every other op loses them (nothing
     known). ``check_op`` holds an op to them as to the sequence's."""
@@ -164,6 +180,28 @@ def propagate_whole(opdef, inputs, out_shapes, wrapped) -> None:
         if type(b) is DistTensor and b.ndim >= 2:
             got += [RingOrder(o.mesh_dim, o.ring, len(shape) - 1, o.balanced)
                     for o in orders_of(b) if o.dim == b.ndim - 1]
+        _also(w, got)
+    elif opdef.name == "einsum" and attrs is not None and "equation" in attrs:
+        # each output letter in the order of the input dim of that letter (the rows of
+        # "bsh,bth->bst" are x's sequence, its columns y's)
+        lhs, rhs = attrs["equation"].split("->")
+        got = []
+        for x, subs in zip(inputs, lhs.split(",")):
+            if type(x) is not DistTensor or len(subs) != x.ndim:
+                continue
+            for o in orders_of(x):
+                c = subs[o.dim]
+                if c in rhs and rhs.count(c) == 1:
+                    got.append(RingOrder(o.mesh_dim, o.ring, rhs.index(c), o.balanced))
+        _also(w, got)
+    elif opdef.name in _TOKENWISE:
+        # token t of the output from token t of the inputs (G, S, ...): moe_combine sums
+        # token t's own k choices (weights (G, S, k), ops/moe.py), attach_aux_loss is y
+        got = []
+        for x in inputs:
+            if type(x) is DistTensor:
+                got += [o for o in orders_of(x) if o.dim < 2 and o.dim < len(shape)
+                        and tuple(x.shape[:o.dim + 1]) == tuple(shape[:o.dim + 1])]
         _also(w, got)
     elif opdef.op_class in ("elementwise", "norm"):
         for x in inputs:
@@ -286,6 +324,38 @@ _SPATIAL = frozenset(("conv1d", "conv2d", "conv3d", "convolution", "avg_pool1d",
                       "adaptive_avg_pool2d"))    # neighbours along the last k dims
 
 
+# ops whose output lists elements, or their positions, in the order it meets them (data
+# dependent: dispatch_datadep.py): every dim of every tensor input
+_LISTING = frozenset(("nonzero", "argwhere", "masked_select", "bool_mask_index"))
+# views that keep a dim only where it stays one dim of the same length behind the same
+# product of the dims before it (a merge with another dim, or a split, loses its order)
+_RESHAPES = frozenset(("reshape", "view", "flatten", "unflatten", "squeeze", "unsqueeze"))
+
+
+def _kept_by_reshape(shape, out, d) -> bool:
+    """Dim ``d`` of ``shape`` is one dim of ``out`` (same length, same product before it)."""
+    out = tuple(out)
+    if -1 in out:
+        known = 1
+        for n in out:
+            known *= n if n != -1 else 1
+        total = 1
+        for n in shape:
+            total *= n
+        out = tuple(total // max(known, 1) if n == -1 else n for n in out)
+    pre = 1
+    for n in shape[:d]:
+        pre *= n
+    acc = 1
+    for n in out:
+        if acc == pre and n == shape[d]:
+            return True
+        acc *= n
+        if acc > pre:
+            return False
+    return False
+
+
 def _dims_of(v, ndim):
     if v is None:
         return set(range(ndim))
@@ -294,9 +364,10 @@ def _dims_of(v, ndim):
     return {d % ndim for d in v if isinstance(d, int)}
 
 
-def sensitive_dims(name, attrs, i, ndim):
-    """The dims of input ``i`` (of ``ndim`` dims) whose positions op ``name`` reads (its
-    answer changes when they are permuted, beyond permuting its output the same way)."""
+def sensitive_dims(name, attrs, i, ndim, shape=None):
+    """The dims of input ``i`` (of ``ndim`` dims, ``shape``) whose positions op ``name``
+    reads (its answer changes when they are permuted, beyond permuting its output the same
+    way), or whose order its output cannot record (a view merging the dim with another)."""
     if name in _ALONG:
         if i != 0 and name != "cat":
             return set()                 # an index, a source: taken position by position
@@ -307,8 +378,22 @@ def sensitive_dims(name, attrs, i, ndim):
         return set(range(ndim))          # take, nanmedian_all, multinomial: flattened
     if name == "searchsorted":
         return {ndim - 1} if i == 0 else set()
+    if name in _LISTING:
+        return set(range(ndim))          # elements (their indices) listed in its order
+    if name == "unique_consecutive" or name == "unique" and (
+            not attrs.get("sorted", True) or attrs.get("return_inverse")):
+        # runs of equal neighbours; unsorted values in the order met; inverse indices
+        # into an output built in that order (sorted unique values and counts are free)
+        return _dims_of(attrs.get("dim"), ndim) if i == 0 else set()
     if i != 0:
         return set()
+    if name == "repeat":
+        reps = tuple(attrs.get("reps") or ())
+        lead = len(reps) - ndim
+        return {d for d in range(ndim) if 0 <= lead + d < len(reps) and reps[lead + d] != 1}
+    if name in _RESHAPES and "shape" in attrs and shape is not None:
+        return {d for d in range(ndim) if shape[d] != 1
+                and not _kept_by_reshape(tuple(shape), attrs["shape"], d)}
     if name in _LAST_TWO:
         return {ndim - 2, ndim - 1} if ndim >= 2 else set()
     if name == "diagonal":
@@ -333,6 +418,22 @@ def sensitive_dims(name, attrs, i, ndim):
     return set()
 
 
+def _how_read(name, attrs) -> str:
+    """What op ``name`` does with the positions of the dim (for its refusal)."""
+    if name in _LISTING or name in ("unique", "unique_consecutive"):
+        return ("it lists elements, or their indices, in the order it meets them: "
+                "data-dependent")
+    if name in _RESHAPES:
+        return (f"to shape {tuple(attrs.get('shape', ()))} it merges the dim with another "
+                f"or splits it, and the result's order could not be recorded")
+    if name == "repeat":
+        return f"it repeats the sequence end to end, reps {tuple(attrs.get('reps', ()))}"
+    if name in ("argmax", "argmin", "sort", "argsort", "topk", "cummax", "cummin",
+                "kthvalue_rows", "median_rows", "nanmedian"):
+        return "its indices would count the ring's order, not the sequence's"
+    return "its answer depends on which position is which"
+
+
 def _fix(x, o, where):
     axis = x.mesh.dim_names[o.mesh_dim] if o.mesh_dim < x.mesh.ndim else o.mesh_dim
     return (f"Fix: undo the layout first, y = from_ring_layout(x, {axis!r}, {o.dim}) (the "
@@ -348,7 +449,7 @@ def _varies(y, e) -> bool:
         return not bool((y == first).all()) if y.numel() else False
 
 
-def _aligned_dim(opdef, x, o, y, i, j, cand_dst):
+def _aligned_dim(opdef, x, o, y, i, j, cand_dst, attrs):
     """The dim of input ``y`` (input ``j``) the op takes together with ``x``'s (input
     ``i``) ordered dim, or None."""
     if opdef.op_class == "attention":             # (q, k, v, mask): the mask's rows are
@@ -356,11 +457,20 @@ def _aligned_dim(opdef, x, o, y, i, j, cand_dst):
             return None
         e = y.ndim - 2 if i == 0 else y.ndim - 1
         return e if e >= 0 else None
+    if opdef.name == "einsum" and "equation" in attrs:     # the dim of the same letter
+        subs = attrs["equation"].split("->")[0].split(",")
+        if max(i, j) >= len(subs) or len(subs[i]) != x.ndim or len(subs[j]) != y.ndim:
+            return None
+        c = subs[i][o.dim]
+        return subs[j].index(c) if c in subs[j] else None
     if opdef.name in _MATMULS:                    # the contracted dims: x's last, y's rows
         if i == 0 and j == 1 and o.dim == x.ndim - 1 and y.ndim >= 2:
             return y.ndim - 2
         if i == 1 and j == 0 and x.ndim >= 2 and o.dim == x.ndim - 2:
             return y.ndim - 1
+        if x.ndim >= 3 and y.ndim >= 3 and o.dim < x.ndim - 2:
+            e = y.ndim - x.ndim + o.dim          # a batch dim: broadcast, right-aligned
+            return e if 0 <= e < y.ndim - 2 else None     # over the batch dims
         if not (o.dim == x.ndim - 1 if i == 0 else o.dim == x.ndim - 2):
             return None                          # a row or column dim: the output's own
     if opdef.op_class == "elementwise":           # broadcasting, right-aligned
@@ -391,12 +501,13 @@ def check_op(opdef, inputs, specs, plans, attrs) -> None:
     for i, x, o in ((i, x, o) for i, x in enumerate(inputs) for o in orders_of(x)):
         if not o.balanced or o.ring < 2:
             continue
-        if o.dim in sensitive_dims(name, attrs, i, x.ndim):
+        if o.dim in sensitive_dims(name, attrs, i, x.ndim, tuple(x.shape)):
             raise RingOrderError(
                 f"{name}: input {i} (shape {tuple(x.shape)}) has its {o} (to_ring_layout), "
-                f"and {name} reads positions along dim {o.dim}: on the ring's order it would "
-                f"give another answer than on the sequence's own (a causal triangle, a scan, "
-                f"a slice or an index would count positions in the wrong order). "
+                f"and {name} reads positions along dim {o.dim} ({_how_read(name, attrs)}): "
+                f"on the ring's order it would give another answer than on the sequence's "
+                f"own (a causal triangle, a scan, a slice or an index would count positions "
+                f"in the wrong order). "
                 + _fix(x, o, name) + (
                     "; for causal attention call F.scaled_dot_product_attention(q, k, v, "
                     "is_causal=True) (inside context_parallel it runs as the load-balanced "
@@ -414,7 +525,7 @@ def check_op(opdef, inputs, specs, plans, attrs) -> None:
         for j, y in enumerate(inputs):
             if j == i or not isinstance(y, (torch.Tensor, DistTensor)) or y.ndim == 0:
                 continue
-            e = _aligned_dim(opdef, x, o, y, i, j, dst)
+            e = _aligned_dim(opdef, x, o, y, i, j, dst, attrs)
             if e is None or y.shape[e] == 1:
                 continue
             rs = orders_of(y)
@@ -425,8 +536,20 @@ def check_op(opdef, inputs, specs, plans, attrs) -> None:
                 continue                         # one value along it: order-free
             if r is None and type(y) is DistTensor and len(y.placements) > o.mesh_dim \
                     and y.placements[o.mesh_dim] == Shard(e):
-                continue    # sharded there by hand, taken as given (shard_tensor(ring_order(
-                #             t, p, 2), ...)): the output has no record (propagate)
+                axis = x.mesh.dim_names[o.mesh_dim] if o.mesh_dim < x.mesh.ndim \
+                    else o.mesh_dim
+                raise RingOrderError(
+                    f"{name}: input {j}, a DistTensor sharded Shard({e}) on mesh dim "
+                    f"{axis!r} with no record of its sequence's order (shape "
+                    f"{tuple(y.shape)}: distribute_tensor / shard_tensor / reshard of a "
+                    f"sequence), meets input {i} (shape {tuple(x.shape)}) along its dim "
+                    f"{o.dim}, which is in {o} (to_ring_layout): a sequence sharded in its "
+                    f"own order would meet the wrong positions, and one put in ring order "
+                    f"by hand looks the same. Fix: lay it out with to_ring_layout("
+                    f"distribute_tensor(t, mesh, [Replicate()] * mesh.ndim), {axis!r}, {e}) "
+                    f"from the sequence in its own order; if it is in that ring order "
+                    f"already, say so: seq_order.set_ring_order(y, RingOrder({o.mesh_dim}, "
+                    f"{o.ring}, {e}, True)); or " + _fix(x, o, name)[5:])
             what = "a plain tensor" if type(y) is not DistTensor else (
                 f"a DistTensor recorded as {r}" if r is not None else
                 "a DistTensor with no record of its sequence's order")
@@ -445,3 +568,39 @@ def check_op(opdef, inputs, specs, plans, attrs) -> None:
                    f"'cp', {e}) (PyTorch's context_parallel(buffers=[t], buffer_seq_dims="
                    f"[{e}])), or ")
                 + _fix(x, o, name)[5:])
+
+
+def check_write(x, index, mask, value, vals, where) -> None:
+    """``x[index] = value`` (``setitem``, ``index_put_``) on ``x`` with a dim in load-balanced
+    ring order: refused where the written positions (``mask``, x's shape) vary along it and
+    the index is not one DistTensor in that order (a bool mask computed from x's values,
+    ``x[x > 1] = 0``, is), or where the written values (``vals``) vary along it and
+    ``value`` is not a DistTensor in that order: a position or a table in the sequence's
+    own order would land on the wrong tokens. ``index``/``value``: as the caller was given
+    them (DistTensors kept)."""
+    if _REORDERING[0]:
+        return
+    parts = index if isinstance(index, tuple) else (index,)
+    for o in orders_of(x):
+        if not o.balanced or o.ring < 2:
+            continue
+        want = RingOrder(o.mesh_dim, o.ring, o.dim, o.balanced)
+        known_idx = len(parts) == 1 and type(parts[0]) is DistTensor and \
+            tuple(parts[0].shape) == tuple(x.shape) and want in orders_of(parts[0])
+        known_val = type(value) is DistTensor and any(
+            r.mesh_dim == o.mesh_dim and r.ring == o.ring and r.balanced == o.balanced
+            for r in orders_of(value))
+        if not known_idx and _varies(mask, o.dim):
+            what = "positions"
+        elif not known_val and isinstance(vals, torch.Tensor) and vals.ndim == x.ndim \
+                and _varies(vals, o.dim):
+            what = "values"
+        else:
+            continue
+        raise RingOrderError(
+            f"{where}: x (shape {tuple(x.shape)}) has its {o} (to_ring_layout), and the "
+            f"{what} written vary along dim {o.dim} with no record of that order (an index "
+            f"or a tensor in the sequence's own order, or a DistTensor whose order is not "
+            f"recorded): they would land on the wrong tokens. Fix: index with a mask or "
+            f"values computed from x's ring-ordered tensors, or lay the index / values out "
+            f"with to_ring_layout; or " + _fix(x, o, where)[5:])

@@ -77,7 +77,8 @@ from .. import autocast as _autocast
 from ..dist_tensor import DistTensor
 from ..placement import Replicate, Shard
 from ..reshard import reshard
-from ..seq_order import RingOrder, check_order, reordering, ring_order_of, set_ring_order
+from ..seq_order import (RingOrder, check_order, orders_of, reordering, ring_order_of,
+                         set_ring_order)
 from ..ops_table.ring_attention import (block_pairs, check_ring, ring_attention_step,
                                         slot_chunks, slot_positions)
 from .. import storage
@@ -255,7 +256,10 @@ def to_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool = 
 
 def from_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool = True):
     """The inverse of :func:`to_ring_layout`: the sequence in its original order, whole on
-    ``mesh_dim`` (an all-gather, then a local reordering)."""
+    ``mesh_dim`` (an all-gather, then a local reordering). ``x`` must carry the record of
+    that order (``to_ring_layout`` and the ops that keep it leave it; ``set_ring_order``
+    states it for a layout made by hand): one without is refused (load-balanced, over
+    more than one rank), as a sequence in its own order looks the same."""
     axis = x.mesh.dim(mesh_dim)
     p = x.mesh.shape[axis]
     dim = _seq_dim(x, dim, "from_ring_layout")
@@ -264,6 +268,18 @@ def from_ring_layout(x: DistTensor, mesh_dim="cp", dim: int = 1, balanced: bool 
         raise ValueError(f"from_ring_layout: x's {got} (mesh dim {got.mesh_dim}), not "
                          f"{want} (mesh dim {axis}): undoing that would scramble it. Fix: "
                          f"pass the mesh_dim, dim and balanced that to_ring_layout was given")
+    if got is None and p > 1 and balanced and want not in orders_of(x):
+        # not known to be in ring order: a sequence sharded in its own order looks the same
+        # (distribute_tensor, reshard, an op that lost the record), and "undoing" an order
+        # it is not in would scramble it
+        raise ValueError(
+            f"from_ring_layout: x (shape {tuple(x.shape)}, placements {list(x.placements)}) "
+            f"has no record of its dim {dim} being in {want}: a sequence in its own order "
+            f"looks the same, and reordering it would scramble it. Fix: if it is in its own "
+            f"order, use it as it is (reshard it to Replicate on "
+            f"{x.mesh.dim_names[axis]!r}); if it was laid out in ring order by hand, say so "
+            f"first: seq_order.set_ring_order(x, RingOrder({axis}, {p}, {dim}, True)); "
+            f"to_ring_layout records the order itself, and ops that keep it pass it on")
     ps = list(x.placements)
     ps[axis] = Replicate()
     y = reshard(x, x.mesh, ps)
