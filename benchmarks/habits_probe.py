@@ -261,10 +261,6 @@ def mse(ctx, x, y):
     return ((ctx.out(x) - y) ** 2).mean()
 
 
-def clip_kw(ctx):
-    return {}
-
-
 # ---- records ------------------------------------------------------------------------------------
 class Rec(list):
     def add(self, label, v):
@@ -304,7 +300,7 @@ def opt_state_reads(opt, params):
             for p in params]
 
 
-def steps(ctx, opt, data, rec, loss=mse, k=None):
+def steps(ctx, opt, data, rec, loss=mse):
     for x, y in data:
         opt.zero_grad()
         ls = loss(ctx, x, y)
@@ -698,7 +694,7 @@ for _n, _c, _kw in [("SGD_nesterov", torch.optim.SGD, dict(lr=0.1, momentum=0.9,
     idiom(f"optim_{_n}")(_optim(_c, **_kw))
 
 
-# ---- compare --------------------------------------------------------------------------------------
+# ---- compare ----------------------------------------------------------------------------------
 def compare(want, got, tol=1e-5):
     """(ok, bitwise, first difference)."""
     if [k for k, _ in want] != [k for k, _ in got]:

@@ -41,7 +41,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-__all__ = ["kept_as", "states_read_as_grads", "StateReads", "RankRows", "ChunkRows", "ReplicaGrad", "ShardGrad", "PartialNorm",
+__all__ = ["kept_as", "states_read_as_grads", "StateReads",
+           "RankRows", "ChunkRows", "ReplicaGrad", "ShardGrad", "PartialNorm",
            "ReplicaStorageGrad", "GatheredGrad", "as_gathered_grad", "as_rank_rows", "as_chunk_rows", "as_replica_grad",
            "as_shard_grad"]
 
@@ -208,9 +209,8 @@ def states_read_as_grads(optimizer, params) -> None:
     ``exp_avg``, Adagrad's ``sum``... made by ``torch.zeros_like(p)``) a user reads as the
     parameter's gradient is, the module's value.  ``opt.state[p]["exp_avg"]`` (a user
     logging Adam's moments) was the storage: DDP's rows ``(4, 6, 3)`` for ``(6, 3)``, its
-    norm 2x, FSDP's padded chunks ``(4, 5)`` (habits13b).  The states stay plain storages
-    that torch.optim steps in place (habits7b; as tensor subclasses its step took 2x the
-    time)."""
+    norm 2x, FSDP's padded chunks ``(4, 5)`` (habits13b).  The stored states stay the
+    plain storages torch.optim steps in place (habits7b): its math runs untouched."""
     for p in params:
         st = optimizer.state.get(p)
         g = p.grad if st else None
@@ -235,8 +235,9 @@ def _users_dict_read() -> bool:
 
 class StateReads(dict):
     """One parameter's ``torch.optim`` state (:func:`states_read_as_grads`): torch's and
-    the wrappers' reads get the stored tensors, a user's own (``users_read``) those of the
-    storage's shape as its gradient's subclass (an alias read as the module's value)."""
+    the wrappers' reads get the stored tensors, a user's own (:func:`_users_dict_read`)
+    those of the storage's shape as its gradient's subclass (an alias read as the module's
+    value, as ``p.grad`` is)."""
 
     def __init__(self, st, like):
         super().__init__(st)

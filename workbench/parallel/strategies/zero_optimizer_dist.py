@@ -729,10 +729,7 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
 def _fit(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``t`` with each lead axis as ``like`` holds it: one copy where ``like`` has one,
     expanded where ``t`` has one copy and ``like`` several (equal copies either way)."""
-    for a in range(like.dim() - 1):
-        if like.shape[a] == 1 and t.shape[a] != 1:
-            t = t.narrow(a, 0, 1)
-    return t.expand_as(like)
+    return _narrow_to(t, like).expand_as(like)
 
 
 def _narrow_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
