@@ -205,13 +205,14 @@ def test_assigning_a_gradient_of_the_modules_shape_steps_as_one_device_or_raises
     """``p.grad = g`` (a gradient set by hand) with ``g`` of ``p``'s shape: one device's
     step on DDP / FSDP / fully_shard (and FSDP / fully_shard over tensor parallelism).
     Before: torch's "attempting to assign a gradient of size '[6, 3]' to a tensor of size
-    '[4, 6, 3]'", naming the storage's size; Zero3 over tensor parallelism now names the
-    fix; DDP over it keeps torch's refusal, ZeRO-1/2 their own."""
+    '[4, 6, 3]'", naming the storage's size; Zero3 over tensor parallelism named the
+    fix, now (habits13b: its shards laid out as FSDP's) one device's step too; DDP over it
+    keeps torch's refusal, ZeRO-1/2 their own."""
     ref, wr = backward_pair(kind)
     ro = torch.optim.SGD(ref.parameters(), lr=1.0)
     wo = wr.optimizer(cls=torch.optim.SGD, lr=1.0)
     pairs = list(zip(wr.params(), ref.parameters()))
-    if kind in ("ddp_tp", "zero_tp", "zero2_tp", "zero3_tp"):
+    if kind in ("ddp_tp", "zero_tp", "zero2_tp"):
         with pytest.raises((RuntimeError, ValueError), match="grad"):
             pairs[0][0].grad = user_tensor(pairs[0][1].shape)
         return

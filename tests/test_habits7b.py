@@ -157,13 +157,17 @@ def test_hand_written_lamb_is_one_devices(kind, init):
 @pytest.mark.parametrize("kind", ["ddp", "fsdp", "ddp_tp"])
 def test_torch_optim_states_stay_plain_storages(kind):
     """The layout is kept for a user's own ``zeros_like`` only: AdamW's ``exp_avg`` (its
-    ``torch.zeros_like(p)`` inside torch.optim) stays a plain tensor of the storage."""
+    ``torch.zeros_like(p)`` inside torch.optim) stays a plain tensor of the storage, the
+    one torch.optim steps (``dict.items``: what torch's own reads get); a user's read of
+    ``opt.state[p]`` is the module's (habits13b)."""
     wr = Wrapped(kind)
     opt = wr.optimizer()
     wr.backward(*batches(1)[0])
     opt.step()
-    assert {type(v) for s in opt.state.values() for k, v in s.items() if k != "step"} == \
-        {torch.Tensor}
+    assert {type(v) for s in opt.state.values() for k, v in dict.items(s) if k != "step"} \
+        == {torch.Tensor}
+    for p, s in opt.state.items():
+        assert tuple(s["exp_avg"].shape) == tuple(p.shape)
 
 
 # ---- 3. vector_to_parameters, t.view_as(d) ----------------------------------------------

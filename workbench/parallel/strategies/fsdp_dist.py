@@ -213,13 +213,14 @@ class DistTensorFSDP(BackwardHookRefusal, Zero3Clock, FullyShardedDataParallel):
                 e[3].register_hook(self._reduce_scatter_hook(i))   # split W pass too)
         module._wb_wrapped = "FullyShardedDataParallel"
         install_habits(self)
-        if type(self) is DistTensorFSDP:
-            # wb.FullyShardedDataParallel(parallelized model): an optimizer's state_dict()
-            # over the shards in one device's shapes, as fully_shard's and the plain
-            # module's (it gave the flat chunks' storage, (dp, tp, chunk), which no other
-            # layout's optimizer takes); Zero3's stage optimizers keep the storage's
-            from .fsdp_dist_habits import module_shaped_optimizer_states
-            module_shaped_optimizer_states(self)
+        # wb.FullyShardedDataParallel / Zero3 (parallelized model): an optimizer's
+        # state_dict() over the shards in one device's shapes, as fully_shard's and the
+        # plain module's (it gave the flat chunks' storage, (dp, tp, chunk), which no
+        # other layout's optimizer takes; for a user's torch.optim over Zero3's shards too,
+        # where an SGD momentum buffer, a gradient's clone, would not deepcopy: habits13b);
+        # Zero3's own stage optimizer keeps the storage's (zero3.py)
+        from .fsdp_dist_habits import module_shaped_optimizer_states
+        module_shaped_optimizer_states(self)
         users_read_the_module(self)     # simulated ranks: a user's p.numel(), p.grad.mean()
 
     def chunk_of(self, loc: torch.Tensor) -> torch.Tensor:

@@ -134,8 +134,9 @@ class _TPChunks:
 def module_shaped_optimizer_states(fsdp) -> None:
     """Each shard says how its storage and the parameter's global tensor map
     (:class:`_TPChunks`): the optimizer's states in one device's shapes.  For
-    ``fully_shard`` (:mod:`.fully_shard_tp`) too; ``Zero3``'s stage optimizers keep the
-    storage's shapes, which their own ``load_state_dict`` checks.  Under torch.distributed
+    ``fully_shard`` (:mod:`.fully_shard_tp`) and a user's optimizer over ``Zero3``'s shards
+    too; ``Zero3``'s own stage optimizer keeps the storage's shapes, which its
+    ``load_state_dict`` checks (:mod:`.zero3`).  Under torch.distributed
     as on simulated ranks (each process's ``(1, 1, chunk)`` gathered over dp, then its
     tensor-parallel shards over tp: collectives every process joins, as each takes the
     same ``state_dict()``), so a checkpoint saved under torchrun loads into a plain
@@ -156,7 +157,7 @@ def users_read_the_module(fsdp) -> None:
     Linear(6, 3)`` on 2 x 2): ``FullyShardedDataParallel`` / ``Zero3`` over DistTensors read
     every rank's flat chunks, padding included: ``sum(p.numel())`` 52 for 45, the weight's
     ``p.mean()`` -0.0489 for -0.0543, ``p.grad.abs().min()`` 0.  ``Zero3``'s shards get
-    no ``_wb_store``: its stage optimizers keep the storage's states.  Under
+    ``_wb_store`` too (habits13b): its own stage optimizer keeps the storage's states.  Under
     torch.distributed FSDP1's shards stay this process's flat piece (torch's
     FlatParameter), ``fully_shard``'s gather (:mod:`.fully_shard_tp`)."""
     if not fsdp.async_:

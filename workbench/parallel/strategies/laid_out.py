@@ -562,6 +562,13 @@ def _lay_out_loaded_states(optimizer, args, kwargs) -> None:
             any(True for _ in _laid_out_params(optimizer)):
         optimizer._wb_sd_hook = True
         optimizer.register_state_dict_post_hook(_module_shaped_states)
+        # its states read as the gradients are, the module's (rank_grads), once made
+        optimizer.register_step_post_hook(_states_read_as_grads)
+
+
+def _states_read_as_grads(optimizer, args, kwargs) -> None:
+    from .rank_grads import states_read_as_grads
+    states_read_as_grads(optimizer, list(_laid_out_params(optimizer)))
 
 
 # torch.optim's optimizers whose update of an element reads more than that element (torch

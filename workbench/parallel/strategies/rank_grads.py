@@ -41,7 +41,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankRows", "ChunkRows", "ReplicaGrad", "ShardGrad", "PartialNorm",
+__all__ = ["kept_as", "states_read_as_grads", "StateReads",
+           "RankRows", "ChunkRows", "ReplicaGrad", "ShardGrad", "PartialNorm",
            "ReplicaStorageGrad", "GatheredGrad", "as_gathered_grad", "as_rank_rows", "as_chunk_rows", "as_replica_grad",
            "as_shard_grad"]
 
@@ -49,7 +50,7 @@ from .laid_out_reads import LIKES, _is_pointwise
 from .laid_out_shape import module_ndim, module_shape_read, module_view
 from .laid_out_whole import WHOLE, storage_shape, whole_reads
 from .laid_out_views import users_call
-from .laid_out_grad_reads import module_value_read
+from .laid_out_grad_reads import _MODELS, _TORCH, _WORKBENCH, module_value_read
 
 _NORMS = (torch.linalg.vector_norm, torch._foreach_norm, torch.norm, torch.Tensor.norm)
 
@@ -189,11 +190,88 @@ def _keep_grad(func, args, kwargs, out):
             not (func in _COPIES or func == _DATA_GET or _is_pointwise(func) or
                  func in LIKES and _users_own_call()):
         return out
+    return kept_as(out, g)
+
+
+def kept_as(out, g):
+    """``out`` (a tensor of ``g``'s storage shape) read as ``g`` is: ``g``'s subclass and
+    read-back (:data:`_KEPT`), the same storage."""
     kept = out.as_subclass(type(g))
     for k in _KEPT:
         if k in g.__dict__:
             setattr(kept, k, g.__dict__[k])
     return kept
+
+
+def states_read_as_grads(optimizer, params) -> None:
+    """After a ``torch.optim`` step over wrapped parameters: each parameter's state dict
+    becomes a :class:`StateReads`, whose tensors of the storage's shape (Adam's
+    ``exp_avg``, Adagrad's ``sum``... made by ``torch.zeros_like(p)``) a user reads as the
+    parameter's gradient is, the module's value.  ``opt.state[p]["exp_avg"]`` (a user
+    logging Adam's moments) was the storage: DDP's rows ``(4, 6, 3)`` for ``(6, 3)``, its
+    norm 2x, FSDP's padded chunks ``(4, 5)`` (habits13b).  The stored states stay the
+    plain storages torch.optim steps in place (habits7b): its math runs untouched."""
+    for p in params:
+        st = optimizer.state.get(p)
+        g = p.grad if st else None
+        if not isinstance(g, _MODULE_VALUED):
+            continue
+        with torch._C.DisableTorchFunctionSubclass():
+            shape = g.shape
+        like = (type(g), {k: g.__dict__[k] for k in _KEPT if k in g.__dict__}, shape)
+        if type(st) is StateReads:
+            st._wb_like = like
+        elif type(st) is dict:
+            optimizer.state[p] = StateReads(st, like)
+
+
+def _users_dict_read() -> bool:
+    """Is the caller of a :class:`StateReads` method a user's own code (not torch's, not
+    the wrappers'; one frame, read on every step of torch.optim)?"""
+    name = sys._getframe(2).f_code.co_filename
+    return not name.startswith(_TORCH) and (not name.startswith(_WORKBENCH) or
+                                            name.startswith(_MODELS))
+
+
+class StateReads(dict):
+    """One parameter's ``torch.optim`` state (:func:`states_read_as_grads`): torch's and
+    the wrappers' reads get the stored tensors, a user's own (:func:`_users_dict_read`)
+    those of the storage's shape as its gradient's subclass (an alias read as the module's
+    value, as ``p.grad`` is)."""
+
+    def __init__(self, st, like):
+        super().__init__(st)
+        self._wb_like = like
+
+    def _user(self, v):
+        cls, kept, shape = self._wb_like
+        if type(v) is not torch.Tensor or v.shape != shape:
+            return v
+        out = v.as_subclass(cls)
+        for k, x in kept.items():
+            setattr(out, k, x)
+        return out
+
+    def __getitem__(self, k):
+        v = dict.__getitem__(self, k)
+        return self._user(v) if _users_dict_read() else v
+
+    def get(self, k, default=None):
+        v = dict.get(self, k, default)
+        return self._user(v) if _users_dict_read() else v
+
+    def items(self):
+        if not _users_dict_read():
+            return dict.items(self)
+        return [(k, self._user(v)) for k, v in dict.items(self)]
+
+    def values(self):
+        if not _users_dict_read():
+            return dict.values(self)
+        return [self._user(v) for v in dict.values(self)]
+
+    def __reduce__(self):               # pickled / deep-copied as the plain dict it holds
+        return dict, (dict(dict.items(self)),)
 
 
 def _users_own_call() -> bool:

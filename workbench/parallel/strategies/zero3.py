@@ -53,6 +53,9 @@ class Zero3(AdamWHypers, DistTensorFSDP):
         # shards; any other torch.optim optimizer over parameters() steps them the same way
         self.optimizer = _AdamW(self.parameters(), lr=lr, betas=betas, eps=eps,
                                 weight_decay=weight_decay)
+        # its state_dict() stays this layout's (per shard: recipes/zero3_stage.py), a
+        # user's torch.optim over parameters() gives one device's shapes (laid_out.py)
+        self.optimizer._wb_sd_hook = True
 
     @torch.no_grad()
     def step(self) -> None:

@@ -251,6 +251,8 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         # ZeroRedundancyOptimizer copies its local optimizer's groups in
         _copy_hyper(self._inner.param_groups, self.param_groups)
         self._built = True
+        self._stepped: set = set()     # the parameters the last step() stepped
+        self._zeroed = False           # zero_grad() since the last step()
         self._gshard: dict[int, torch.Tensor] = {}    # param index -> its gradient shard
         self._pending: list = []                       # (trace, handle) to wait for in step
         self._clocked: set = set()     # torch.distributed: hooked gradients, on the clock
@@ -401,6 +403,11 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         gradient shard reduced in backward goes too (zeroed in place when not None),
         as the replica's ``.grad`` it replaced would."""
         def hook(set_to_none: bool):
+            self._zeroed = True             # (a step with no gradient after it: a no-op)
+            loc = self.params[i]._local
+            if not set_to_none and i in self._stepped and loc.grad is None and \
+                    loc.requires_grad:      # zeros, as torch's kept gradient (zero_grad)
+                loc.grad = torch.zeros_like(loc)
             gs = self._gshard.get(i)
             if gs is None:
                 return
@@ -578,6 +585,11 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         loss = run_closure(self.optimizer_class, closure)   # once, grad enabled: torch's
         nd = self.mesh.ndim
         live = self.live()
+        if not live and self._zeroed:
+            # zero_grad() since the last step, no backward after it: every gradient is
+            # None, and torch.optim's step skips each such parameter, a no-op (it raised
+            # "call loss.backward() first" after backward; zero_grad(); step(): habits13b)
+            return loss
         if not live:        # (it failed inside torch.cat, saying nothing of why)
             raise RuntimeError(
                 "ZeroRedundancyOptimizer(partition='chunks').step(): no parameter has a "
@@ -615,6 +627,7 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         for p, s in zip(params, ps):
             p._local.grad = None
             s.grad = None
+        self._stepped, self._zeroed = set(live), False
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -626,9 +639,18 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
         try:
             for t in [p._local for p in self.params] + list(self.shards):
                 clear_grad(t, set_to_none)
+            if not set_to_none:
+                # step() freed the gradients it stepped, where torch's optimizers keep
+                # theirs: those torch would zero read zeros here too (they read None,
+                # habits13b), each replica's a zero gradient the next backward adds to
+                for i in self._stepped:
+                    loc = self.params[i]._local
+                    if loc.grad is None and loc.requires_grad:
+                        loc.grad = torch.zeros_like(loc)
         finally:
             self._busy -= 1
         self._gshard.clear()
+        self._zeroed = True
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """torch's ``ZeroRedundancyOptimizer.consolidate_state_dict(to)``, which a user calls
@@ -640,11 +662,60 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
                              f"[0, {self.n - 1}] of the data-parallel group")
 
     def state_dict(self):
+        """torch's format with each parameter's states in its module shape, gathered from
+        every rank's chunks (torch's ZeroRedundancyOptimizer's consolidated state dict is
+        the parameters'), so it loads into a one-device optimizer, another layout, or this
+        one.  It gave the flat chunks' storage, ``(dp, tp, chunk)`` (habits13b: Adam's
+        ``exp_avg`` (2, 2, 5) for (6, 3)).  Under torch.distributed: this process's chunks
+        (the storage), as before."""
         # the current hyperparameters (an lr scheduler sets them here; step copies them in)
         _copy_hyper(self.param_groups, self.optimizer.param_groups)
-        return self.optimizer.state_dict()
+        sd = self.optimizer.state_dict()
+        if self.distributed:
+            return sd
+        state = {}
+        for i, st in sd["state"].items():
+            shard = self.shards[i]
+            state[i] = {k: self._module_state(i, v) if isinstance(v, torch.Tensor) and
+                        k != "step" and v.shape == shard.shape else v for k, v in st.items()}
+        return {**sd, "state": state}
+
+    @torch.no_grad()
+    def _module_state(self, i: int, v: torch.Tensor) -> torch.Tensor:
+        """State ``v`` of shard ``i`` (every rank's chunk) as the parameter's global
+        tensor: the chunks side by side as ``step`` gathers the parameters (not traced:
+        a read, no step's collective), the padding dropped."""
+        from ...sim_mesh.trace import suspend
+        from ..dist_tensor import DistTensor
+        p, nd = self.params[i], self.mesh.ndim
+        with suspend():
+            full = self._all_gather(self.replicas.lead(v.detach()))
+        loc = _narrow_to(unflat(full, p._local.shape[nd:], nd), p._local)
+        return DistTensor(loc.contiguous(), self.mesh, p.placements, p.shape, v.dtype).full()
+
+    @torch.no_grad()
+    def _chunk_state(self, i: int, v: torch.Tensor) -> torch.Tensor:
+        """A module-shaped state of parameter ``i`` cut into its shard's chunks."""
+        from ..dist_tensor import shard_tensor
+        p = self.params[i]
+        loc = shard_tensor(v.detach().to(self.shards[i].dtype), self.mesh, p.placements)._local
+        return self._my_chunk(_fit(loc, p._local)).clone()
 
     def load_state_dict(self, state_dict) -> None:
+        """:meth:`state_dict`'s (module shapes: cut into the chunks) or this layout's
+        storage-shaped states (an older save); another shape is refused before anything
+        changes (under torch.distributed: this layout's, as :meth:`state_dict` gives)."""
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict) and \
+                not self.distributed:
+            state = {}
+            for i, st in state_dict["state"].items():
+                ok = isinstance(i, int) and 0 <= i < len(self.shards) and isinstance(st, dict)
+                state[i] = {k: self._chunk_state(i, v) if ok and k != "step" and
+                            isinstance(v, torch.Tensor) and v.dim() > 0 and
+                            tuple(v.shape) == tuple(self.params[i].shape) and
+                            tuple(v.shape) != tuple(self.shards[i].shape) else v
+                            for k, v in st.items()} if ok else st
+            state_dict = {**state_dict, "state": state}
         check_state_shapes("ZeroRedundancyOptimizer", self.optimizer, state_dict)
         self.optimizer.load_state_dict(state_dict)
         # as torch.optim: the groups' hyperparameters too (step copies ours into the inner)
@@ -658,10 +729,15 @@ class ChunkedZeroOptimizer(ZeroRedundancyOptimizer):
 def _fit(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``t`` with each lead axis as ``like`` holds it: one copy where ``like`` has one,
     expanded where ``t`` has one copy and ``like`` several (equal copies either way)."""
+    return _narrow_to(t, like).expand_as(like)
+
+
+def _narrow_to(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` with one copy on each lead axis where ``like`` holds one."""
     for a in range(like.dim() - 1):
         if like.shape[a] == 1 and t.shape[a] != 1:
             t = t.narrow(a, 0, 1)
-    return t.expand_as(like)
+    return t
 
 
 def _param_groups(params) -> list:
