@@ -70,6 +70,13 @@ behind one ``copy_to_tensor_model_parallel_region``; before, one all-reduce per 
 (The tensor-parallel styles' own ``f``, ``tensor_parallel.py``, is unchanged.)  The
 compiled program (``workbench.compile``) marks its reshards as ``wb.reshard`` does and
 prices these reductions once per input copy (``compile/grad_ways.py``).
+
+Two more (eager13, ``benchmarks/eager_comm_probe.py``): an uneven source held as cells
+(6 rows over 4 ranks) that its readers gather takes the same one node (over all its cells)
+and one reduce-scatter, where each reader all-reduced; and a mesh dim the op's plan takes
+R -> P(sum) (a row-parallel linear's replicated bias, its first rank keeping the value)
+gives the readers' gradient Replicate there, not Partial: no all-reduce of the bias's
+gradient over tp, as O0 and DTensor.
 """
 from __future__ import annotations
 
