@@ -256,13 +256,15 @@ def test_program_backward_bytes_are_its_traced_backward(case, level):
     assert prog.backward_bytes == sum(e.bytes for e in ev[n:] if 0 in e.ranks) > 0
 
 
-def test_torchrun_row_parallel_bias_gradient():
+def test_torchrun_row_parallel_bias_gradient(tmp_path_factory):
     """On 4 gloo processes (dp 2 x tp 2) the same MLP: the replicated bias's gradient is
     one device's and the backward runs the simulator's five all-reduces.  Before, the
     processes all-reduced the bias's gradient over tp as well (each already held the whole
     of it: KeepOnFirst's backward): b2.grad twice one device's, 5.06 off."""
-    from tests.torchrun_support import own_launch
-    row = own_launch("eager13_check.py", nproc=4)[(0, "mlp")]
+    from tests.torchrun_support import four_proc, json_rows
+    out, text = four_proc(tmp_path_factory, "eager13_check.py")   # the shared 4-process job
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = {(r["rank"], r["case"]): r for r in json_rows(text)}[(0, "mlp")]
     assert max(row["errs"]) < 1e-12, row["errs"]
     mesh = wb.Mesh.grid((2, 2), ["dp", "tp"])
     sim, _, _ = _bwd(_mlp, mesh, MLP)
