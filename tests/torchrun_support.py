@@ -101,7 +101,7 @@ def run_several(n: int, parts: list[str], tmp_path_factory=None, **kwargs):
 # The 2 x 2 dp x tp checks over tp_optim_model.py, 4 processes:
 TP_2X2 = ["tp_grad_2x2_check.py", "fixlist3_check.py", "review_revP_check.py",
           "habits4_clip_check.py", "habits13_check.py", "habits15_check.py",
-          "zero1tp_check.py"]
+          "zero1tp_check.py", "eager13_check.py"]
 TRAIN = "-m workbench train --preset tiny --seed 0 --backend torch "
 # Every 4-process part (tests that launched 4 processes each: test_pipeline_clip_eval_
 # torchrun, test_distributed_engine, test_context_parallel_train, test_compile_dist,

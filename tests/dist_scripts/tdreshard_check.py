@@ -100,7 +100,9 @@ def gather_even(mesh):
 
 
 def gather_uneven(mesh):
-    """The same with 5 rows (3/2): the simulator keeps each collective's own backward."""
+    """The same with 5 rows (3/2): one reduce-scatter of the summed gradient as well (the
+    simulator's cells and this process's padded shard, eager13; each reader's all-reduce
+    before)."""
     return _gathered_twice(mesh, 5)
 
 

@@ -469,10 +469,25 @@ class CompiledProgram:
 
     @property
     def bytes(self) -> int:
-        """Bytes each rank sends in the program's forward reshards."""
+        """Bytes each rank sends in the program's forward reshards (the backward's:
+        :attr:`backward_bytes`)."""
         from .extrema import inner_bytes      # (an amax / amin reducing its own output)
         return sum(i.plan.total_bytes for i in self.program if isinstance(i, Reshard)) + \
             sum(inner_bytes(c) for c in self.assignment.choice.values())
+
+    @property
+    def backward_bytes(self) -> int:
+        """Bytes each rank sends in the step's backward collectives: the reshards'
+        backward and the gradient reductions of :attr:`schedule` (``schedule.py``; after
+        this level's passes, so O2's buckets), what a traced run records for the program's
+        backward (``benchmarks/eager_comm_probe.py`` holds the two equal)."""
+        if self.eager:
+            raise RuntimeError("this program runs eagerly (a graph break); trace it instead")
+        from ..sim_mesh.cost import wire_bytes
+        shape = self.mesh.shape
+        return sum(wire_bytes(it.coll, it.nbytes, shape[it.mesh_dim])
+                   for it in self.schedule.items
+                   if it.kind == "comm" and it.phase == "backward")
 
     def step(self, schedule=None):
         """The compiled step (forward and backward) replayed on the clock: a

@@ -43,7 +43,7 @@ from ..sim_mesh.profiles import DEFAULT_PROFILE
 from ..sim_mesh.trace import current_trace, suspend
 from . import layout
 from .dist_tensor import DistTensor
-from .placement import Partial
+from .placement import Partial, Replicate
 from .spec import TensorSpec
 
 __all__ = ["gather", "mark", "use_marked", "KEY"]
@@ -160,11 +160,12 @@ def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
     (the caller runs the ordinary path)."""
     from .reshard import execute
     loc = t._local
+    # (an uneven source: this process's shard, gathered by the padded collectives, its
+    # summed gradient reduce-scattered back to its length, as the simulator's cells, eager13)
     if type(loc) is not torch.Tensor or not even or not loc.requires_grad or \
             not torch.is_grad_enabled() or not _B.is_distributed(mesh) or \
-            not (t.mesh is mesh or t.mesh == mesh) or \
-            not layout.is_even(t.shape, mesh, t.placements):
-        return None          # (uneven shards: the simulator's cells keep their own way)
+            not (t.mesh is mesh or t.mesh == mesh):
+        return None
     steps = plan is not None and bool(plan.steps)
     src = plan.src if steps else tuple(t.placements)
     had = tuple(getattr(loc, "_wb_replica_axes", ()))
@@ -183,7 +184,15 @@ def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str):
     if any(src[i].is_partial() or i in expand for i in other) or \
             any(s.kind != "all_gather" for s in plan.steps if s.mesh_dim in axes):
         return None          # (a step outside them keeps its own backward: ordinary path)
-    grad = tuple(Partial() if i in axes else plan.dst[i] if i in other else p
+    # (a dim the plan takes R -> P(sum), a row-parallel linear's replicated bias: every
+    # process's gradient of its copy is the whole gradient (KeepOnFirst's backward, the
+    # identity), so Replicate there, as the simulator's (reshard_backward._gather_facts).
+    # Recorded and run as Partial, the bias's gradient was all-reduced over tp: tp times
+    # one device's on a dp x tp mesh, 5.06 off in tests/test_eager13.py's MLP, eager13)
+    grad = tuple(Partial() if i in axes else
+                 Replicate() if i in other and p.is_replicate() and plan.dst[i].is_partial()
+                 and plan.dst[i].reduce_op == "sum" else
+                 plan.dst[i] if i in other else p
                  for i, p in enumerate(src))
     if steps:
         with torch.no_grad():              # each op's forward gather, recorded as before

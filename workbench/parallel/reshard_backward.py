@@ -70,6 +70,13 @@ behind one ``copy_to_tensor_model_parallel_region``; before, one all-reduce per 
 (The tensor-parallel styles' own ``f``, ``tensor_parallel.py``, is unchanged.)  The
 compiled program (``workbench.compile``) marks its reshards as ``wb.reshard`` does and
 prices these reductions once per input copy (``compile/grad_ways.py``).
+
+Two more (eager13, ``benchmarks/eager_comm_probe.py``): an uneven source held as cells
+(6 rows over 4 ranks) that its readers gather takes the same one node (over all its cells)
+and one reduce-scatter, where each reader all-reduced; and a mesh dim the op's plan takes
+R -> P(sum) (a row-parallel linear's replicated bias, its first rank keeping the value)
+gives the readers' gradient Replicate there, not Partial: no all-reduce of the bias's
+gradient over tp, as O0 and DTensor.
 """
 from __future__ import annotations
 
@@ -243,7 +250,8 @@ def _source(t, axes, back, label, grad=None):
         grad = tuple(Partial() if i in axes else p for i, p in enumerate(back))
     key = (axes, tuple(t.placements), grad)
     hit = ways.get(key)
-    if hit is not None and hit[0] is loc and hit[1] == loc._version and \
+    version = _version(loc)
+    if hit is not None and hit[0] is loc and hit[1] == version and \
             hit[3].shape == tuple(t.shape) and hit[3].mesh is t.mesh:
         return hit[2], hit[3]
     way = _Way(t.mesh, tuple(t.shape), t.dtype, tuple(t.placements), back, axes,
@@ -251,8 +259,19 @@ def _source(t, axes, back, label, grad=None):
     # every reader's gradient: Partial along the dims it is given per rank (the key's)
     way.uses.append(grad)
     y = C.on_backward_steps(loc, way.steps)
-    ways[key] = (loc, loc._version, y, way)
+    ways[key] = (loc, version, y, way)
     return y, way
+
+
+def _version(loc):
+    """The local's in-place version (each cell's, for uneven shards)."""
+    if type(loc) is torch.Tensor:
+        return loc._version
+    return tuple(x._version for x in loc.items)
+
+
+def _lead(loc, nd: int) -> tuple:
+    return tuple(loc.shape[:nd]) if type(loc) is torch.Tensor else tuple(loc.lead)
 
 
 def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str, memo=None):
@@ -265,16 +284,19 @@ def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str, memo=None)
     (the caller runs the ordinary path): no such dim, no gradient, uneven shards or
     cells, a torch.distributed mesh."""
     loc = t._local
-    if type(loc) is not torch.Tensor or not even or not loc.requires_grad or \
-            not torch.is_grad_enabled() or _B.is_distributed(mesh) or \
-            not (t.mesh is mesh or t.mesh == mesh):
+    # (an uneven source, held as cells, whose plan gives the op even shards: the op's own
+    # gather of a sequence shard of 1 row over 2 ranks, eager13; before, each reader's
+    # all-reduce and the all-gather's local slice, as the module docstring tells)
+    if type(loc) is not torch.Tensor and not storage.is_cells(loc) or not even or \
+            not storage.requires_grad(loc) or not torch.is_grad_enabled() or \
+            _B.is_distributed(mesh) or not (t.mesh is mesh or t.mesh == mesh):
         return None
     # ``memo`` (the dispatcher's, one per prepared op and input: plan, expand and t's
     # layout fixed) keeps the facts below per lead shape of the local (compact or not)
-    lead = loc.shape[:mesh.ndim]
+    lead = _lead(loc, mesh.ndim)
     facts = memo.get(lead) if memo is not None else None
     if facts is None:
-        facts = _gather_facts(plan, expand, tuple(t.placements), loc.shape)
+        facts = _gather_facts(plan, expand, tuple(t.placements), lead)
         if memo is not None:
             memo[lead] = facts
     if facts is False:
@@ -287,6 +309,8 @@ def gather(t: DistTensor, plan, expand, mesh, even: bool, label: str, memo=None)
             from .reshard import execute
             out = execute(plan, DistTensor(y, t.mesh, t.placements, t.shape, t.dtype,
                                            t.names))._local
+        if type(out) is not torch.Tensor and storage.is_cells(out):
+            out = storage.for_run(out, mesh, even)      # (as local_for_op: stacked)
         if type(out) is not torch.Tensor:
             bad = True
         else:
@@ -330,7 +354,15 @@ def _gather_facts(plan, expand, placements, shape):
     other = sorted({s.mesh_dim for s in plan.steps} - set(axes)) if steps else []
     if any(src[i].is_partial() or i in expand for i in other):
         return False
-    grad = tuple(Partial() if i in axes else plan.dst[i] if i in other else p
+    # (a dim the plan takes R -> P(sum), the first rank keeping the value: a row-parallel
+    # linear's replicated bias.  Its backward keeps the first rank's gradient, which is
+    # the whole gradient: Replicate, as DTensor's redistribute backward keeps a Partial
+    # target's gradient Replicate (module docstring) and as convert() notes it; recorded
+    # as Partial it cost an all-reduce of the bias's gradient over that dim, eager13)
+    grad = tuple(Partial() if i in axes else
+                 Replicate() if i in other and p.is_replicate() and plan.dst[i].is_partial()
+                 and plan.dst[i].reduce_op == "sum" else
+                 plan.dst[i] if i in other else p
                  for i, p in enumerate(src))
     return (src, axes, tuple(other) if steps else None, grad,
             "grad of a gathered input" if gathered else "grad of a replicated input",

@@ -67,11 +67,47 @@ class _BackwardSteps(torch.autograd.Function):
         return None, g
 
 
-def on_backward_steps(x: torch.Tensor, steps):
-    """``x`` (a stacked tensor) through an identity whose backward records ``steps``, each
-    ``(kind, mesh, axis, buffer bytes, label)``, or the steps a callable ``steps`` returns
-    then (what the gradient's users asked for meanwhile); ``x`` itself where no gradient
-    passes."""
-    if not steps or not (x.requires_grad and torch.is_grad_enabled()):
+class _BackwardStepsCells(torch.autograd.Function):
+    """:class:`_BackwardSteps` over the cells of uneven shards: one node, so the steps are
+    recorded once when the cells' gradients pass together (not once per cell)."""
+
+    @staticmethod
+    def forward(ctx, steps, *xs):
+        ctx.steps = steps
+        ctx.set_materialize_grads(False)
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        if all(g is None for g in gs):
+            return (None,) * (1 + len(gs))
+        if not recorded_by_b(ctx):
+            mark_recorded(ctx)
+            from .collectives import record_collective
+            steps = ctx.steps() if callable(ctx.steps) else ctx.steps
+            for kind, mesh, axis, nbytes, label in steps:
+                record_collective(kind, mesh, axis, nbytes, label)
+        return (None,) + gs
+
+
+def on_backward_steps(x, steps):
+    """``x`` (a stacked tensor, or the ``Cells`` of uneven shards) through an identity
+    whose backward records ``steps``, each ``(kind, mesh, axis, buffer bytes, label)``, or
+    the steps a callable ``steps`` returns then (what the gradient's users asked for
+    meanwhile); ``x`` itself where no gradient passes."""
+    if not steps or not torch.is_grad_enabled():
         return x
-    return _BackwardSteps.apply(steps if callable(steps) else tuple(steps), x)
+    steps = steps if callable(steps) else tuple(steps)
+    if not isinstance(x, torch.Tensor):                 # Cells: one node for them all
+        from .grid import Cells
+        idx = [i for i, t in enumerate(x.items) if t.requires_grad]
+        if not idx:
+            return x
+        outs = _BackwardStepsCells.apply(steps, *[x.items[i] for i in idx])
+        items = list(x.items)
+        for i, o in zip(idx, outs):
+            items[i] = o
+        return Cells(x.lead, items)
+    if not x.requires_grad:
+        return x
+    return _BackwardSteps.apply(steps, x)
