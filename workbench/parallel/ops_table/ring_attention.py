@@ -225,6 +225,7 @@ def _slots(q, k, v, first, blk, ring, step, causal, balanced, scale):
 # rank's own (selective checkpointing keeps every block's output: ``models.op_sac``).
 OWNER: list = []
 
+
 def _local(nd, ctx, q, k, v, *, ring, step, causal, balanced, scale):
     if ctx is None:                                      # global output shapes only
         return (torch.empty(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype, device="meta"),
