@@ -86,6 +86,38 @@ Output (plan10, 2-core machine shared with other jobs):
     fp32 cos and sin of a rank's RoPE slice would be 192 at head dim 48, unverified);
     and a Ulysses backward the estimate prices 7% above the dry run (small dp 2 cp 4:
     394 against 367 us, 0.990 -> 0.964 once the loss's count no longer hid it).
+- plan13 (tests/test_plan13.py), --ep-cp, 40 rows a seed, rows beyond before -> after:
+  seed 13 1 -> 0, seed 14 2 -> 0, seed 15 (new) 2 -> 0, seed 16 (new) 2 -> 0; worst
+  stage memory 0.908 / 0.919 / 0.919 / 0.892 -> 1.005 / 1.005 / 1.005 / 1.004; every
+  step ratio unchanged (13: 0.965 .. 1.038, 14: 0.967 .. 1.033, 15: 0.957 .. 1.030).
+  The rows beyond were all the Llama under cp, term by term against the dry run's saved
+  tensors (and a CPU run of the recipe, ``ContextParallel.measure_activations``):
+  * the 204 B a token: the recipe lays the RoPE tables out on the ring every micro-batch
+    (``_ring_positions``: ``index_select``, a fresh (s / cp, d) cos and sin, 192 B a
+    token at d 48 in bf16, kept by the RoPE products or the checkpoint's inputs); the
+    ESTIMATE left them out (``context_cost.rope_table_bytes``; full recompute cp 8
+    1.061 -> 1.00x);
+  * Ulysses with "op" 0.908: the ESTIMATE counted the output's ring-order copy, an
+    ``index_select`` the policy re-runs (``a2a_saved_bytes``; the dry run equals the
+    CPU run, 970,772 B);
+  * the ring with "op" 0.919 / 0.892 / 0.940: all three sides were wrong.  A CPU run
+    keeps every step's kernel outputs (the merges re-run); the DRY RUN's meta block
+    was no op the policy saves (kept none, while its clock priced the steps as served
+    from the cache), and its COUNTER split every rank's blocks over each (a CPU run
+    read 7 blocks a rank at cp 2, the busiest rank holds 4: ``SavedCounter.owned``);
+    the ESTIMATE counted the merged output of s / cp rows where the busiest rank (the
+    last of the causal load-balanced ring, 2 cp blocks of s / (2 cp) rows) keeps s
+    (``context_cost.ring_op_saved_bytes``).  One-layer "small" at cp 2, the busiest
+    rank: dry run 868,372 B, CPU run 1,226,772, estimate 969,216 -> dry run and CPU run
+    1,073,172, estimate 1,071,616.
+  ``python -m benchmarks.published``: output identical before and after (its frameworks
+  run no cp of this recipe).  Without --ep-cp (cp = 1: nothing here applies; the first
+  40 rows of seeds 13 and 14 print alike before and after), 200 rows: seed 13 (354 s)
+  0 beyond, step 0.952 .. 1.075, worst 1.006; seed 14 0 beyond, step 0.964 .. 1.088,
+  worst 1.006.  The top of both ranges is the one-layer toy GPT with sp on A100s
+  (tp 4 "selective" mb 2: 1.075, tp 8 "full": 1.088), which reads the same at the
+  commit before plan13 (2aa04dc5) and above plan12's 1.040 / 1.053: moved by a commit
+  between them, not identified (within the bounds).
 """
 from __future__ import annotations
 

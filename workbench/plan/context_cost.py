@@ -309,8 +309,56 @@ def a2a_saved_bytes(cfg, lay) -> int:
     """Bytes a layer keeps for backward with ``cp_comm="a2a"`` beyond the ring's (comment
     above): the attention output twice, head-sharded and sequence-sharded, one block
     b (s / cp) (H / tp) d e; none where the attention core is recomputed ("selective",
-    "full": the kernel's output is not kept)."""
-    if lay.cp == 1 or lay.cp_comm != "a2a" or lay.recompute in ("selective", "full"):
+    "full": the kernel's output is not kept), nor with the op-level policy ("op",
+    ``models.op_sac``): the kernel's output is saved (the layer's own count) but its
+    copy back into ring order is an ``index_select``, no op on the policy's save list,
+    re-run in backward (measured: the dry run and a CPU run of the recipe,
+    ``ContextParallel(cp=2, cp_comm="a2a")`` on the one-layer "small" Llama, keep
+    970,772 B a rank alike, where this counted 768 B a token more: activations 0.931 of
+    the estimate; tests/test_plan13.py)."""
+    if lay.cp == 1 or lay.cp_comm != "a2a" or lay.recompute in ("selective", "full", "op"):
         return 0
     return lay.micro_batch * (cfg.seq_len // lay.cp) * (cfg.n_head // lay.tp) \
         * cfg.head_dim * _ITEMSIZE[cfg.dtype]
+
+
+def rope_table_bytes(cfg, lay) -> int:
+    """Bytes of the Llama's RoPE tables this library's context-parallel recipe lays out per
+    micro-batch (``recipes.context_parallel._ring_positions``: ``to_ring_layout`` of the
+    first s rows of cos and sin, an ``index_select``, so a fresh (s / cp, head_dim) pair
+    in the model's dtype on every rank, which each block's RoPE product saves, or each
+    block's checkpoint keeps as an input); with cp = 1 the tables are the model's
+    buffers, sliced (views: resident, not activations).  One pair per micro-batch, shared
+    by every layer of the stage.  Measured (tests/test_plan13.py): the dry run of the
+    one-layer "small" Llama (head dim 48, bf16) kept 192 B a token more at cp 2 than the
+    estimate with every recompute mode (ring and Ulysses), 2 x 48 x 2.  0 for a GPT
+    (learned positions, counted as the ids), cp = 1, and other frameworks (Megatron-LM
+    computes the rotary embedding from position ids in its kernel; torchtitan shards its
+    ``freqs_cis`` buffer in place)."""
+    if lay.cp == 1 or cfg.arch != "llama" or lay.engine != "workbench":
+        return 0
+    return 2 * (cfg.seq_len // lay.cp) * cfg.head_dim * _ITEMSIZE[cfg.dtype]
+
+
+def ring_op_saved_bytes(cfg, lay) -> int:
+    """Bytes a layer keeps for backward on the busiest rank beyond the layer's own count
+    (``llama_layer.activation_bytes`` at s / cp tokens: the attention kernel's output and
+    log-sum-exp for the rank's s / cp queries) with this library's ring under the
+    op-level policy (``recompute="op"``, ``models.op_sac``): the policy saves every ring
+    step's kernel outputs (each block's output, b (H / tp) (s / 2cp) d e, and fp32
+    log-sum-exp), and re-runs the merges, so the merged output and log-sum-exp are not
+    kept.  Rank i of the causal load-balanced ring (``strategies.context_parallel``:
+    chunks i and 2 cp - 1 - i) computes cp + 1 + i blocks of s / (2 cp) query rows
+    (``ops_table.ring_attention._slot_block``: two on the diagonal step; at step t, two
+    where the K/V came from a rank j < i, one where j > i): the last rank 2 cp of them,
+    s rows, the whole sequence's worth, where the layer's count has s / cp.  Measured
+    (tests/test_plan13.py): a CPU run of the recipe and its dry run keep 1,073,172 B on
+    the busiest rank of the one-layer "small" Llama at cp 2 (the estimate: 969,216 B,
+    0.896 of the dry run, before this).  0 elsewhere (Ulysses keeps one kernel's output,
+    ``a2a_saved_bytes``; other recompute modes keep the merged output or re-run the
+    steps; other frameworks' rings are not this evidence)."""
+    if lay.cp == 1 or lay.cp_comm != "p2p" or lay.recompute != "op" \
+            or lay.engine != "workbench" or cfg.arch != "llama":
+        return 0
+    rows = lay.micro_batch * (cfg.seq_len - cfg.seq_len // lay.cp)
+    return rows * (cfg.n_head // lay.tp) * (cfg.head_dim * _ITEMSIZE[cfg.dtype] + 4)

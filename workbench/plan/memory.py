@@ -425,7 +425,8 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
     # full recompute in chunks of k layers keeps one input per chunk (recompute_chunks)
     saved = nl if lay.recompute_num_layers == 1 else \
         _chunks.saved_inputs(nl, lay.v, lay.recompute_num_layers)
-    layers = per_layer * saved + _cc.a2a_saved_bytes(cfg, lay) * nl      # a2a: output twice
+    layers = per_layer * saved + (_cc.a2a_saved_bytes(cfg, lay)       # a2a: output twice
+                                  + _cc.ring_op_saved_bytes(cfg, lay)) * nl   # ring, "op"
     if lay.v > 1:
         # interleaved: the embedding's tensors ride on rank 0's first chunk, the head's on
         # the last rank's last chunk, and Megatron's order does not hold an even mix of
@@ -443,6 +444,8 @@ def _stage_memory(cfg, layout, stage: int, attention: str = "materialized",
         act += _edge_activation_bytes(tcfg, lay.micro_batch, lay.tp, lay.sp, stage, lay.pp,
                                       held, lay.m if lay.schedule == "gpipe" else 1,
                                       lay.engine)
+    if nl:
+        act += _cc.rope_table_bytes(cfg, lay) * held    # cp: the ring-ordered RoPE tables
     act += _ds_pipe.partitioned_output_bytes(tcfg, lay, stage, held)   # its 1/t outputs
     act += _ds_pipe.loaded_input_bytes(tcfg, lay, stage)   # its buffers' loaded inputs
     act += _ds_pipe.receive_buffer_bytes(tcfg, lay, stage)   # pipe_recv_buf, grad_layer

@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..models import op_sac
 from ..parallel.dist_tensor import DistTensor, shard_tensor
+from ..parallel.ops_table import ring_attention as _ring
 from ..parallel.placement import Replicate, Shard
 from ..parallel.schedules.execute import _detach_leaf, _send
 from ..parallel.strategies.memory import _ranks_splitting, _varying_axes
@@ -73,6 +74,9 @@ class _Provenance(TorchDispatchMode):
         self.via: dict[int, torch.Tensor] = {}
         self.mesh_shape = mesh_shape
         self.axes: dict[int, frozenset | None] = {}   # storage id -> axes it varies along
+        # storage id -> (lead shape, cells): made while a group of ranks computed its own
+        # ring-attention blocks (``ops_table.ring_attention.OWNER``): theirs alone
+        self.owner: dict[int, tuple] = {}
         self._layouts: dict = {}    # (shape, stride) -> _varying_axes (a function of them)
 
     def _axes_of(self, t):
@@ -152,6 +156,8 @@ class _Provenance(TorchDispatchMode):
                 if inputs is None:
                     inputs = _tensor_args(args, kwargs)
                 self.axes[key] = self._derive(t, inputs)
+                if _ring.OWNER:
+                    self.owner[key] = _ring.OWNER[-1]
             first[key] = t
             self.made.setdefault(key, name)
         return out
@@ -229,6 +235,9 @@ class SavedCounter:
         self.local = _B.is_distributed(mesh)
         self.skip = {getattr(p, "_local", p).untyped_storage()._cdata for p in params}
         self.seen: dict[int, tuple] = {}     # root storage id -> (bytes per rank, tensor)
+        # (lead shape, cell) -> bytes of the tensors only some ranks hold (a causal ring's
+        # blocks: ``_Provenance.owner``); the busiest cell's are every rank's at most
+        self.owned: dict[tuple, int] = {}
         self.items: list[tuple] = []         # (bytes per rank, shape, dtype, op that made it)
         self.prov = _Provenance(None if self.local else self.shape)
 
@@ -265,6 +274,22 @@ class SavedCounter:
         if {key, root} & self.skip or root in self.seen or t.untyped_storage().nbytes() == 0:
             return
         src = self.prov.first.get(root, t)
+        owner = None if self.local else self.prov.owner.get(root)
+        if owner is not None:
+            # one group of ranks' own tensor (a ring block, which selective checkpointing
+            # saves), split evenly among its cells; the ranks hold unequal numbers of them
+            # (rank i of a causal load-balanced ring cp + 1 + i blocks): tallied per cell,
+            # the busiest counted (``bytes``).  Read through the layout rule, every
+            # rank's blocks were counted on each (cp 2: 7 blocks where the busiest rank
+            # holds 4)
+            lead, cells = owner
+            per = src.untyped_storage().nbytes() // len(cells)
+            for c in cells:
+                self.owned[(lead, c)] = self.owned.get((lead, c), 0) + per
+            self.seen[root] = (0, t)
+            self.items.append((per, tuple(src.shape), src.dtype,
+                               self.prov.made.get(root, "input")))
+            return
         per = self._per_rank(t)
         if not self.local:  # (torch.distributed: no broadcast copies; a copy is the
             #                 process's own, counted at its own size, once)
@@ -290,7 +315,7 @@ class SavedCounter:
 
     @property
     def bytes(self) -> int:
-        return sum(b for b, _ in self.seen.values())
+        return sum(b for b, _ in self.seen.values()) + max(self.owned.values(), default=0)
 
     @contextlib.contextmanager
     def counting(self):

@@ -150,8 +150,21 @@ class _MetaBlock(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v):
-        o = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
-        lse = torch.empty(tuple(q.shape[:-1]), dtype=_lse_dtype(q.dtype), device=q.device)
+        if v.shape[-1] == q.shape[-1] and q.dtype != torch.float64:
+            # PyTorch's fused kernel on meta (its meta function: shapes only), the kernel
+            # a CPU run of the block calls (``ops.flash_attention``'s native backend), so
+            # that selective checkpointing (``models.op_sac``) sees it and saves its
+            # outputs as there, as ``ops.flash_attention._MetaFused`` does.  Was
+            # ``new_empty``, no op on the policy's list: the dry run kept none of the
+            # steps' outputs under recompute "op" where a CPU run of the recipe keeps
+            # every block's (one-layer "small" Llama, cp 2: 868,372 B against 1,226,772
+            # counted alike; tests/test_plan13.py), while its clock priced the steps as
+            # served from the policy's cache
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, False)[:2]
+        else:
+            o = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
+            lse = torch.empty(tuple(q.shape[:-1]), dtype=_lse_dtype(q.dtype), device=q.device)
         ctx.save_for_backward(q, k, v, o, lse)
         return o, lse
 
@@ -204,6 +217,15 @@ def _slots(q, k, v, first, blk, ring, step, causal, balanced, scale):
 
 # ---- the op table entry ---------------------------------------------------------------------
 
+# While a group of cells (the ranks holding one slot) computes its blocks: (the lead
+# shape, the flat indices of those cells in it).  The ranks' blocks differ in number (a
+# causal load-balanced ring: rank i computes cp + 1 + i blocks of s / (2 cp) rows), so
+# a tensor made then belongs to those cells alone, split evenly among them; the dry run's
+# count of what a rank saves (``plan.meta_run.SavedCounter``) reads this to tally each
+# rank's own (selective checkpointing keeps every block's output: ``models.op_sac``).
+OWNER: list = []
+
+
 def _local(nd, ctx, q, k, v, *, ring, step, causal, balanced, scale):
     if ctx is None:                                      # global output shapes only
         return (torch.empty(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=q.dtype, device="meta"),
@@ -228,7 +250,11 @@ def _local(nd, ctx, q, k, v, *, ring, step, causal, balanced, scale):
     for f, cells in groups.items():
         idx = torch.tensor(cells, device=q.device)
         flat = [t[idx].reshape((len(cells) * B,) + tuple(t.shape[2:])) for t in (q4, k4, v4)]
-        o, lse = _slots(*flat, f, blk, ring, step, causal, balanced, scale)
+        OWNER.append((tuple(lead), tuple(cells)))
+        try:
+            o, lse = _slots(*flat, f, blk, ring, step, causal, balanced, scale)
+        finally:
+            OWNER.pop()
         outs.append(o.reshape((len(cells), B) + tuple(o.shape[1:])))
         lses.append(lse.reshape((len(cells), B) + tuple(lse.shape[1:])))
         order += cells
