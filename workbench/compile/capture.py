@@ -12,6 +12,11 @@ Two ways in, tried in this order (``method="auto"``):
   ``wb.ops.rms_norm``), as ``torch.fx.symbolic_trace`` records torch calls, but with
   concrete shapes, so Python control flow on shapes works.
 
+An in-place write into a value the program made (``v = x.clone(); v.mul_(2)``,
+``v[0] = 1.5``) is recorded as the new value it gives (:mod:`.writes`, as torch's
+functionalization does); a write a graph of values cannot hold (into an input, through a
+view) is a break that says why.
+
 No data moves: inputs and parameters are meta tensors of their global shapes.  Control
 flow on tensor *values* (``if x.sum() > 0``) cannot be captured: it is a
 :class:`~.graph.GraphBreak`, reported with its source line (export's own message, or the
