@@ -219,3 +219,24 @@ def test_median_and_kthvalue_compile_whole(name, level):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(c.full_tensor(), one.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(d.grad.full_tensor(), ref.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_a_write_under_autocast_runs_as_eager_without_it():
+    """In-place ops are not autocast (torch.amp; parallel/inplace.method): the captured
+    write's matmul runs in float32 as eager's and one device's, not in bfloat16."""
+    def f(a, b):
+        v = a * 1.0
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            v.addmm_(b, b.t())
+        return v
+    mesh = wb.Mesh.grid((2,))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 4, generator=gen)
+    y = torch.randn(4, 3, generator=gen)
+    args = [wb.distribute_tensor(x, mesh, [Shard(0)]), wb.distribute_tensor(y, mesh, [Replicate()])]
+    prog = wb.compile(f, *args, level="O1", method="trace")
+    assert prog.breaks == []
+    got = prog(*args).full_tensor()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, f(*args).full_tensor(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, f(x, y), rtol=1e-6, atol=1e-6)

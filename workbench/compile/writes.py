@@ -29,6 +29,8 @@ Writes that a graph of values cannot hold stay graph breaks, each saying why:
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..parallel.dist_tensor import DistTensor
@@ -103,7 +105,11 @@ def write(tracer, func, name, args, kwargs):
         raise Refused(f"{op} under torch.no_grad() writes into a value with history: torch "
                       "keeps the history (the gradient passes the write), which a captured "
                       "op would cut; the program runs eagerly")
-    new = _new_value(tracer, func, x, op, args, kwargs)
+    # in-place ops are not autocast (torch.amp's docs; parallel/inplace.method): the new
+    # value's ops are recorded with the caller's autocast off, and run so
+    with torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") \
+            else contextlib.nullcontext():
+        new = _new_value(tracer, func, x, op, args, kwargs)
     with tracer:
         from ..parallel.ops_table.layout_hooks import keep_layout
         new = keep_layout(new, x)          # laid out as x (eager's assign)
