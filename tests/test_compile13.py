@@ -155,6 +155,13 @@ def _nograd_write(a, b):
     return v
 
 
+def _nograd_view(a, b):
+    v = a * b
+    with torch.no_grad():
+        v.unsqueeze_(0)        # v keeps its history (a recorded unsqueeze would not)
+    return v
+
+
 def _computed_setitem(a, b):
     v = a.clone()
     v[0] = b[1] * 2            # a value the program computes
@@ -163,7 +170,8 @@ def _computed_setitem(a, b):
 
 @pytest.mark.parametrize("f, why", [
     (_view_write, "shares"), (_input_write, "an input of the program"),
-    (_nograd_write, "no_grad"), (_computed_setitem, "a value v the program computes")])
+    (_nograd_write, "no_grad"), (_nograd_view, "no_grad"),
+    (_computed_setitem, "a value v the program computes")])
 def test_writes_a_graph_cannot_hold_stay_breaks_and_say_why(f, why):
     mesh = wb.Mesh.grid((2,))
     gen = torch.Generator().manual_seed(5)

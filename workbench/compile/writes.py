@@ -92,6 +92,10 @@ def write(tracer, func, name, args, kwargs):
         raise Refused(f"{op} writes into {what[value.kind]}: a captured graph computes new "
                       "values and would not write the caller's tensor back on each call; "
                       "the program runs eagerly (write into a clone, or return the new value)")
+    if x.requires_grad and not torch.is_grad_enabled():
+        raise Refused(f"{op} under torch.no_grad() writes into a value with history: torch "
+                      "keeps the history (the gradient passes the write), which a captured "
+                      "op would cut; the program runs eagerly")
     if op in _VIEWS:
         return _view_op(tracer, x, op, args[1:], kwargs)
     if x._base is not None or any(t is not x and _storage(t) == _storage(x)
@@ -101,10 +105,6 @@ def write(tracer, func, name, args, kwargs):
                       "view, or a tensor with views): torch's write reaches them too, which "
                       "one captured value does not; the program runs eagerly (write into a "
                       "clone, or compute the new value with torch.where / torch.cat)")
-    if x.requires_grad and not torch.is_grad_enabled():
-        raise Refused(f"{op} under torch.no_grad() writes into a value with history: torch "
-                      "keeps the history (the gradient passes the write), which a captured "
-                      "op would cut; the program runs eagerly")
     # in-place ops are not autocast (torch.amp's docs; parallel/inplace.method): the new
     # value's ops are recorded with the caller's autocast off, and run so
     with torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") \
