@@ -2,7 +2,10 @@
 under ``wb.compile`` at each level, held to the same program run eagerly (op by op) on the
 same DistTensors, and to one device (helper compile12).
 
-    nice python -m tests.compile_probe [--start 0] [--cases 40] [--wide]
+    nice python -m tests.compile_probe [--start 0] [--cases 40] [--wide] [--reasons]
+
+``--reasons``: each (seed, level) that did not compile whole, and a tally of the breaks and
+refusals by reason (its place, shapes and numbers left out), most common first.
 
 A program: the first leaf, then the drawn chain of ops (binary ops read further leaves,
 which the chain's functions hold as closures: the compiled program reads them from

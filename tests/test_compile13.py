@@ -248,3 +248,19 @@ def test_a_write_under_autocast_runs_as_eager_without_it():
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, f(*args).full_tensor(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got, f(x, y), rtol=1e-6, atol=1e-6)
+
+
+def test_var_without_degrees_of_freedom_breaks_rather_than_dropping_its_gradient():
+    """torch.var over a dim of 0 elements (N - correction <= 0) is composed with
+    workbench's own autograd.Function (_NoDof: torch's var_backward); traced, its forward
+    was recorded as untracked ops and the compiled output did not require grad where eager's
+    does (narrow probe seed 78: a TypeError in the probe, no gradient for the user).  Now a
+    break naming the Function; the program runs eagerly, eager's gradient."""
+    f = lambda a: torch.var(a.sum(0), (-1,), keepdim=True).mean(0).abs()     # noqa: E731
+    mesh = wb.Mesh.grid((2,))
+    d = wb.distribute_tensor(torch.zeros(4, 0, dtype=torch.float64), mesh,
+                             [Replicate()]).requires_grad_()
+    prog = wb.compile(f, d, level="O1", method="trace")
+    assert len(prog.breaks) == 1 and "_NoDof" in prog.breaks[0].reason
+    out = prog(d)
+    assert out.requires_grad and f(d).requires_grad

@@ -678,6 +678,20 @@ def _custom_functions_refused():
                                "cannot hold; the program runs eagerly (compile the code "
                                "around it, or register it in the op table)",
                                where=(f, line, code))
+        if ours and torch.is_grad_enabled() and torch.overrides._is_torch_function_mode_enabled() \
+                and any(isinstance(m, _Tracer)
+                        for m in torch.overrides._get_current_function_mode_stack()) \
+                and any(isinstance(t, torch.Tensor) and t.requires_grad
+                        for t in _leaves((args, kwargs), [])):
+            # workbench's own Function applied inside a composition the tracer follows
+            # (var's _NoDof: no degrees of freedom): its forward would be recorded as
+            # untracked ops and its backward lost (the output did not require grad where
+            # eager's does: narrow probe seed 78); a table op records it whole instead
+            f, line, code = _user_frame()
+            raise CaptureError(f"the autograd.Function {cls.__qualname__} (workbench's own) at "
+                               f"{f}:{line} ({code}) runs on the traced tensors outside an op "
+                               "of the table: its backward would not be captured; the "
+                               "program runs eagerly", where=(f, line, code))
         return orig.__func__(cls, *args, **kwargs)
     base.apply = classmethod(apply)
     try:

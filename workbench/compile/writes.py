@@ -1,7 +1,7 @@
 """In-place writes under capture: a write into a tensor the program made is captured as the
 new value it gives, as torch's functionalization turns ``x.mul_(2)`` into
-``x_1 = mul(x, 2)`` with every later read of ``x`` reading ``x_1`` (``torch.export`` and
-``make_fx(..., pre_dispatch)`` run ``torch._functionalize`` for this; the tracer works on
+``x_1 = mul(x, 2)`` with every later read of ``x`` reading ``x_1`` (``torch.export``'s
+graphs are functional so: capture's export path gets no in-place op; the tracer works on
 torch calls, so it rebinds the Python tensor to the new value itself).
 
 ``v = x.clone(); v.mul_(2)``, ``v.clamp_(-1, 1)``, ``v += y``, ``v.masked_fill_(m, 0)``,
@@ -10,7 +10,8 @@ torch calls, so it rebinds the Python tensor to the new value itself).
 (``parallel/inplace.py``): the out-of-place op (``x.mul_`` is ``x.mul``; ``x[i] = c`` is
 ``where(mask, values, x)`` with the constant mask and values eager builds; ``zero_`` /
 ``fill_`` / ``copy_``: the value, expanded and cast, over ``x`` by the table's
-``overwrite``, which gives the old value eager's zero gradient and reads no layout), cast to ``x``'s dtype, then laid out as ``x`` is
+``overwrite``, which gives the old value eager's zero gradient and reads no layout), cast
+to ``x``'s dtype, then laid out as ``x`` is
 (``keep_layout``: eager's ``assign`` reshards the result into ``x``'s placements, so the
 collectives at O0 are eager's).  ``squeeze_`` / ``unsqueeze_`` / ``t_`` / ``transpose_``
 are the view they make.  torch's own verdict comes first: the real in-place op runs on meta
@@ -51,7 +52,7 @@ _NOT_WRITES = ("requires_grad_", "share_memory_", "retain_grad")
 
 
 class Refused(Exception):
-    """The write cannot be captured; ``why`` says so (the tracer raises it as a
+    """The write cannot be captured; the message says why (the tracer raises it as a
     CaptureError at the user's line)."""
 
 
