@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
 from ..parallel.dist_tensor import DistTensor
 
@@ -185,6 +186,11 @@ def _new_value(tracer, func, x, op, args, kwargs):
     if op == "__setitem__":
         index, val = rest
         return _setitem(tracer, x, index, val)
+    if func is not getattr(T, op, None) and func is not getattr(torch, op, None) and \
+            func is not getattr(F, op, None):
+        # (nn.init.zeros_(x) and other functions named like an in-place method)
+        raise Refused(f"{getattr(func, '__module__', '')}.{op} is not torch's in-place "
+                      "method: its out-of-place form is not known; the program runs eagerly")
     _judge(lambda: getattr(_stand_in(x), op)(*_meta(tracer, rest), **_meta(tracer, kwargs)))
     if op == "index_put_":
         names = ("indices", "values", "accumulate")
@@ -229,7 +235,8 @@ def _new_value(tracer, func, x, op, args, kwargs):
         raise Refused(f"{op} draws random numbers inside the program: a captured graph "
                       "would keep one draw for every call; pass the random tensor in")
     base = getattr(T, op[:-1], None) if func is getattr(T, op, None) else \
-        getattr(torch, op[:-1], None)
+        getattr(torch, op[:-1], None) if func is getattr(torch, op, None) else \
+        getattr(F, op[:-1], None)
     if base is None or not callable(base):
         raise Refused(f"{op} has no out-of-place form ({op[:-1]}) to capture it by; the "
                       "program runs eagerly")
