@@ -2,7 +2,10 @@
 under ``wb.compile`` at each level, held to the same program run eagerly (op by op) on the
 same DistTensors, and to one device (helper compile12).
 
-    nice python -m tests.compile_probe [--start 0] [--cases 40] [--wide]
+    nice python -m tests.compile_probe [--start 0] [--cases 40] [--wide] [--reasons]
+
+``--reasons``: each (seed, level) that did not compile whole, and a tally of the breaks and
+refusals by reason (its place, shapes and numbers left out), most common first.
 
 A program: the first leaf, then the drawn chain of ops (binary ops read further leaves,
 which the chain's functions hold as closures: the compiled program reads them from
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import random
+import re
 import sys
 import traceback
 import warnings
@@ -177,6 +181,13 @@ def _cmp(got, want, what, exact, p):
         raise Differ(str(e)) from None
 
 
+def _why(brk) -> str:
+    """A break's reason without its place (``at file:line (code)``)."""
+    r = brk.reason.replace(f" at {brk.file}:{brk.line} ({brk.code})", "")
+    return r.replace("capture runs the program on meta tensors of the global shapes (plain "
+                     "tensors, no data) and it raised ", "the meta run raised ")[:300]
+
+
 def probe(seed: int, wide: bool, levels=LEVELS):
     """{level: (status, detail)} for program ``seed`` (None: not drawn)."""
     drawn = draw(seed, wide)
@@ -192,6 +203,8 @@ def probe(seed: int, wide: bool, levels=LEVELS):
     out = {}
     try:
         ref = prog_fn(*xs)
+        # (a program that writes into a leaf: no two runs start alike, nothing to compare)
+        _restore(leaves, snap)
     except Exception:      # noqa: BLE001
         return None
     backward = isinstance(ref, wb.DistTensor) and ref.requires_grad and \
@@ -200,7 +213,6 @@ def probe(seed: int, wide: bool, levels=LEVELS):
     if backward:
         g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7),
                         dtype=ref.dtype)
-    _restore(leaves, snap)
     try:
         e_full, e_grads, e_comm, e_type = _run(prog_fn, xs, leaves, backward, g)
     except Exception:     # noqa: BLE001
@@ -233,7 +245,7 @@ def probe(seed: int, wide: bool, levels=LEVELS):
                                            sum(c_comm[1].values()) > sum(e_comm[1].values())):
                 raise Differ(f"O0 collectives {c_comm}, eager {e_comm}")
             status = "eager" if prog.breaks else "compiled"
-            out[level] = (status, prog.breaks[0].reason[:160] if prog.breaks else "")
+            out[level] = (status, _why(prog.breaks[0]) if prog.breaks else "")
         except Differ as e:
             out[level] = ("differ", str(e))
         except (ValueError, NotImplementedError) as e:
@@ -245,16 +257,29 @@ def probe(seed: int, wide: bool, levels=LEVELS):
     return p, out
 
 
+def reason_key(det: str) -> str:
+    """A break's reason with its place (file:line, the code, shapes, numbers) left out,
+    so that breaks by one op or construct tally together."""
+    k = det
+    k = re.sub(r"\(\d+(, \d+)*,?\)", "(shape)", k)
+    k = re.sub(r"\d+", "N", k)
+    return k[:200]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--cases", type=int, default=40)
     ap.add_argument("--wide", action="store_true")
     ap.add_argument("-v", action="store_true")
+    ap.add_argument("--reasons", action="store_true",
+                    help="tally the graph breaks (and refusals) by reason, per level")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     counts = collections.Counter()
+    per_level = {lv: collections.Counter() for lv in LEVELS}
+    reasons = collections.Counter()
     shown = set()
     for s in range(a.start, a.start + a.cases):
         r = probe(s, a.wide)
@@ -264,12 +289,23 @@ def main(argv=None):
         p, out = r
         for lv, (st, det) in out.items():
             counts[st] += 1
+            per_level[lv][st] += 1
+            if st in ("eager", "refused"):
+                reasons[(st, reason_key(det))] += 1
+            if a.reasons and st != "compiled":
+                print(f"seed {s} {lv} {st}: {reason_key(det)[:120]}", flush=True)
             key = (st, det[:60])
             if st in ("differ", "raised") or (a.v and st != "compiled" and key not in shown):
                 shown.add(key)
-                print(f"--- seed {s} {lv} {st}: {det}\n" + "\n".join(p.lines)[:1500],
+                print(f"--- seed {s} {lv} {st}: {det[:160]}\n" + "\n".join(p.lines)[:1500],
                       flush=True)
     print(f"seeds {a.start}..{a.start + a.cases - 1} wide={a.wide}: {dict(counts)}", flush=True)
+    for lv in LEVELS:
+        print(f"  {lv}: {dict(per_level[lv])}", flush=True)
+    if a.reasons:
+        print("reasons (program-levels):")
+        for (st, k), n in reasons.most_common():
+            print(f"  {n:4d}  {st}: {k}")
 
 
 if __name__ == "__main__":

@@ -150,6 +150,8 @@ ELSEWHERE = {"expert_parallel": "tests/test_fixlist16.py (an ExpertParallel disp
 # out as its input): compiled Hybrid models against eager
 ELSEWHERE.update(dict.fromkeys(("megatron_f", "megatron_g", "keep_layout"),
                                "tests/test_compile11.py"))
+# a value written over one with history (wb.compile's captured in-place writes)
+ELSEWHERE["overwrite"] = "tests/test_compile13.py"
 
 
 def test_every_op_in_the_table_has_a_sample_and_everything():

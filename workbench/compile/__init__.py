@@ -3,6 +3,7 @@ torch calls on meta tensors), chooses its placements over the whole graph, runs 
 passes and runs it as one graph on the simulated ranks.
 
     capture.py / export.py   the program as a Graph of op-table calls (graph.py)
+    writes.py                in-place writes into values the program made, as new values
     propagate.py             the step's price of a placement, and greedy's choice
     search.py                whole-graph placements (DP / beam; memory as tie-break or limit)
     lower.py                 the distributed program: reshards + ops; running it

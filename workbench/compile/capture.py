@@ -12,6 +12,11 @@ Two ways in, tried in this order (``method="auto"``):
   ``wb.ops.rms_norm``), as ``torch.fx.symbolic_trace`` records torch calls, but with
   concrete shapes, so Python control flow on shapes works.
 
+An in-place write into a value the program made (``v = x.clone(); v.mul_(2)``,
+``v[0] = 1.5``) is recorded as the new value it gives (:mod:`.writes`, as torch's
+functionalization does); a write a graph of values cannot hold (into an input, through a
+view) is a break that says why.
+
 No data moves: inputs and parameters are meta tensors of their global shapes.  Control
 flow on tensor *values* (``if x.sum() > 0``) cannot be captured: it is a
 :class:`~.graph.GraphBreak`, reported with its source line (export's own message, or the
@@ -32,8 +37,10 @@ from ..parallel.dist_tensor import DistTensor
 from ..parallel.ops_table import load as _load_ops
 from ..parallel.ops_table.composites import COMPOSITES
 from ..parallel.ops_table.table import BY_FUNC
+from ..parallel.habits import COMPOSED
 from .graph import Graph, GraphBreak, Node, Ref, same_tuple
 from .guards import state_writes
+from .writes import NOT_A_WRITE, Refused, write
 from .reads import (TENSOR_READS, amp_state, autograd_reads, from_library, python_writes,
                     rng_reseeds_refused)
 
@@ -71,6 +78,23 @@ _ALIASES = {T.T.__get__: lambda t: (T.permute, (t, tuple(reversed(range(t.ndim))
             T.mT.__get__: lambda t: (T.transpose, (t, -2, -1), {})}
 _VALUE_FUNCS = {T.__bool__, T.item, T.tolist, T.__int__, T.__float__, T.__index__,
                 T.nonzero, T.numpy}
+
+
+def _data_dependent(func, e):
+    """Raise a CaptureError that says so where ``func`` raised ``e`` on the meta stand-ins
+    because its output's shape or value is the data's (``nonzero``, ``masked_select``,
+    ``unique``, ``torch.equal``: torch has no meta kernel for them, as none can know it)."""
+    msg = str(e)
+    if not isinstance(e, NotImplementedError) or not (
+            "Meta tensors" in msg or "register_meta" in msg or "data-dependent" in msg):
+        return
+    f, line, code = _user_frame()
+    raise CaptureError(
+        f"{getattr(func, '__name__', func)} at {f}:{line} ({code}): its output's shape or "
+        "value depends on the tensor's data (data-dependent), which capture, running the "
+        "program on meta tensors of the global shapes, cannot know: a graph break, the "
+        "program runs eagerly (compute it outside the compiled function, or give a fixed "
+        "size: torch.where for a mask, topk for a count)", where=(f, line, code))
 
 
 def _extremum(kind):
@@ -341,6 +365,16 @@ class _Tracer(TorchFunctionMode):
             f, line, code = _user_frame()
             raise Broken(GraphBreak(f"{getattr(func, '__name__', func)}() reads a traced "
                                     "tensor's value: data-dependent control flow", f, line, code))
+        # an in-place write into a value the program made: captured as the new value it
+        # gives (writes.py, torch's functionalization); others stay breaks, saying why
+        try:
+            wrote = write(self, func, name, args, kwargs)
+        except Refused as e:
+            f, line, code = _user_frame()
+            raise CaptureError(f"{name} at {f}:{line} ({code}): {e}",
+                               where=(f, line, code)) from None
+        if wrote is not NOT_A_WRITE:
+            return wrote
         hit = BY_FUNC.get(func)
         if hit is None and (func in _FILL or func in (torch.full_like, T.new_full)):
             with self:
@@ -385,12 +419,18 @@ class _Tracer(TorchFunctionMode):
             raise CaptureError(f"{name} at {f}:{line} ({code}) writes into a traced tensor; "
                                "capture follows values, not writes: compute a new tensor "
                                "(torch.where, torch.cat) instead", where=(f, line, code))
+        if hit is None and func in COMPOSED and name.startswith("_foreach_"):
+            # torch._foreach_<op>: the per-tensor ops eager runs (parallel/foreach_ops.py),
+            # each an op of the table (an in-place one a write: writes.py)
+            with self:
+                return COMPOSED[func](*args, **kwargs)
         if hit is None:
             try:
                 out = func(*args, **kwargs)
             except (Broken, CaptureError):
                 raise
             except Exception as e:    # noqa: BLE001 (e.g. a meta tensor beside a CPU one)
+                _data_dependent(func, e)
                 f, line, code = _user_frame()
                 raise CaptureError(
                     f"{getattr(func, '__qualname__', func)} at {f}:{line} ({code}) has no "
@@ -428,7 +468,11 @@ class _Tracer(TorchFunctionMode):
             return tw if tw is not None else t
         margs, mkw = _swap(args, to_meta), _swap(kwargs, to_meta)
         rargs, rkw = _swap(args, to_ref), _swap(kwargs, to_ref)     # before outputs register
-        out = func(*margs, **mkw)
+        try:
+            out = func(*margs, **mkw)
+        except NotImplementedError as e:
+            _data_dependent(func, e)
+            raise
         if parse_as is not None:
             margs, mkw = _swap(parse_as[0], to_meta), _swap(parse_as[1], to_meta)
         ins, attrs = parse(*margs, **mkw)
@@ -634,6 +678,20 @@ def _custom_functions_refused():
                                "cannot hold; the program runs eagerly (compile the code "
                                "around it, or register it in the op table)",
                                where=(f, line, code))
+        if ours and torch.is_grad_enabled() and torch.overrides._is_torch_function_mode_enabled() \
+                and any(isinstance(m, _Tracer)
+                        for m in torch.overrides._get_current_function_mode_stack()) \
+                and any(isinstance(t, torch.Tensor) and t.requires_grad
+                        for t in _leaves((args, kwargs), [])):
+            # workbench's own Function applied inside a composition the tracer follows
+            # (var's _NoDof: no degrees of freedom): its forward would be recorded as
+            # untracked ops and its backward lost (the output did not require grad where
+            # eager's does: narrow probe seed 78); a table op records it whole instead
+            f, line, code = _user_frame()
+            raise CaptureError(f"the autograd.Function {cls.__qualname__} (workbench's own) at "
+                               f"{f}:{line} ({code}) runs on the traced tensors outside an op "
+                               "of the table: its backward would not be captured; the "
+                               "program runs eagerly", where=(f, line, code))
         return orig.__func__(cls, *args, **kwargs)
     base.apply = classmethod(apply)
     try:

@@ -51,6 +51,7 @@ FAMILIES += ("take",)               # torch.take: the input whole, the index sha
 FAMILIES += ("quantile", "searchsorted")    # order statistics; binary search in a sorted dim
 FAMILIES += ("index_bounds",)     # a computed index checked where its values are known
 FAMILIES += ("layout_hooks",)     # the recipes' layout hooks (Megatron f, g), captured
+FAMILIES += ("overwrite",)        # a value written over one with history (wb.compile's writes)
 
 
 def load():
