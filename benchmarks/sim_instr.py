@@ -20,6 +20,11 @@ Measured (perf11, torch 2.13, N=200): toy step one device 1,130K (N=100); workbe
 1,712K before perf11, 1,682K after; gpt 72.24M -> 72.18M (N=20); ew 517.8K both (N=300).
 perf12 (dispatch's fast path, the row-parallel backward's as_strided; base = perf12's
 parent, both measured here): toy step 1,694K -> 1,625K (N=200); gpt 72.34M -> 72.28M (N=20).
+perf13 (sizes as ints to torch's view / expand, transpose for movedim(1, 0), one-input
+pointwise without align, sum's keepdim positional; base = perf13's parent, measured here
+on a machine at load 12-46): toy step 1,634K -> 1,592K after the first commit (N=200; one
+device 1,128K), 1,581K after the second (the linear's branch conditions read once); gpt
+72.73M -> 72.64M (N=20; the second commit leaves a 2-d mesh's linear as it was).
 """
 from __future__ import annotations
 
