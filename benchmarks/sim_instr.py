@@ -25,6 +25,10 @@ pointwise without align, sum's keepdim positional; base = perf13's parent, measu
 on a machine at load 12-46): toy step 1,634K -> 1,592K after the first commit (N=200; one
 device 1,128K), 1,581K after the second (the linear's branch conditions read once); gpt
 72.73M -> 72.64M (N=20; the second commit leaves a 2-d mesh's linear as it was).
+sim_overhead.py --only step --timer cpu --rounds 5, base then perf13 back to back, twice
+(load 7-18): toy 2.43x -> 2.06x (468.5 -> 367.3 us), 2.33x -> 2.10x (383.9 -> 334.0 us),
+still above the 2.0x target; --only ops --rounds 3: GPT Hybrid 2.6x both (15.31 -> 13.66
+ms, its torch floor 5.74 -> 5.33 ms: within the load's noise).
 """
 from __future__ import annotations
 
