@@ -20,6 +20,15 @@ Measured (perf11, torch 2.13, N=200): toy step one device 1,130K (N=100); workbe
 1,712K before perf11, 1,682K after; gpt 72.24M -> 72.18M (N=20); ew 517.8K both (N=300).
 perf12 (dispatch's fast path, the row-parallel backward's as_strided; base = perf12's
 parent, both measured here): toy step 1,694K -> 1,625K (N=200); gpt 72.34M -> 72.28M (N=20).
+perf13 (sizes as ints to torch's view / expand, transpose for movedim(1, 0), one-input
+pointwise without align, sum's keepdim positional; base = perf13's parent, measured here
+on a machine at load 12-46): toy step 1,634K -> 1,592K after the first commit (N=200; one
+device 1,128K), 1,581K after the second (the linear's branch conditions read once); gpt
+72.73M -> 72.64M (N=20; the second commit leaves a 2-d mesh's linear as it was).
+sim_overhead.py --only step --timer cpu --rounds 5, base then perf13 back to back, twice
+(load 7-18): toy 2.43x -> 2.06x (468.5 -> 367.3 us), 2.33x -> 2.10x (383.9 -> 334.0 us),
+still above the 2.0x target; --only ops --rounds 3: GPT Hybrid 2.6x both (15.31 -> 13.66
+ms, its torch floor 5.74 -> 5.33 ms: within the load's noise).
 """
 from __future__ import annotations
 

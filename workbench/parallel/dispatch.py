@@ -383,7 +383,7 @@ def dispatch(func, args, kwargs):
                                 shape = list(loc.shape)
                             shape[i] = n
                     if shape is not None:
-                        loc = loc.expand(shape)
+                        loc = loc.expand(*shape)    # (ints: torch parses a list slower)
                 locs.append(loc)
             else:
                 break

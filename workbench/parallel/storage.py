@@ -213,7 +213,9 @@ def backward_scalar(loc, mesh, placements) -> bool:
             return False
     # one 1 for every rank, held once (stride 0): the gradient is the same on every rank,
     # and the backward of a row-parallel linear sees it (ops_table/matmul._RankLinear)
-    ones = (loc.new_ones(()) if share == 1 else loc.new_full((), 1.0 / share)).expand(loc.shape)
+    ones = (loc.new_ones(()) if share == 1 else loc.new_full((), 1.0 / share))
+    # (the sizes as ints: torch parses a torch.Size argument slower, ~2.2 us against 1.0)
+    ones = ones.expand(*loc.shape) if loc.dim() else ones.expand(loc.shape)
     if _ENGINE_RUN is not None and _FUNCTORCH_ACTIVE is not None and \
             type(loc) is torch.Tensor and not _FUNCTORCH_ACTIVE():
         # what torch.autograd.backward runs once it has checked its arguments (a gradient of

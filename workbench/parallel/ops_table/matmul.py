@@ -391,7 +391,20 @@ def _linear_local(nd, ctx, x, w, b=None):
 
 
 def _linear_plain(nd, ctx, x, w, b=None):
-    if nd and _same_on_every_rank(x, nd) and not _same_on_every_rank(w, nd) and x.dim() > nd:
+    if nd == 1:
+        # the two branches' conditions below, each size and stride read once (toy TP step,
+        # benchmarks/sim_instr.py): x (and w) the same on every rank: x.size(0) == 1 or
+        # x.stride(0) == 0 (_same_on_every_rank)
+        xs, ws = x.shape, w.shape
+        x0s, w0s = x.stride(0), w.stride(0)
+        col = (xs[0] == 1 or x0s == 0) and not (ws[0] == 1 or w0s == 0) and len(xs) > 1
+        row = not col and len(xs) == 3 and len(ws) == 3 and xs[0] == ws[0] > 1 and \
+            b is None and x0s and w0s
+    else:
+        col = nd and _same_on_every_rank(x, nd) and not _same_on_every_rank(w, nd) and \
+            x.dim() > nd
+        row = False
+    if col:
         # Column-parallel with a replicated input: every rank multiplies the same x by its
         # slice of the weight. One GEMM with all the slices side by side does exactly that
         # arithmetic at single-device speed; autograd still sends the input gradient through
@@ -399,6 +412,18 @@ def _linear_plain(nd, ctx, x, w, b=None):
         x0 = x.select(0, 0) if nd == 1 else x[(0,) * nd]                    # (*batch, k)
         ws = w.shape
         n, k = ws[-2], ws[-1]
+        if nd == 1 and x0.dim() == 2:
+            # one rank dim, a 2-d input (the toy TP step): the same views as below, their
+            # sizes given as ints (torch parses a torch.Size or tuple argument slower than
+            # ints: ~1.7 us against 1.3 us a view; movedim(1, 0) of a 3-d tensor is
+            # transpose(0, 1): the same sizes, strides and offset)
+            L = ws[0]
+            y = F.linear(x0, w.reshape(L * n, k))                           # (T, L*n)
+            y = y.view(y.shape[0], L, n).transpose(0, 1)                    # (L, T, n)
+            if b is not None:
+                y, b = align(nd, y, b)
+                y = y + b
+            return y
         y = F.linear(x0, w.reshape(math.prod(ws[:-1]), k))         # (*batch, L*n); k may be 0
         ys = y.shape
         nb = len(ys) - 1
@@ -411,8 +436,7 @@ def _linear_plain(nd, ctx, x, w, b=None):
             y, b = align(nd, y, b)
             y = y + b
         return y
-    if nd == 1 and x.dim() == 3 and w.dim() == 3 and x.shape[0] == w.shape[0] > 1 and \
-            b is None and x.stride(0) and w.stride(0):
+    if row:
         # row-parallel (or any per-rank x and w): see _RankLinear
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
             return _rank_linear(x, w)

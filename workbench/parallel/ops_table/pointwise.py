@@ -301,7 +301,11 @@ def _promotes_zero_dims(ctx) -> bool:
 
 def _local(fn):
     def local(nd, ctx, *xs, **kw):
-        if ctx is not None and len(xs) > 1 and _promotes_zero_dims(ctx):
+        if len(xs) == 1:
+            # one input: align has nothing to line up, nor _zero_dims to promote (the
+            # same call, without theirs: relu of the toy TP step, benchmarks/sim_instr.py)
+            return fn(xs[0], **kw) if kw else fn(xs[0])
+        if ctx is not None and _promotes_zero_dims(ctx):
             xs = _zero_dims(nd, ctx, xs)
         return fn(*align(nd, *xs), **kw)
     return local

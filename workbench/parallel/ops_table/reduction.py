@@ -105,6 +105,8 @@ def _reduction(kind):
                 return getattr(x.unsqueeze(-1), kind)(-1)
             return x if dtype is None else x.to(dtype)
         if kind == "sum":
+            if dtype is None:           # the same overload, its arguments parsed sooner
+                return x.sum(dims, keepdim)
             return x.sum(dims, keepdim=keepdim, dtype=dtype)
         if kind == "mean":
             # divide by the GLOBAL count: a shard's sum / N is a correct partial mean,
