@@ -150,8 +150,10 @@ class Estimate:
         ly, ms = d["layer"], 1e3
         rc = " with recompute" if lay.recompute != "none" else ""
         # what a layer's communication is: TP's collectives, EP's all-to-alls, CP's ring
+        # or its head all-to-alls (cp_comm="a2a", DeepSpeed-Ulysses)
+        cp_kind = "CP all-to-all" if lay.cp_comm == "a2a" else "CP ring"
         kinds = [k for k, on in (("TP", lay.tp > 1), ("EP all-to-all", lay.ep > 1),
-                                 ("CP ring", lay.cp > 1)) if on]
+                                 (cp_kind, lay.cp > 1)) if on]
         comm = " + ".join(kinds) if kinds else "TP"
         gb = {k: v / 1e9 for k, v in self.memory.items()}
         bub = ("(DeepSpeed's TrainSchedule simulated: the slowest stage's idle time)"

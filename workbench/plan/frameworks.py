@@ -173,8 +173,7 @@ _FRAMEWORK_WORDS = {
                      "machine's host; the prefetch's live-parameter counter as at step 2 "
                      "ASSUMED (it drifts lower every step, opening the prefetch: later "
                      "steps are faster) (plan.zero3_2021)",
-    "workbench": "this library's recipe: gradients reduced in 16 bits {when}, ZeRO-3 one "
-                 "gather per layer"}
+    "workbench": "this library's recipe: gradients reduced in 16 bits {when}{zw}"}
 
 
 def assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce) -> tuple:
@@ -186,7 +185,9 @@ def assumptions(cfg, lay, prof, attention, overlap, overlap_grad_reduce) -> tupl
     z3 = (", ZeRO-3 gathers module by module (1e5-element persistence, 5e7 prefetch, "
           "5e8 reduce buckets)" if lay.zero == 3 else f", ZeRO-{lay.zero}" if lay.zero else
           ", no ZeRO")
-    out = [_FRAMEWORK_WORDS[lay.engine].format(g=g, when=when, z3=z3)]
+    zw = (", ZeRO-3 one gather per layer" if lay.zero == 3 else f", ZeRO-{lay.zero}"
+          if lay.zero else ", no ZeRO")
+    out = [_FRAMEWORK_WORDS[lay.engine].format(g=g, when=when, z3=z3, zw=zw)]
     if attention == "flash" and prof.measured:   # the kernel measured on the device
         kernel = {"cudnn": "cuDNN's fused attention", "flash": "FlashAttention-2"}.get(
             prof.measured["attention_backend"], prof.measured["attention_backend"])
