@@ -199,3 +199,27 @@ def test_bce_with_logits_gradient_at_zero_logits(dtype, pos_weight, reduction):
     got.sum().backward()
     torch.testing.assert_close(dx.grad.full(), xr.grad, equal_nan=True)
     torch.testing.assert_close(dy.grad.full(), yr.grad, equal_nan=True)
+
+
+_NORM_ROWS = [[0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 2.0, 0.0], [1.0, -2.0, 0.0, 3.0],
+              [-0.0, 0.0, -0.0, 0.0], [float("inf"), 1.0, 0.0, 3.0],
+              [float("nan"), 1.0, 0.0, 3.0], [-1.0, -2.0, -3.0, -4.0]]
+
+
+@pytest.mark.parametrize("p", [0.5, 0.3, 1.5, 3, -1, -0.5])
+@pytest.mark.parametrize("ps", [["R", "R"], ["S(1)", "R"], ["P(sum)", "S(0)"]])
+@pytest.mark.parametrize("dim", [1, None])
+def test_vector_norm_p_gradient_at_zeros(p, ps, dim):
+    """ord p < 1: the gradient of |x|^p at x = 0 was 0 * inf = nan where torch's
+    linalg_vector_norm_backward masks it to 0 (times the rest: NaN where the norm's factor
+    is NaN or infinite, as torch's).  Probe 7 ords x 3 layouts x 2 dims: 15 -> 0 of 84."""
+    x = torch.tensor(_NORM_ROWS, dtype=torch.float64)
+    xr = x.clone().requires_grad_(True)
+    want = torch.linalg.vector_norm(xr, p, dim)
+    dx = _d(x, ps).requires_grad_(True)
+    got = torch.linalg.vector_norm(dx, p, dim)
+    torch.testing.assert_close(got.full(), want, equal_nan=True)
+    gy = torch.linspace(-1, 1, want.numel(), dtype=torch.float64).reshape(want.shape)
+    (want * gy).sum().backward()
+    (got * gy).sum().backward()
+    torch.testing.assert_close(dx.grad.full(), xr.grad, equal_nan=True)
