@@ -2,6 +2,8 @@
 wide seeds 2006200.., tests/random_programs_wide.py) and by probes of the same ops.  Each
 test holds a DistTensor call to torch on the full tensor; the docstrings say what was wrong
 before."""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -223,3 +225,19 @@ def test_vector_norm_p_gradient_at_zeros(p, ps, dim):
     (want * gy).sum().backward()
     (got * gy).sum().backward()
     torch.testing.assert_close(dx.grad.full(), xr.grad, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.complex128,
+                                   torch.complex64, torch.int64, torch.bool])
+@pytest.mark.parametrize("shape,dim", [((2, 4), -1), ((3, 3), 1), ((0, 2), 1), ((2, 0), 1)])
+def test_glu_dtypes_as_torch_cpu_kernel(dtype, shape, dim):
+    """torch's glu CPU kernel has no complex (NotImplementedError '"glu_cpu" not
+    implemented'); a complex DistTensor was computed (seed 2009093 wide).  Shape errors
+    (an odd dim) come first, as torch's."""
+    x = (torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape) / 3).to(dtype)
+    d = _d(x, ["R", "S(0)"])
+    wk, want = _kind(lambda: F.glu(x, dim))
+    gk, got = _kind(lambda: F.glu(d, dim))
+    assert gk == wk
+    if wk == "ok":
+        assert got.dtype == want.dtype and torch.equal(got.full(), want)
