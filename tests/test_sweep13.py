@@ -3,6 +3,7 @@ wide seeds 2006200.., tests/random_programs_wide.py) and by probes of the same o
 test holds a DistTensor call to torch on the full tensor; the docstrings say what was wrong
 before."""
 import math
+import warnings
 
 import pytest
 import torch
@@ -241,3 +242,24 @@ def test_glu_dtypes_as_torch_cpu_kernel(dtype, shape, dim):
     assert gk == wk
     if wk == "ok":
         assert got.dtype == want.dtype and torch.equal(got.full(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex128, torch.complex64, torch.float64])
+@pytest.mark.parametrize("shape,dim", [((2, 0, 3), 1), ((0, 3), 0), ((2, 3), 1)])
+@pytest.mark.parametrize("fn", [torch.std_mean, torch.var_mean])
+def test_std_mean_of_no_element_keeps_a_complex_mean(dtype, shape, dim, fn):
+    """Over no element the mean's NaN is made positive as torch's kernel's; its abs() made a
+    complex mean real (float64 where torch's is complex128: seed 2010165 wide)."""
+    x = torch.ones(shape).to(dtype)
+    d = _d(x, ["S(0)", "R"])
+    with warnings.catch_warnings():          # torch's 'degrees of freedom is <= 0'
+        warnings.simplefilter("ignore")
+        want = fn(x, dim)
+        got = fn(d, dim)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        gf = g.full()
+        bits = (lambda t: torch.view_as_real(t).signbit()) if w.is_complex() else torch.signbit
+        assert torch.equal(bits(gf), bits(w))
+        torch.testing.assert_close(gf, w, equal_nan=True)
+

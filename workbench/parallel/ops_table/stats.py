@@ -38,8 +38,12 @@ def _with_mean(fn, root):
         v = (std if root else var)(input, *args, **kwargs)
         m = input.mean(dims, keepdim=keepdim)
         if input.ndim and not math.prod(input.shape[d] for d in dims):
-            m = m.abs()     # no element: torch's var_mean kernel's nan is positive (mean's
-        return v, m         # 0 / 0 is x86's default nan, sign bit set), as var's
+            # no element: torch's var_mean kernel's nan is positive (mean's 0 / 0 is x86's
+            # default nan, sign bit set), as var's; a complex mean stays complex (abs made
+            # it real: seed 2010165 wide), nan + nanj with both signs clear
+            m = m.abs() if not m.dtype.is_complex else \
+                torch.view_as_complex(torch.view_as_real(m).abs())
+        return v, m
     composed.__name__ = fn.__name__
     composed.__doc__ = f"``torch.{fn.__name__}``: ({'std' if root else 'var'}, mean)."
     return composed
