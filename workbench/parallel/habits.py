@@ -289,6 +289,11 @@ def _extremum(kind):
         if not -n <= dim < n:
             raise IndexError(f"Dimension out of range (expected to be in range of [{-n}, "
                              f"{n - 1}], but got {dim})")
+        if input.dtype.is_complex or input.numel() == 0:
+            # torch's kernel checks first (an empty dim's IndexError before the complex
+            # RuntimeError; argmax's would name argmax: seed 2006934 wide)
+            from .ops_table.blas import cpu_check
+            cpu_check(getattr(torch, kind), input, dim, keepdim)
         # torch.max(bool, dim) is defined, argmax(bool) is not: the indices of its 0 / 1
         key = dispatch(T.to, (input, torch.uint8), None) if input.dtype == torch.bool else input
         if input.ndim == 0:

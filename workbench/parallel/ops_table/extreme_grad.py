@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["even_extreme", "crosses_ranks", "extreme_form", "inf_norm"]
+__all__ = ["even_extreme", "crosses_ranks", "extreme_form", "inf_norm", "no_complex_grad"]
 
 
 class _EvenExtreme(torch.autograd.Function):
@@ -115,6 +115,21 @@ def inf_norm(x, dims, keepdim, kind):
     return _InfNorm.apply(x, tuple(dims), bool(keepdim), kind)
 
 
+def no_complex_grad(name, x, kernel=None) -> None:
+    """torch's refusal of a complex output that requires grad for an op whose derivative
+    is real-only (``amax``, ``cummax``, ``kthvalue``...; tools/autograd/gen_variable_type.py
+    GRADIENT_IMPLEMENTED_FOR_COMPLEX lacks them): after the kernel's own checks
+    (``kernel``, run on a cut stand-in of ``x``: ops_table/blas.cpu_check), where ``x``
+    requires grad under grad mode and is complex."""
+    if not (x.dtype.is_complex and x.requires_grad and torch.is_grad_enabled()):
+        return
+    if kernel is not None:
+        from .blas import cpu_check
+        cpu_check(kernel, x)
+    raise RuntimeError(f"{name} does not support automatic differentiation for outputs "
+                       "with complex dtype.")
+
+
 def crosses_ranks(x, dims) -> bool:
     """True when an extreme of ``x`` (a DistTensor) over ``dims`` (wrapped) is taken across
     ranks: a reduced dim sharded, or a Partial input."""
@@ -123,8 +138,14 @@ def crosses_ranks(x, dims) -> bool:
 
 def even_extreme(x, dims, keepdim, kind, nan=False):
     """``amax`` (``kind``) of the DistTensor ``x`` over ``dims`` (a sorted tuple of
-    wrapped dims, every dim when empty) with torch's gradient (module docstring)."""
+    wrapped dims, every dim when empty) with torch's gradient (module docstring).  A
+    complex ``x`` raises as torch: its kernel's error (a complex amax is not implemented),
+    else, where the kernel has nothing to compare (an empty ``x``), autograd's (the
+    Function's forward runs without it: a result, seed 2007734 wide)."""
     dims = tuple(dims) if dims else tuple(range(x.ndim))
+    if x.dtype.is_complex:
+        no_complex_grad(kind if not nan else kind[1:], x, lambda t: (
+            getattr(torch, kind[1:])(t) if nan else getattr(torch, kind)(t, dims, keepdim)))
     return _EvenExtreme.apply(x, dims, bool(keepdim), kind, nan)
 
 

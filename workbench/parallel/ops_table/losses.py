@@ -66,7 +66,14 @@ def l1_loss(input, target, size_average=None, reduce=None, reduction="mean", wei
 
 
 def _quadratic_below(d, limit, scale_sq, linear):
-    return torch.where(d < limit, d * d * scale_sq, linear)
+    """``linear`` where ``d >= limit``, else ``d^2 scale_sq`` (a NaN ``d`` takes the square's
+    side, as torch's backward kernels: their gradient is NaN there).  The square is of 0
+    where the linear side is taken: its gradient is 0 there, not 0 * inf = nan at an
+    infinite ``d`` (seed 2006376 wide: the target's gradient of smooth_l1_loss(-inf, y) was
+    nan)."""
+    above = d >= limit
+    q = torch.where(above, 0, d)
+    return torch.where(above, linear, q * q * scale_sq)
 
 
 def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mean",
@@ -103,6 +110,17 @@ def huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
                    "huber_loss").to(input.dtype)      # torch's kernel: the input's dtype
 
 
+def _softplus_neg(x):
+    """``softplus(-x)`` = ``log1p(exp(-|x|)) + relu(-x)`` (no exp of a positive number), by
+    the sign of ``x``: the same values, and at ``x = 0`` the derivative ``sigmoid(0) - 1``
+    of torch's kernel, where |x|'s and relu's were 0 (bce_with_logits(0, 0.5) had gradient
+    0.5, torch's 0: seed 2008353 wide).  Each side reads ``x`` only where it is taken (0
+    elsewhere: no exp(+inf) * 0 = nan in the gradient)."""
+    pos = x >= 0                                   # NaN: the negative side, NaN either way
+    xp, xn = torch.where(pos, x, 0), torch.where(pos, 0, x)
+    return torch.where(pos, torch.log1p(torch.exp(-xp)), torch.log1p(torch.exp(xn)) - xn)
+
+
 def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None,
                                      reduce=None, reduction="mean", pos_weight=None):
     """``F.binary_cross_entropy_with_logits`` (stable: no exp of a positive number)."""
@@ -112,7 +130,7 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
     ref = torch_check(F.binary_cross_entropy_with_logits, input, target, weight,
                       reduction=reduction, pos_weight=pos_weight)
     _float_input("binary_cross_entropy_with_logits", input)
-    soft = torch.log1p(torch.exp(-input.abs())) + torch.relu(-input)      # softplus(-x)
+    soft = _softplus_neg(input)
     if pos_weight is not None:
         soft = soft * ((pos_weight - 1) * target + 1)
     loss = (1 - target) * input + soft

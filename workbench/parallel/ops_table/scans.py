@@ -57,7 +57,10 @@ def _local(fn, n_out):
     def local(nd, ctx, x, dim, n_out=n_out):
         if x.dim() == nd:                 # a 0-d tensor: itself (index 0)
             if n_out == 2:                # torch's cummax / cummin return it unchecked (a
-                # complex too, which their kernels refuse): measured, torch 2.13
+                # complex too, which their kernels refuse): measured, torch 2.13; but not
+                # to autograd (a complex requiring grad: RuntimeError, as torch)
+                from .extreme_grad import no_complex_grad
+                no_complex_grad(fn.__name__, x)
                 return x.clone(), torch.zeros(x.shape, dtype=torch.long, device=x.device)
             out = fn(x.reshape(tuple(x.shape) + (1,)), nd)
             if fn is torch.logcumsumexp:

@@ -35,9 +35,9 @@ def _clamp_parse(x, min=None, max=None):
     return (x, min, max), {}
 
 
-def _clamp_local(nd, ctx, x, lo, hi):
-    x, lo, hi = align(nd, x, lo, hi)
-    return torch.clamp(x, lo, hi)
+# a 0-d bound promotes as on one device (a float64 0-d min of a float32 x: float32; stacked
+# with its device axes it made a float64 result: seed 2007193 wide)
+_clamp_local = pointwise_local(torch.clamp)
 
 
 register("clamp", [torch.clamp, T.clamp, torch.clip, T.clip], parse=_clamp_parse,

@@ -106,9 +106,14 @@ def kthvalue(input, k, dim=-1, keepdim=False, *, out=None):
     if out is not None:
         raise TypeError("kthvalue(out=...) on a DistTensor: assign the result")
     from .blas import cpu_check, torch_check
+    if type(dim) is int and -input.ndim <= dim < input.ndim and input.shape[dim] == 0:
+        # torch's kernel: an empty dim's IndexError before k's range (meta checks k first)
+        cpu_check(torch.kthvalue, input, 1, dim, keepdim)
     torch_check(torch.kthvalue, input, k, dim, keepdim)
     cpu_check(torch.kthvalue, input, 1, dim, keepdim)        # its dtypes (not bool)
     if input.ndim == 0:
+        from .extreme_grad import no_complex_grad            # a 0-d complex requiring grad
+        no_complex_grad("kthvalue", input)
         return torch.return_types.kthvalue((input.clone(), torch.zeros_like(input).long()))
     # torch's kernel on whole rows: its pick among ties
     v, i = _call(_kthvalue_rows, (input, k, wrap_dim(dim, input.ndim), bool(keepdim)))

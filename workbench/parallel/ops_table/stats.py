@@ -38,8 +38,12 @@ def _with_mean(fn, root):
         v = (std if root else var)(input, *args, **kwargs)
         m = input.mean(dims, keepdim=keepdim)
         if input.ndim and not math.prod(input.shape[d] for d in dims):
-            m = m.abs()     # no element: torch's var_mean kernel's nan is positive (mean's
-        return v, m         # 0 / 0 is x86's default nan, sign bit set), as var's
+            # no element: torch's var_mean kernel's nan is positive (mean's 0 / 0 is x86's
+            # default nan, sign bit set), as var's; a complex mean stays complex (abs made
+            # it real: seed 2010165 wide), nan + nanj with both signs clear
+            m = m.abs() if not m.dtype.is_complex else \
+                torch.view_as_complex(torch.view_as_real(m).abs())
+        return v, m
     composed.__name__ = fn.__name__
     composed.__doc__ = f"``torch.{fn.__name__}``: ({'std' if root else 'var'}, mean)."
     return composed
@@ -161,11 +165,13 @@ def type_(input, dtype=None, non_blocking=False, **kwargs):
 def glu(input, dim=-1):
     """``F.glu``: the first half of ``dim`` times the sigmoid of the second."""
     torch_check(torch.nn.functional.glu, input, dim)
-    if not (input.dtype.is_floating_point or input.dtype.is_complex):
-        raise NotImplementedError(f"glu: not implemented for "
-                                  f"'{str(input.dtype).replace('torch.', '').capitalize()}' "
-                                  "(as torch's kernel); cast it to a float dtype")
+    # then torch's CPU kernel's dtypes (an integer, a complex: NotImplementedError, where a
+    # complex was computed: seed 2009093 wide), on two elements (cpu_check's cut to one
+    # would not halve)
+    torch.nn.functional.glu(torch.zeros(2, dtype=input.dtype), 0)
     a, b = input.chunk(2, dim)
+    if input.dtype in (torch.float16, torch.bfloat16):    # the kernel's float32 "opmath":
+        return (a.float() * torch.sigmoid(b.float())).to(input.dtype)    # rounded once
     return a * torch.sigmoid(b)
 
 

@@ -164,8 +164,22 @@ def vector_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
     elif ord == 2:
         r = _root((x * x).sum(dims, keepdim=keepdim), 2)
     else:
-        r = _root((x.abs() ** ord).sum(dims, keepdim=keepdim), ord)
+        r = _root(_powers(x.abs(), ord).sum(dims, keepdim=keepdim), ord)
     return r.to(ref.dtype)
+
+
+def _powers(a, p):
+    """``a ** p`` of ``a = |x|`` with torch's gradient (``linalg_vector_norm_backward``,
+    FunctionsManual.cpp, 2.13: ``sgn(x) |x|^(p-1)``, 0 where ``x = 0``, times the rest):
+    at a zero, 0 times what reaches it (NaN for a NaN or infinite norm's factor, else 0),
+    where ``p |x|^(p-1)`` there is 0 * inf = nan for p < 1 (ord 0.5 of a vector holding a
+    0 had a NaN gradient).  A zero's power is a constant (0, or inf for p < 0), plus 0
+    times ``a`` there (the factor's NaN reaches ``x``, as torch's product)."""
+    nz = a != 0
+    one = torch.ones((), dtype=a.dtype)
+    zero = torch.full((), math.inf if p < 0 else 0.0, dtype=a.dtype)
+    at_zero = torch.where(nz, torch.zeros((), dtype=a.dtype), a) * 0
+    return torch.where(nz, torch.where(nz, a, one) ** p, zero) + at_zero
 
 
 def matrix_norm(A, ord="fro", dim=(-2, -1), keepdim=False, *, dtype=None, out=None):
