@@ -192,11 +192,10 @@ def test_checkpoint_load_in_place_into_a_pipeline_gives_the_checkpoints_loss(tmp
     assert float(st.forward_backward(model, x, y)) == pytest.approx(want, rel=1e-6)
 
 
-@pytest.mark.parametrize("a,b", [(dict(dp=2, zero=1), dict(dp=4, zero=1)),
-                                 (dict(dp=2), dict(dp=4)),
+@pytest.mark.parametrize("a,b", [(dict(dp=2), dict(dp=4)),
                                  (dict(dp=2, zero=3), dict(dp=4, zero=3)),
                                  (dict(dp=2, zero=2), dict(dp=2, zero=0))],
-                         ids=["zero1-dp2-to-dp4", "dp2-to-dp4", "zero3-dp2-to-dp4", "zero2-to-zero0"])
+                         ids=["dp2-to-dp4", "zero3-dp2-to-dp4", "zero2-to-zero0"])
 def test_a_stage_optimizer_state_from_another_layout_is_refused_untouched(a, b):
     # torch.optim's load_state_dict compares no shapes: the states of another layout loaded
     # silently and the next step failed in adamw with the optimizer half replaced
@@ -211,6 +210,24 @@ def test_a_stage_optimizer_state_from_another_layout_is_refused_untouched(a, b):
     after = opts2[0].state_dict()
     assert all(torch.equal(after["state"][i][k], v) for i, s in before["state"].items()
                for k, v in s.items() if isinstance(v, torch.Tensor))
+
+
+def test_a_zero1_state_dict_in_module_shapes_loads_on_another_dp_size():
+    # ZeRO-1/2's optimizer state_dict() holds each state in its parameter's shape (as
+    # torch's consolidated ZeroRedundancyOptimizer state dict; habits13b), so dp 4 cuts a
+    # dp 2 save into its own chunks: gathered back it is the saved dict, value for value
+    st, model, opts = _pipeline(dict(dp=2, zero=1))
+    _steps(st, model, opts, range(1))
+    saved = copy.deepcopy(opts[0].state_dict())
+    st2, model2, opts2 = _pipeline(dict(dp=4, zero=1), seed=1)
+    _steps(st2, model2, opts2, range(1))
+    opts2[0].load_state_dict(saved)
+    back = opts2[0].state_dict()
+    assert back["state"].keys() == saved["state"].keys()
+    for i, s in saved["state"].items():
+        for k, v in s.items():
+            got = back["state"][i][k]
+            assert torch.equal(got, v) if isinstance(v, torch.Tensor) else got == v, (i, k)
 
 
 def test_saving_a_meta_tensor_names_the_key(tmp_path):

@@ -193,9 +193,9 @@ class DataParallel(AdamWHypers):
 
     def state_dict(self) -> dict:
         """The AdamW's ``state_dict()`` (per parameter: ``step``, ``exp_avg``,
-        ``exp_avg_sq`` as this layout holds them: one copy per dp replica, or each rank's
-        chunk under ZeRO 1-2); :meth:`load_state_dict` takes it back on the same layout
-        (across layouts: ``wb.checkpoint``)."""
+        ``exp_avg_sq`` as this layout holds them: one copy per dp replica; under ZeRO 1-2
+        the ZeroRedundancyOptimizer's, in each parameter's shape); :meth:`load_state_dict`
+        takes it back on the same layout (across layouts: ``wb.checkpoint``)."""
         if self.optimizer is None:
             return {"state": {}, "param_groups": []}
         return self.optimizer.state_dict()
@@ -203,8 +203,10 @@ class DataParallel(AdamWHypers):
     def load_state_dict(self, state_dict: dict) -> None:
         """:meth:`state_dict`'s dict, into this optimizer (the same layout)."""
         if self.optimizer is not None:
-            inner = getattr(self.optimizer, "optimizer", self.optimizer)   # ZeRO 1-2: chunks
-            check_state_shapes("DataParallel", inner, state_dict)
+            if not self.zero:
+                check_state_shapes("DataParallel", self.optimizer, state_dict)
+            # ZeRO 1-2: the ZeroRedundancyOptimizer checks and cuts module-shaped states
+            # (its state_dict()'s, since habits13b) into its chunks itself
             self.optimizer.load_state_dict(state_dict)
         elif state_dict.get("state") or state_dict.get("param_groups"):
             raise ValueError("DataParallel.load_state_dict: this DataParallel has no parameters "
