@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..parallel.dist_tensor import DistTensor
+from ..parallel.inplace import _judge
 
 __all__ = ["NOT_A_WRITE", "write"]
 
@@ -147,18 +148,6 @@ def _stand_in(x):
         with torch.enable_grad():
             m = m.requires_grad_().clone()
     return m
-
-
-def _judge(call):
-    """torch's errors for the write, on meta stand-ins (an op meta tensors cannot run:
-    the real run judges, as eager's ``inplace._judge``)."""
-    try:
-        call()
-    except NotImplementedError:
-        pass
-    except RuntimeError as e:
-        if "cannot be called on meta tensors" not in str(e):
-            raise
 
 
 def _view_op(tracer, x, op, rest, kwargs):

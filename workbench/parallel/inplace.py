@@ -179,6 +179,21 @@ class _Overwrite(torch.autograd.Function):
                 *(torch.zeros(s, dtype=d, device=v) for s, d, v in ctx.olds))
 
 
+def over_old(y: DistTensor, x: DistTensor) -> DistTensor:
+    """``y`` written over ``x`` for autograd: ``y``'s values and history, with every local
+    tensor of ``x`` given a zero gradient through ``_Overwrite`` (one anchor on ``y``'s
+    first tensor carries them all)."""
+    olds, done = storage.tensors(x._local), []
+
+    def anchor(t):
+        if done:
+            return t
+        done.append(t)
+        return _Overwrite.apply(t, *olds)
+    return DistTensor(storage.map_tensors(y._local, anchor), y.mesh, y.placements, y.shape,
+                      y.dtype, y.names)
+
+
 def assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
     """Write ``y`` (a DistTensor on x's mesh, or a plain global tensor) into ``x``: values
     cast to ``x.dtype``, laid out in ``x.placements``. ``sources``: the op's inputs
@@ -295,15 +310,7 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
             # y.copy_(plain), y.copy_(z) with z tracked): x still requires grad, its old
             # values get a zero gradient, as torch's CopyBackwards gives (seed 941030: with
             # a tracked z, x's history was dropped and its leaf's grad was None, not zeros)
-            olds, done = storage.tensors(x._local), []
-
-            def anchor(t):          # the first tensor of y carries every old one
-                if done:
-                    return t
-                done.append(t)
-                return _Overwrite.apply(t, *olds)
-            y = DistTensor(storage.map_tensors(y._local, anchor),
-                           y.mesh, y.placements, y.shape, y.dtype, y.names)
+            y = over_old(y, x)
         x._local = y._local
         if x._view is not None:
             x._view = x._view[:2] + (False,)

@@ -25,22 +25,13 @@ __all__ = ["overwrite", "overwrite_rule"]
 def overwrite(value, old):
     """``value`` with ``old``'s zero gradient (``parallel.inplace._Overwrite``); both of one
     shape and dtype, DistTensors on one mesh (or plain tensors)."""
-    from ..inplace import _Overwrite
-    from .. import storage
+    from ..inplace import _Overwrite, over_old
     if isinstance(value, DistTensor) and isinstance(old, DistTensor):
         if tuple(value.shape) != tuple(old.shape) or value.dtype != old.dtype or \
                 value.mesh != old.mesh:
             raise ValueError(f"overwrite: value {tuple(value.shape)} {value.dtype} over old "
                              f"{tuple(old.shape)} {old.dtype}; give one shape, dtype and mesh")
-        olds, done = storage.tensors(old._local), []
-
-        def anchor(t):                  # the first tensor of value carries every old one
-            if done:
-                return t
-            done.append(t)
-            return _Overwrite.apply(t, *olds)
-        return DistTensor(storage.map_tensors(value._local, anchor), value.mesh,
-                          value.placements, value.shape, value.dtype, value.names)
+        return over_old(value, old)
     if has_torch_function((value, old)):
         return handle_torch_function(overwrite, (value, old), value, old)
     if type(value) is torch.Tensor and type(old) is torch.Tensor:
