@@ -577,15 +577,21 @@ def _(ctx, rec):
     steps(ctx, opt, batches(2, seed=4), rec)
 
 
-@idiom("ema_averaged_model")
-def _(ctx, rec):
+def _ema(ctx, rec, module):
+    """An exponential moving average of ``module`` over three SGD steps (AveragedModel)."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-    ema = AveragedModel(ctx.w, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ema = AveragedModel(module, multi_avg_fn=get_ema_multi_avg_fn(0.9))
     opt = ctx.opt(torch.optim.SGD, lr=0.1)
     for x, y in batches(3):
         steps(ctx, opt, [(x, y)], rec)
-        ema.update_parameters(ctx.w)
+        ema.update_parameters(module)
     rec.add("ema", list(ema.parameters()))
+    return ema
+
+
+@idiom("ema_averaged_model")
+def _(ctx, rec):
+    ema = _ema(ctx, rec, ctx.w)
     x = batches(1, seed=5)[0][0]
     with torch.no_grad():
         o = ema(ctx.inp(x))
@@ -595,13 +601,7 @@ def _(ctx, rec):
 @idiom("ema_of_the_module")
 def _(ctx, rec):
     """``AveragedModel(model.module)`` (torch DDP's advice: average the module)."""
-    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-    ema = AveragedModel(ctx.m, multi_avg_fn=get_ema_multi_avg_fn(0.9))
-    opt = ctx.opt(torch.optim.SGD, lr=0.1)
-    for x, y in batches(3):
-        steps(ctx, opt, [(x, y)], rec)
-        ema.update_parameters(ctx.m)
-    rec.add("ema", list(ema.parameters()))
+    _ema(ctx, rec, ctx.m)
 
 
 @idiom("resume_a_one_device_checkpoint")
