@@ -129,6 +129,72 @@ found that moves a row, so the rows stay as they are:
   would change the DP sync, whose whole priced cost is 0.5 s: it cannot reach 6.4 s at
   nccl-tests' HDR rate.
 
+
+Checked (mtn14, 2026-11-29): what makes the tp 8 rows optimistic; :func:`main_tp` prints
+the tables this rests on (``python benchmarks/mtnlg_audit.py``, its second half).  No
+sourced component was found that prices the gap; the rows stay as they are.
+
+- Where the gap sits.  Spread over the slowest stage's layer passes ((m + p - 1) x its
+  layers, :func:`per_layer_gap`), the published step less the estimate is 12.2-15.7 ms per
+  layer and micro-batch at tp 8 and micro-batch 1-2 (MT-NLG dp 8 / 10 / 12 on Selene;
+  BLOOM 176B a64 and 184B a64 tp 8 mb 2 on Jean Zay), 10.4-10.8 ms at tp 8 mb 4 (178B,
+  184B), 6.7-8.2 ms at tp 4 mb 2 (ten rows; the 178B with 104 heads, 24.4 ms, is an outlier
+  of its own), whatever the hidden size (12,288-20,480), the pipeline depth (6-35), the
+  cluster: a per-layer cost that does not grow with the bytes a layer moves.  Megatron-LM's
+  own runs of the same 530B shape on Selene leave much less (spread over m x layers per
+  GPU, :func:`same_shape_gap`: Narayanan's 'GPT 530B' 4.7 ms, Korthikanti's 1.3 ms, MT-NLG
+  14.0-19.0 ms): the missing term is in the Megatron-DeepSpeed
+  / DeepSpeed-engine path at tp 8, not in the 530B layer's kernels.
+- BLOOM's tp 8 / tp 4 pair (02-28, final shape, 64 heads, mb 2; :data:`TP_PAIR`):
+  published 121.6 s against 102.0 s (+19.6 s), the planner 101.5 s against 95.8 s (+5.8 s):
+  the TP collectives +5.0 s (six 117 MB all-reduces per layer pass, 0.93 ms at 8 ranks,
+  0.78 ms at 4: the ring's 2 (p - 1) / p, ``tests/test_mtn14.py``), the layers' compute
+  +4.7 s (half-width GEMMs lose more to tile quantization: QKV 0.889 of the rate against
+  0.957, fc1 0.922 / 0.976, the projection's weight gradient 0.907 / 0.968,
+  ``kernel_cost.gemm_efficiency``), ``full()``'s all-gathers +0.2 s, the p2p crossings
+  equal (half the slice, twice the micro-batches), the bubble -3.0 s (shorter slots), the
+  tail -1.3 s (dp 4).  Nothing else the engine runs per micro-batch grows with tp.
+- Jean Zay's node is one NVLink domain (a node of two 4-GPU NVLink boards would send a tp 8
+  group's all-reduces through PCIe): the cluster's own NCCL 2.10.3 log (bigscience
+  358e3c8f ``experiments/bandwidth/all_reduce_bench-a100-n4.txt``) connects all 112
+  intra-node ring edges "via P2P/IPC/read", GPU 3 (bus 4c000) -> GPU 4 (88000) included,
+  none without /read; NCCL 2.10.3 turns P2P read on only for an NVLink path between two
+  sm80 GPUs (NVIDIA/nccl v2.10.3-1 ``src/graph/paths.cc:295-299``, "Enable P2P Read for
+  Ampere/NVLink only"), and the job sets no NCCL_P2P_READ_ENABLE
+  (``all_reduce_bench-a100-n4.slurm``).  As the profile has it.
+- The TP all-reduce's mid-size gap (``tests/test_clock10.py``, KNOWN GAP: AZ_A100's
+  one-thread ``-g 8`` run 167-174 GB/s bus bandwidth at 64-128 MiB where the clock prices
+  211-222): NVIDIA/nccl issue #583's reporter reran ``mpirun -np 8 all_reduce_perf``
+  (one process per GPU, 8 A100-SXM4-40GB, 2021-10-19) and wrote that it "didn't get
+  better", so the dip is not ``-g 8``'s launch alone; but the index holds that thread as
+  an excerpt that stops before the table: no second curve to calibrate from, nothing
+  changed.  Were AZ_A100's figures applied to the TP all-reduces (x 1.27-1.29 at 84-117 MB),
+  MT-NLG dp 8 would read about 1.18 and BLOOM tp 8 about 1.17: still beyond 15%, while
+  Megatron-LM's tp 8 rows, which are right, would move as much.  For the whole tp 8 gap to
+  be the all-reduces', they would run at 45-68 GB/s bus bandwidth (the table's "needed"),
+  below any 8-A100 NVSwitch measurement read here.
+- DeepSpeed's activation checkpointing, which Megatron-DeepSpeed runs per layer with
+  ``--deepspeed-activation-checkpointing`` (BLOOM's slurm; 56c522386 ``activation_
+  checkpointing/checkpointing.py`` ``CheckpointFunction``): the CPU and CUDA RNG states
+  read and set on the host, ``torch.cuda.synchronize()`` only under
+  ``--synchronize-each-layer`` (off), ``see_memory_usage`` returns unless forced
+  (``runtime/utils.py:818-820``), the engine's ``mem_status`` returns at once
+  (``pipe/engine.py:1249-1250``): no device work per layer beyond the recomputed forward.
+- ``CUDA_LAUNCH_BLOCKING=1`` (BLOOM only; MT-NLG's gap is as large without it): the
+  planner counts 59 kernel launches per layer pass (``layer_cost.layer_ops``), so the
+  12.5 ms would be 210 us per launch; BigScience measured the flag's effect as 0-6%
+  (above).  Not a source for the gap.
+- A shape lead, not applied: BigScience's 02-20 rows ("tile and wave quantization",
+  :data:`PREQUEL_0220`, 96 heads ASSUMED) ran the 200B with h 14,400 in 221.2 s and the
+  187B with h 13,824 in 160.3 s at tp 8 (1.38x the time for 1.07x the size); the planner
+  gives 147.5 / 131.6 s (1.12x): with 96 heads the head dimension is 150 against 144, and
+  attention's GEMMs with K = 150 (300 bytes in fp16) miss the 16-byte multiples NVIDIA's
+  GEMM guide asks of tensor-core dimensions (DU-09799-001, "Tensor Core Requirements"),
+  which the A100's tile model (no measured grid on that profile) does not price.  The aligned 13,824 rows
+  read 1.218 / 1.183 / 1.147 at mb 1 / 2 / 4: the same tp 8 pattern as above.  What would
+  settle it is a per-GEMM measurement on an A100 at the tp 8 shards (K = 1,792 / 2,560,
+  N = 5,376 / 7,680) and at head dimension 150 / 224: none was found.
+
 Nothing here feeds the planner.
 """
 from __future__ import annotations
@@ -246,11 +312,90 @@ def fit_slots(out) -> tuple[float, float]:
     return a, (sy - a * sx) / n
 
 
-def main():
-    out = [audit(row(*k)) for k in ROWS]
-    print("A DeepSpeed pipeline step, phase by phase, as the planner prices it: ms per "
-          "step (benchmarks/mtnlg_audit.py)")
-    w = 62
+# the BLOOM pair that differs by tp alone among the 02-28 rows at the final shape (tp 8 /
+# dp 4 against tp 4 / dp 8, 64 heads, micro-batch 2): module docstring, "Checked (mtn14)"
+TP_PAIR = (("bloom", "176B a64-tp8-mb2", 384), ("bloom", "176B a64-tp4-mb2", 384))
+# Megatron of 2021 runs six TP all-reduces per layer and micro-batch under full recompute:
+# two in the forward (attention's and the MLP's RowParallelLinear), two in the recomputed
+# forward, two in the backward (the ColumnParallelLinears' input gradients, not overlapped:
+# ``plan.megatron_2021``)
+TP_ALL_REDUCES_PER_LAYER = 2 + 2 + 2
+
+
+def gap_rows() -> list:
+    """Every published row the DeepSpeed pipeline engine ran that has a step time: the
+    MT-NLG rows, BLOOM's time rows and the 02-28 prequel's other shapes
+    (``published_bloom.MEMORY_ROWS``, whose sec/it the planner's time comparison leaves
+    out: read here as held-out figures, not an input)."""
+    import published_bloom as B
+    return [r for r in P.ROWS if r["source"] == "mt_nlg"] + list(B.ROWS) + list(B.MEMORY_ROWS)
+
+
+def per_layer_gap(r) -> dict:
+    """Row ``r``'s gap, the published step less the estimate's, spread over the slowest
+    stage's layer passes, (m + p - 1) slots x its layers: ms per layer and micro-batch,
+    beside what the planner charges that layer pass for its six TP all-reduces
+    (:data:`TP_ALL_REDUCES_PER_LAYER` x ``cost.price`` of the [s, b, h] all-reduce over
+    the TP group) and the bus bandwidth those all-reduces would have to run at for the
+    whole gap to be theirs (a reading, not a claim)."""
+    from workbench.sim_mesh import cost
+    cfg, lay, cl = P.build(r)
+    res = P.predict(r)
+    est = res["estimate"]
+    ds = est.details["deepspeed_pipe"]
+    slow = ds["slowest_stage"]
+    layers = lay.stage_layers(cfg.n_layer)[slow]
+    slots = lay.m + lay.pp - 1
+    published = est.step_time * res["ratio"]
+    n = 2 * cfg.seq_len * lay.micro_batch * cfg.d_model
+    ar = cost.price("all_reduce", n, lay.tp_ranks(0, slow), cl.profile)
+    gap = (published - est.step_time) / (slots * layers)
+    busbw_needed = 2 * (lay.tp - 1) / lay.tp * n / (ar + gap / TP_ALL_REDUCES_PER_LAYER)
+    return dict(name=f"{r['name']} / {r['devices']}", tp=lay.tp, mb=lay.micro_batch,
+                dp=lay.dp, pp=lay.pp, layers=layers, ratio=res["ratio"], gap=gap,
+                tp_all_reduces=TP_ALL_REDUCES_PER_LAYER * ar, all_reduce=ar,
+                busbw=cost.bus_bandwidth("all_reduce", n, lay.tp, ar),
+                busbw_needed=busbw_needed)
+
+
+# bigscience 9e64edec2a train/tr11-176B-ml/chronicles-prequel.md, "tile and wave
+# quantization" (02-20): 80 layers, DP 4, TP 8, PP 10, GBS 2,048, fp16 (before the BF16
+# optimizer): NHIDDEN, MBS, sec/it.  NHEADS is not in that table: 96 ASSUMED (the 02-17
+# 200B's), so head dimensions 150 and 144
+PREQUEL_0220 = ((14400, 1, 221.21), (13824, 1, 160.29), (13824, 2, 151.07),
+                (13824, 4, 147.43))
+
+
+def prequel_0220() -> list:
+    """(hidden, micro-batch, published s, estimated s) of the 02-20 rows at tp 8 (held-out
+    figures read as a diagnostic, not an input; not in ``published.py``: their heads are
+    not stated)."""
+    import published_bloom as B
+    out = []
+    for h, mb, sec in PREQUEL_0220:
+        r = B._row(f"h{h}", h, 80, 96, 4, 8, 10, mb, 1.0, None, "prequel 02-20",
+                   dtype="float16", stages=False)
+        r["model"]["embed_norm"] = False
+        out.append((h, mb, sec, P.predict(r)["estimate"].step_time))
+    return out
+
+
+def same_shape_gap() -> list:
+    """(source, name, GPUs, ratio, gap ms per layer and micro-batch) of the 530B rows of
+    Megatron-LM's runs (Narayanan, Korthikanti) and MT-NLG, the gap spread over m x the
+    layers per GPU (no bubble term: the interleaved schedule's slots differ)."""
+    out = []
+    for r in P.ROWS:
+        if r["source"] in ("narayanan", "korthikanti", "mt_nlg") and "530B" in r["name"]:
+            cfg, lay, _ = P.build(r)
+            res = P.predict(r)
+            est = res["estimate"]
+            gap = est.step_time * (res["ratio"] - 1) / (lay.m * cfg.n_layer / lay.pp)
+            out.append((r["source"], r["name"], r["devices"], res["ratio"], gap))
+    return out
+
+
+def _phase_table(out, w: int = 62) -> None:
     print(f"  {'':<{w}}" + "".join(f"{x['name']:>20}" for x in out))
     for k in out[0]["phases"]:
         label = k.split(": ", 1)[1] if k.startswith("per micro-batch") else k
@@ -263,6 +408,43 @@ def main():
         print(f"  {label:<{w}}" + "".join(f"{1e3 * x[key]:>20.1f}" for x in out))
     print(f"  {'ratio predicted / published':<{w}}" + "".join(f"{x['ratio']:>20.3f}"
                                                              for x in out))
+
+
+def main_tp():
+    """The BLOOM tp 8 / tp 4 pair phase by phase, and every DeepSpeed-pipeline row's gap
+    per layer and micro-batch (module docstring, "Checked (mtn14)")."""
+    pair = [audit(row(*k)) for k in TP_PAIR]
+    print("BLOOM's 02-28 pair at the final shape, tp 8 (dp 4, m = 256) against tp 4 "
+          "(dp 8, m = 128): ms per step")
+    _phase_table(pair)
+    print("The gap (published - estimated step) per layer and micro-batch of the slowest "
+          "stage, (m + p - 1) x its layers, beside the planner's six TP all-reduces of "
+          "that layer pass (held-out figures read together, not an input):")
+    print(f"  {'row':<36}{'tp':>3}{'mb':>3}{'dp':>4}{'pp':>4}{'L':>4}{'ratio':>7}"
+          f"{'gap ms':>8}{'6 TP AR ms':>11}{'busbw GB/s':>11}{'needed':>8}")
+    gaps = sorted((per_layer_gap(r) for r in gap_rows()),
+                  key=lambda g: (-g["tp"], g["mb"], g["name"]))
+    for g in gaps:
+        print(f"  {g['name'][:35]:<36}{g['tp']:>3}{g['mb']:>3}{g['dp']:>4}{g['pp']:>4}"
+              f"{g['layers']:>4}{g['ratio']:>7.3f}{1e3 * g['gap']:>8.1f}"
+              f"{1e3 * g['tp_all_reduces']:>11.2f}{g['busbw'] / 1e9:>11.0f}"
+              f"{g['busbw_needed'] / 1e9:>8.0f}")
+    print("The 530B shape on Selene, gap per layer and micro-batch over m x layers per GPU:")
+    for src, name, n, ratio, gap in same_shape_gap():
+        print(f"  {src:<12}{name:<14}{n:>6}  ratio {ratio:.3f}  {1e3 * gap:6.2f} ms")
+    print("BigScience's 02-20 rows at tp 8 (80 layers, dp 4, pp 10, fp16; 96 heads "
+          "ASSUMED): published / estimated step")
+    for h, mb, sec, est in prequel_0220():
+        print(f"  h {h:>6} mb {mb}: {sec:8.2f} s / {est:8.2f} s = {sec / est:.3f}")
+    return pair, gaps
+
+
+def main():
+    out = [audit(row(*k)) for k in ROWS]
+    print("A DeepSpeed pipeline step, phase by phase, as the planner prices it: ms per "
+          "step (benchmarks/mtnlg_audit.py)")
+    w = 62
+    _phase_table(out, w)
     print("  stage 0's tail, by term (ms; all-gather shards: "
           + ", ".join(str(x["shards"]) for x in out) + "):")
     for k in out[0]["tail"]:
@@ -283,3 +465,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    main_tp()
