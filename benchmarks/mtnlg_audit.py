@@ -129,7 +129,6 @@ found that moves a row, so the rows stay as they are:
   would change the DP sync, whose whole priced cost is 0.5 s: it cannot reach 6.4 s at
   nccl-tests' HDR rate.
 
-
 Checked (mtn14, 2026-11-29): what makes the tp 8 rows optimistic; :func:`main_tp` prints
 the tables this rests on (``python benchmarks/mtnlg_audit.py``, its second half).  No
 sourced component was found that prices the gap; the rows stay as they are.
