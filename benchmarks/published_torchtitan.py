@@ -148,6 +148,15 @@ What the comparison says (measured when this module was written; the band in
   ``framework="fsdp"`` too, the Llama 2 70B pair (op at local batch 1 over full at 2)
   reads 1.008 against the measured 1.006 (was 1.068), the full rows 1.129 / 1.136 (were
   1.066 / 1.076): the A100 rows 1.129 .. 1.191, whatever their recompute.
+- The two 13B rows beyond 15% (2026-11-29, titan14; ``benchmarks/torchtitan_breakdown.py``,
+  its titan14 section): they lack 6.7 ms (none) and 21.8 ms (op) a step, 0.2% / 0.6% of
+  the predicted step.  Their recompute, read against the 13B's "selective layer" row of the
+  same table (1,914 WPS, not a planner row), runs 1.2x its price for both kinds (op 0.513
+  s published against 0.431 priced, layer 0.491 against 0.408), so the op row's gap is
+  not op-SAC's own; one factor on every GEMM (0.83 of the profile's rate) would take
+  both 13B rows to their published steps and the other A100 rows need 0.84 .. 0.88: no
+  A100 GEMM measurement at the clusters' 350 W cap or under sustained load was found, so
+  nothing is priced and no row moved.
 
 Left out, for want of what the planner prices or of a pinned configuration:
 

@@ -1,6 +1,6 @@
 """What the planner's step for torchtitan's FSDP2 rows is made of, term by term.
 
-    PYTHONPATH=$PWD python benchmarks/torchtitan_breakdown.py            # ~2 s
+    PYTHONPATH=$PWD python benchmarks/torchtitan_breakdown.py            # ~5 s
     PYTHONPATH=$PWD python benchmarks/torchtitan_breakdown.py --needed   # + ~10 s
 
 For each row of ``benchmarks/published_torchtitan.py`` (``ROWS``: Llama 3.1 8B on 8 and
@@ -28,7 +28,12 @@ next block plus its own reduce-scatter no longer fit in its backward (bytes on t
 over the backward's seconds; the forward's gather alone is the smaller need); ``--needed``
 adds ``gap``, the bus bandwidth at which the whole estimate would take the published step
 (the profile's link scaled, the estimate re-run, bisected): what the network would have
-had to be for it alone to explain the row.  Nothing here feeds the planner: a reading of
+had to be for it alone to explain the row.  Then, per row, the seconds the prediction lacks
+to reach the held-out goal's 15% edge, what each term alone would have to add, and for
+the rows beyond it the GEMM rate that would reach the edge and the published step
+(``to_edge``, ``gemm_scale``); and the 13B's recompute, published against priced, for
+op-level SAC and for the "selective layer" row (``recompute_reading``; the titan14
+section below).  Nothing here feeds the planner: a reading of
 where the gap could and could not be, not a fit (no parameter is set from ``gap``).
 
 ``room``: the published step less the predicted compute and optimizer, i.e. what the
@@ -177,6 +182,56 @@ Re-read on 2026-11-29 (titan13): the Triton RMSNorm, the host, what else runs.
   profiler (``enable_profiling = true``, ``profile_freq = 100`` in the 13B config) write
   from the host at log and profile steps only.  Nothing unpriced found that moves a row
   by more than 0.1%.
+
+Re-read on 2026-11-29 (titan14): what the 13B rows lack, and where it could be.
+
+- To the 15% edge (the table "to the 15% edge", ``to_edge``): the none row lacks 6.7 ms
+  a step (0.2% of its predicted 3.288 s), the op row 21.8 ms (0.6% of 3.720).  Alone, the
+  blocks would have to grow by 0.2% / 0.6%, torchtitan's eager kernels by 4.5% / 9.9%,
+  the output layer and loss by 17% / 56%, FSDP2's copies by 5% / 16%, the exposed
+  collectives by 6.5% / 21%, the optimizer step by 64% / 209%.
+- Checked once more against the A100 rows' code (pytorch/torchtitan@eb6aa6389) and found
+  priced as it runs: every block but the last resharded after forward
+  (``parallelize_llama.py``:232-236; the root by FSDP2 itself, :239), bf16 gathers and an
+  fp32 reduce-scatter (:220-221: the 13B block's reduce-scatter 6.95 ms against its
+  all-gather's 3.69, the table above), the op SAC's save list and every-second-mm policy
+  (:36-60, ``preserve_rng_state=False`` :71), AdamW ``foreach=True`` (``train.py``:97),
+  ``clip_grad_norm_(..., foreach=True)`` (:291-292).  The host: the data loader is a
+  ``DataLoader(hf_ds, batch_size=batch_size)`` without workers
+  (``torchtitan/datasets/hf_datasets.py``:172), so each step's documents are tokenized by
+  the training process (:138) before the step's pageable ``input_ids.cuda()``
+  (``train.py``:274-279), while the GPU still runs the previous step; the GPU waits for
+  it only on the step after each log step, whose ``loss.item()`` (:306, every
+  ``log_freq`` = 10 steps) drains the GPU before ``time_last_log = timer()`` (:369)
+  starts the next window.  No figure of the tokenizer's time per step was found (the run
+  logged ``time_metrics/data_loading``; the doc does not report it): not priced, at most
+  a tenth of one step's data loading a step.
+- The recompute gap is not op-SAC's own.  The 13B has a third published row (``AC_13B``),
+  "selective layer" (1,914 WPS: every second block under full AC, ``parallelize_llama.py``
+  :82-107; ASSUMED '2', ``AC_13B_EVERY``), not a planner row.  It adds 0.491 s a step over
+  no checkpointing where the planner's 20 early-stopped full recomputes of a block price
+  0.408 (x1.203), as the op row adds 0.513 against 0.431 (x1.190): two kinds of recompute
+  that re-run different ops (op: the k, o and w3 GEMMs, the norms, RoPE, SwiGLU's
+  kernels; layer: the whole forward up to w2, the attention kernel included) run the same
+  1.2x their price, and about three quarters of either is GEMM time.  So neither the SAC
+  dispatch mode's host time nor its save list explains the op row (both would leave the
+  layer row alone); the forward work a recompute re-runs is priced short, as the none
+  row's whole step is (1.152).
+- The GEMM rate (the ``GEMM x`` probe, ``gemm_scale``: the profile's ``efficiency
+  ["matmul"]`` 0.827 times x on every GEMM, the estimate re-run): the 13B rows take their
+  published steps at x = 0.832 / 0.828 (GEMMs at 0.69 of the A100's 312 TFLOP/s, 214) and
+  reach the 15% edge at x = 0.997 / 0.992; the other A100 rows take theirs at 0.840 (Llama
+  3 8B) and 0.868 .. 0.882 (the 70Bs, whose eager norm is ASSUMED; with the Triton norm,
+  reading 1.167 .. 1.172, they would need a lower x).  So one factor fits the six A100 rows within 3% and the two 13B
+  recompute readings with them: the A100 rows read like GEMMs at 0.69-0.73 of peak where
+  the profile takes 0.827 (a 400 W SXM card's sustained 8192^3 product on random data, H.
+  He).  A component that would do it: the clusters' power caps (350 W in Meta's
+  production cluster, 400 W on RSC; Touvron et al. 2023, "Llama 2", sec. 2.2.1), or the
+  clocks of cards held at their limit by a whole step's sustained load rather than one
+  benchmarked product.  No A100 GEMM measurement at 350 W, nor one under sustained load,
+  was found (the MAMF table's 300 W A100 PCIe reads 0.93 .. 0.96 of the SXM's best burst:
+  not 0.84), and the rows' cluster is not stated: not priced, no row moved.  A probe,
+  never a figure the profile takes.
 """
 from __future__ import annotations
 
@@ -350,6 +405,97 @@ def needed_scale(row, iters: int = 24) -> "float | None":
     return (lo * hi) ** 0.5
 
 
+# the edge of the held-out goal: a row is within 15% when |ratio - 1| <= 0.15
+# (``published.summary``), ratio = predicted over published TPS/GPU = the published step
+# over the predicted one
+EDGE = 1.15
+# the terms of ``breakdown`` a row's missing seconds are set against (``to_edge``)
+TERMS = ("blocks", "eager", "head_loss", "copies", "exposed", "optimizer")
+
+
+def to_edge(x) -> dict:
+    """What the predicted step of row ``x`` (a ``breakdown``) lacks to reach the 15% edge:
+    ``seconds`` = published step / ``EDGE`` - predicted step (> 0 where the row is more
+    than 15% optimistic, <= 0 where it is within), and per term of ``TERMS`` the share by
+    which that term alone would have to grow (``seconds`` / term).  A reading of where the
+    gap could be, never a figure the planner takes."""
+    need = x["published"] / EDGE - x["predicted"]
+    return dict(seconds=need, share={k: need / x[k] if x[k] > 0 else float("inf")
+                                     for k in TERMS})
+
+
+def _gemm_scaled(profile, x: float):
+    """``profile`` with its GEMM efficiency times ``x`` (a probe, never a profile)."""
+    eff = dict(profile.efficiency)
+    eff["matmul"] = eff["matmul"] * x
+    return dataclasses.replace(profile, efficiency=eff)
+
+
+def gemm_scale(row, step: float, iters: int = 24) -> float:
+    """The factor on the profile's GEMM efficiency (``efficiency["matmul"]``: every
+    GEMM of the blocks, the recompute and the output layer) at which ``estimate`` takes
+    ``step`` seconds (bisected on log scale in 0.25 .. 1)."""
+    cfg, lay, cl = P.build(row)
+    if dict(cl.profile.measured).get("file"):
+        raise ValueError(f"gemm_scale: profile {cl.profile.name!r} prices GEMMs from its "
+                         f"measurements ({cl.profile.measured['file']}), not from "
+                         f"efficiency['matmul']: the probe reads profiles without them")
+
+    def est(x):
+        c = wb.plan.Cluster(_gemm_scaled(cl.profile, x), row["devices"])
+        return wb.plan.estimate(cfg, lay, c, attention=row["attention"],
+                                **row["estimate_args"]).step_time
+
+    lo, hi = 0.25, 1.0
+    if est(hi) >= step:
+        return 1.0
+    if est(lo) < step:
+        raise ValueError(f"gemm_scale: {row['name']!r} stays under {step:.3f} s even with "
+                         f"GEMMs at a quarter of the profile's rate")
+    for _ in range(iters):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if est(mid) >= step else (lo, mid)
+    return (lo * hi) ** 0.5
+
+
+# pytorch/torchtitan eb6aa6389 docs/performance.md, the Llama 2 13B rows on 64 A100s at
+# local batch 2 (WPS): no checkpointing, "selective layer" (selective_ac_option = '2':
+# every second block under full AC, ``parallelize_llama.py``:92-110 at that commit; not a
+# row of the planner, which checkpoints every block or none), "selective op"
+AC_13B = {"none": 2162.0, "layer": 1914.0, "op": 1904.0}
+# the doc does not give the option's value: ASSUMED '2', the config's own example ("2 ==
+# checkpoint every 2nd one", ``parallelize_llama.py``:86-87); with '1' (every block) the
+# published 0.491 s would be 0.60 of the planner's 40 recomputes, with '3' 1.85 of its 13
+AC_13B_EVERY = 2
+
+
+def recompute_reading() -> dict:
+    """The 13B's recompute, measured against priced, for its two checkpointing kinds
+    (``AC_13B``): seconds a step each adds over no checkpointing, published (from the
+    WPS) and priced (the planner's blocks: op-level SAC on every block; full AC with its
+    early stop on every ``AC_13B_EVERY``-th block, its blocks priced as the full-AC
+    estimate prices them)."""
+    base = next(r for r in rows() if r["name"] == "Llama 2 13B"
+                and r["layout"]["recompute"] == "none")
+    tokens = base["layout"]["micro_batch"] * base["model"]["seq_len"]
+    out = {}
+    b = {rc: breakdown(dict(base, layout=dict(base["layout"], recompute=rc)))
+         for rc in ("none", "op", "full")}
+    for kind, rc, share in (("op", "op", 1.0), ("layer", "full", 1.0 / AC_13B_EVERY)):
+        measured = tokens / AC_13B[kind] - tokens / AC_13B["none"]
+        priced = share * (b[rc]["blocks"] - b["none"]["blocks"])
+        out[kind] = dict(measured=measured, priced=priced, ratio=measured / priced,
+                         blocks=int(round(share * base_layers(base))))
+    out["none_ratio"] = b["none"]["ratio"]
+    return out
+
+
+def base_layers(row) -> int:
+    """The row's transformer blocks."""
+    cfg, _, _ = P.build(row)
+    return cfg.n_layer
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--needed", action="store_true",
@@ -401,6 +547,31 @@ def main(argv=None):
               f"{p['measured']:>7.3f}{p['predicted']:>7.3f}{d['published']:>7.1f}{d['predicted']:>7.1f}"
               f"{d['blocks']:>7.1f}{d['eager']:>7.1f}{d['copies']:>7.1f}{d['exposed']:>8.1f}"
               f"{d['optimizer']:>6.1f}")
+    print(f"  to the 15% edge: the seconds a step the prediction lacks (published / {EDGE} - "
+          f"predicted; <= 0: within), and how much each term alone would have to grow")
+    print(f"  {'model':<13}{'GPUs':>5} {'rc':<5}{'ratio':>6}{'lacks s':>9}"
+          + "".join(f"{k:>10}" for k in TERMS) + f"{'GEMM x':>8}{'(publ.)':>8}")
+    for x, row in zip(out, rows()):
+        e = to_edge(x)
+        extra = ""
+        if e["seconds"] > 0:             # beyond the edge: the GEMM rate that would reach it
+            extra = (f"{gemm_scale(row, x['published'] / EDGE, 16):>8.3f}"
+                     f"{gemm_scale(row, x['published'], 16):>8.3f}")
+        print(f"  {x['name']:<13}{x['gpus']:>5} {x['recompute']:<5}{x['ratio']:>6.3f}"
+              f"{e['seconds']:>9.4f}"
+              + "".join(f"{'-' if e['seconds'] <= 0 else f'+{100 * v:.1f}%':>10}"
+                        for v in e["share"].values()) + extra)
+    print("  (GEMM x: the factor on every GEMM's rate at which the row reaches the edge, and "
+          "the published step; a probe, not a figure the profile takes)")
+    rr = recompute_reading()
+    print(f"  Llama 2 13B's recompute, seconds a step over no checkpointing (eb6aa6389 "
+          f"docs/performance.md: {AC_13B['none']:.0f} / {AC_13B['layer']:.0f} / "
+          f"{AC_13B['op']:.0f} WPS none / selective layer / selective op; the none row "
+          f"reads {rr['none_ratio']:.3f})")
+    for kind in ("op", "layer"):
+        r = rr[kind]
+        print(f"  {kind:<6} {r['blocks']:>3} blocks  published {r['measured']:.3f}  priced "
+              f"{r['priced']:.3f}  x{r['ratio']:.3f}")
     print("  bus bandwidth of the FSDP group (GB/s, nccl-tests' busbw): the clock's, and "
           "the least that hides a block's backward collectives"
           + ("; gap: what would make the estimate the published step" if args.needed else ""))
