@@ -74,6 +74,69 @@ question named is already priced, from its source, and none leaves the 71 ms (1.
   for the four micro-batches) is priced at its measured time: the gap is in what the
   48-GPU Megatron + TE run adds beside the device's kernels, not in them.
 
+Room against the floor (2026-11-29, h100x14; :func:`dp_room`, :func:`compute_needed`,
+tests/test_h100x14.py).  Which term makes the 32B slower per FLOP than its neighbours:
+the DP sync, and no source re-prices it.  ``tp8_audit.line_rate_floor``'s "ratio at best
+0.881" is the published step (0.892 s) over the most generous step the components
+allow at micro-batch 1 with fp32 gradients (1.013 s): the planner's compute and optimizer
+(0.735 s; no TP collective exposed), plus the fp32 reduce-scatter of the 3.97e9
+gradients per GPU at the port's 50 GB/s line rate (0.311 s, no per-call latency, not
+NCCL's 46.5 GB/s) less the whole last micro-batch's backward (0.124 s), plus the bf16
+all-gather (0.155 s) less the whole first forward (0.064 s).  Here the same floor for
+every row, beside the DP time each published step leaves (``room``: the published step
+less every other term the planner charges), seconds a step (figures of 2026-11-29):
+
+=========  ======  ======  ======  ======  =====================================
+row        floor    room   priced  room -  DP group
+                                   floor
+=========  ======  ======  ======  ======  =====================================
+1.7B        0.000   0.080   0.010   0.080  8 GPUs a node, 6 nodes
+7.1B        0.000   0.137   0.027   0.137  4 a node
+16B         0.061   0.116   0.119   0.056  2 a node (two NICs)
+32B         0.278   0.115   0.412  -0.162  1 a node (one NIC), 3.97e9 parameters
+70B         0.313   0.322   0.439   0.009  1 a node, 4.40e9 (stage 0)
+119B        0.285   0.512   0.412   0.227  1 a node
+177B-462B   0.30-   0.59-   0.38-   0.18-  1 a node
+            0.41    0.82    0.50    0.51
+=========  ======  ======  ======  ======  =====================================
+
+The 32B is the only row whose published step is shorter than its DP floor allows; the
+70B, whose DP group has the same shape (tp 8: one GPU, one 400 Gb/s port per node, 4.4e9
+parameters per GPU, fp32 gradients), leaves about its floor (0.009 s over it).
+So the planner's DP physics is not contradicted by the tp-8 rows; the 32B's run did
+something the others did not, or not as assumed.  Put the other way
+(:func:`compute_needed`): the 32B's GPU runs 409.8 model TFLOP a step (Megatron-LM's
+``num_floating_point_operations``, what the table's TFLOP/s counts); beside the DP floor
+and the optimizer the published step leaves 0.591 s for them, 693 model TFLOP/s over
+all the step's kernels (attention, norms and the loss included; 664 with the causal
+attention counted at the half it runs), above the measured H100's sustained GEMM rate
+(682.6 TFLOP/s, the median second of an 8,192-cube product at the card's 700 W limit,
+``sim_mesh/measurements/h100-sxm-80gb.json``) and 1.20 times the planner's 575.5; the
+16B asks 542.5 of its kernels where the planner's give 595.3, the 7.1B 478 (584), the
+1.7B 418 (511).  No kernel re-pricing can close that; only an input of the row can: the
+micro-batch (not stated: at 2, ``line_rate_floor`` allows 1.103), the gradients'
+dtype (fp32 is forced at f2e5db402c, ``training/arguments.py:299-307``; bf16 allows
+1.040), or the rank order (f2e5db402c ``parallel_state.py:317`` ``order =
+"tp-cp-ep-dp-pp"``, tp innermost: a tp-8 group is a node).  What was checked for the
+32B on 2026-11-29 (h100x14), beside what ``tp8_audit.py`` lists:
+
+- the shapes, from the README's image itself (f2e5db402c ``images/model_table.png``,
+  read as an image): 56 heads, hidden 7,168, 48 layers, tp 8, pp 1, dp 48, 384 GPUs,
+  batch 192, 459.6 TFLOP/s, as ``published.TABLE_H100``; the image gives no ffn or
+  query-group column: f2e5db402c's defaults are ffn 4 h (``arguments.py:378-387``; with
+  --swiglu 2/3 of it in three matrices, the same FLOPs) and one query group per head
+  (``arguments.py:636-639``); the parameter count the name "32B" implies (31.5e9 with
+  untied embeddings) rules out a few query groups (27e9 at 8 groups of 128).  The README's text of
+  f2e5db402c and of today (d98e8a64dd) gives no micro-batch, no script for the table;
+  NVIDIA/Megatron-LM #1571 (2025) and #1031 (2024) ask for the runs' flags, unanswered
+  in what the corpus holds.
+- the schedule: f2e5db402c ``schedules.py:390-391`` runs all micro-batches but the last
+  inside ``no_sync``: the reduce-scatter may overlap only the last backward, as priced.
+- the TP overlap and the GEMM rates at tp-8 shapes: the TP collectives exposed are 41 ms
+  a step (free, the row reads 0.776); the layer GEMMs run at 628 TFLOP/s where the 16B's
+  run at 656 (the measured ``model_gemms`` at the layers' own shapes: 4,096 x 2,688 x
+  7,168 fwd 740.7, 4,096 x 7,168 x 896 fwd 551.7): 24 ms a step between them.
+
 NCCL across the rows' 48 nodes (nccl12, 2026-11-29): the SMs a data-parallel
 collective holds now follow NCCL 2.21.5's graph search (``sim_mesh.nccl_channels``: 4 at
 one rank per node (tp 8), 8 at two (tp 4), 16 at four or eight, where the all-ranks 16 was
@@ -226,6 +289,58 @@ def breakdown(row) -> dict:
                 room=published - compute - d["optimizer"])
 
 
+def dp_room(x, profile=None) -> dict:
+    """The DP sync a published row leaves room for, beside the least its DP sync can be
+    exposed from component figures (module docstring, "Room against the floor"): ``x`` a
+    :func:`breakdown` row.  ``room``: the published step less every other term the
+    planner charges (compute, optimizer, TP collectives exposed, bubble: the estimate's
+    step less its DP term).  ``floor``: the fp32 reduce-scatter of the first stage's
+    gradients and the bf16 all-gather of its weights, each at the line rate of the NICs
+    its DP group has on a node (one 400 Gb/s NDR port per GPU, 50 GB/s: the profile's
+    ``inter_node.bandwidth``, DGX H100 user guide) over (n - 1) / n of the buffer (a
+    ring), no per-call latency, the reduce-scatter hidden by the whole last micro-batch's
+    backward and the gather by the whole first forward (``tp8_audit.line_rate_floor``'s
+    terms for any pp).  ``room < floor``: no overlap model priced from these components
+    reaches the published step."""
+    if profile is None:
+        profile = P.build(next(r for r in rows() if r["name"] == x["name"]))[2].profile
+    n = x["nodes"] * x["per_node"]
+    rate = profile.inter_node.bandwidth * x["per_node"]
+    frac = (n - 1) / n
+    rs = x["grad_bytes"] * x["params"] * frac / rate
+    ag = 2 * x["params"] * frac / rate
+    floor = max(0.0, rs - x["last_backward"]) + max(0.0, ag - x["first_forward"])
+    room = x["published"] - (x["predicted"] - x["dp_exposed"])
+    return dict(name=x["name"], rs_line=rs, ag_line=ag, floor=floor, room=room,
+                priced=x["dp_exposed"], short=room - floor)
+
+
+def compute_needed(x, measured: str = "h100-sxm-80gb.json") -> dict:
+    """For a one-stage (pp = 1) :func:`breakdown` row ``x``: the model FLOPs a GPU runs a
+    step (the published model TFLOP/s times the published step: Megatron-LM's
+    ``num_floating_point_operations`` over the GPUs, which the metric is), the time the
+    published step leaves them beside the DP sync's line-rate floor (:func:`dp_room`)
+    and the optimizer, the model-FLOP rate that asks of the whole step's kernels
+    (GEMMs, attention, element-wise, loss together), beside the rate the planner's
+    compute gives and two figures of the measured H100 (``measured``): the median of its
+    sustained 8,192-cube GEMM seconds (``sustained``, the card at its 700 W limit) and
+    the fastest product of its ``model_gemms`` table (``best_gemm``)."""
+    if x["bubble"] != 0.0:
+        raise ValueError(f"h100_breakdown.compute_needed: {x['name']} has a bubble of "
+                         f"{x['bubble']:.3f} s (pp > 1); one-stage rows only")
+    import json
+    from workbench.sim_mesh import measured as MS
+    data = json.loads(MS._path(measured).read_text(encoding="utf-8"))
+    best = max(max(g["fwd"], g["dgrad"], g["wgrad"]) for g in data["model_gemms"]) * 1e12
+    sustained = MS.summary(measured)["sustained_tflops"] * 1e12
+    y = dp_room(x)
+    flops = x["published"] * next(r["published"] for r in rows()
+                                  if r["name"] == x["name"]) * 1e12
+    left = x["published"] - y["floor"] - x["optimizer"]
+    return dict(name=x["name"], model_flops=flops, left=left, needed=flops / left,
+                planner=flops / x["compute"], sustained=sustained, best_gemm=best)
+
+
 def queue_idle(spans) -> float:
     """Seconds the device waits for the host over ``spans``, a sequence of (host seconds,
     device seconds) in issue order, starting from an empty launch queue (just after a
@@ -320,6 +435,25 @@ def main():
         print(f"  {x['name']:<9}{x['layout']:<40}{x['m']:>3}{x['nodes']:>6}{x['per_node']:>6}"
               f"{x['params'] / 1e9:>7.2f}B{x['reduce_scatter']:>10.3f}{x['all_gather']:>10.3f}"
               f"{x['last_backward']:>9.3f}{x['first_forward']:>8.3f}")
+    print("  the DP sync each published step leaves room for (published - every other "
+          "priced term) beside its line-rate floor (dp_room: NIC line rate, no latency, the "
+          "whole last backward / first forward hiding it), seconds per step")
+    print(f"  {'model':<9}{'RS line':>8}{'AG line':>8}{'floor':>7}{'room':>7}{'priced':>8}"
+          f"{'room-floor':>11}")
+    for x in out:
+        y = dp_room(x)
+        print(f"  {y['name']:<9}{y['rs_line']:>8.3f}{y['ag_line']:>8.3f}{y['floor']:>7.3f}"
+              f"{y['room']:>7.3f}{y['priced']:>8.3f}{y['short']:>11.3f}")
+    print("  one-stage rows: the model-FLOP rate the published step asks of all the step's "
+          "kernels beside the DP floor and the optimizer (compute_needed), TFLOP/s")
+    print(f"  {'model':<9}{'TFLOP/GPU':>10}{'left s':>8}{'needed':>8}{'planner':>8}"
+          f"{'sustained':>10}{'best GEMM':>10}")
+    for x in out:
+        if x["bubble"] == 0.0:
+            y = compute_needed(x)
+            print(f"  {y['name']:<9}{y['model_flops'] / 1e12:>10.1f}{y['left']:>8.3f}"
+                  f"{y['needed'] / 1e12:>8.1f}{y['planner'] / 1e12:>8.1f}"
+                  f"{y['sustained'] / 1e12:>10.1f}{y['best_gemm'] / 1e12:>10.1f}")
     print("  host vs device, one layer's forward (ms): TE linear modules at "
           f"{1e6 * TE_LINEAR_FWD_HOST_2024:.0f} us each ({HOST_SOURCE}); the attention "
           "module and Megatron's Python unmeasured (0): the host is a LOWER BOUND")
