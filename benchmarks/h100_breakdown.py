@@ -137,6 +137,26 @@ dtype (fp32 is forced at f2e5db402c, ``training/arguments.py:299-307``; bf16 all
   run at 656 (the measured ``model_gemms`` at the layers' own shapes: 4,096 x 2,688 x
   7,168 fwd 740.7, 4,096 x 7,168 x 896 fwd 551.7): 24 ms a step between them.
 
+The small rows' GEMMs (2026-11-29, h100x14; :func:`gemm_rates`).  The README explains
+its MFU growing with size (41% at 1.7B to 47-48%) by "larger GEMMs have higher
+arithmetic intensity and are consequently more efficient to execute".  The measured
+H100 table (``model_gemms`` at the layers' own shapes; cuBLAS 13.0 under torch 2.11,
+measured 2026-11-26) shows the opposite order at these tp-sharded shapes: the layer
+GEMMs as priced run at 680.3 TFLOP/s (1.7B: 4,096 x 6,144 x 2,048 fwd 658.6, x 2,048 x
+2,048 626.7, x 8,192 x 2,048 661.5, x 2,048 x 8,192 767.4), 669.5 (7.1B), 656.6 (16B),
+627.8 (32B).  To take the whole gap to the published step the layer and output-layer
+GEMMs would have to run at 511.0 (1.7B) and 545.3 (7.1B) TFLOP/s, 25% and 19% below the
+table.  A table of the runs' own software (mid-2024: TE v1.8 on cuBLAS 12.5-12.6) at
+these shapes would settle whether the 2026 library is that much faster at h 2,048; none
+was found (searched: the issues and pages corpora for H100 bf16 GEMM rates by shape of
+2024; ml-engineering's MAMF table gives only each card's best shape: H100 SXM 792.1).
+So nothing is re-priced: the table the planner uses is a measurement, its software is
+newer than the runs' (stated in the profile's notes), and this is the one component
+whose 2024 figure would move the small rows.  Also read: at tp 1 the 1.7B has no TP
+collective to overlap (as priced); --tp-comm-overlap with --sequence-parallel passes
+f2e5db402c ``arguments.py:199-200``'s assertion before sequence parallelism is turned off
+at tp 1 (``:468-469``), so the README's flags may have been given to it unchanged.
+
 NCCL across the rows' 48 nodes (nccl12, 2026-11-29): the SMs a data-parallel
 collective holds now follow NCCL 2.21.5's graph search (``sim_mesh.nccl_channels``: 4 at
 one rank per node (tp 8), 8 at two (tp 4), 16 at four or eight, where the all-ranks 16 was
@@ -341,6 +361,28 @@ def compute_needed(x, measured: str = "h100-sxm-80gb.json") -> dict:
                 planner=flops / x["compute"], sustained=sustained, best_gemm=best)
 
 
+def gemm_rates(row) -> dict:
+    """For a one-stage row: the layer GEMMs' model FLOPs a step (24 h^2 / tp per token
+    and layer, forward and backward: QKV, proj, fc1, fc2 at ffn 4 h), the seconds the
+    planner charges them (``tp8_audit.audit``'s family, from the measured
+    ``model_gemms`` at the layers' own shapes, the wgrad's fp32 ``main_grad``
+    accumulation included) and the rate that makes; with the output layer's GEMMs, the
+    rate both would need to take the whole gap the estimate leaves to the published
+    step (``gap``: published less predicted; None for a pessimistic row)."""
+    import tp8_audit as T8
+    cfg, lay, cl = P.build(row)
+    a = T8.audit(row)
+    fam = a["families"]
+    m = P.predict(row)["estimate"].details["micro_batches"]
+    flops = 6 * lay.micro_batch * cfg.seq_len * cfg.n_layer * 12 * cfg.d_model ** 2 \
+        / lay.tp * m
+    t = fam["layer GEMMs"]
+    both = t + fam["output-layer GEMMs"]
+    gap = a["published"] - a["predicted"]
+    return dict(name=row["name"], flops=flops, seconds=t, rate=flops / t, gap=gap,
+                needed=flops / t * both / (both + gap) if gap > 0 else None)
+
+
 def queue_idle(spans) -> float:
     """Seconds the device waits for the host over ``spans``, a sequence of (host seconds,
     device seconds) in issue order, starting from an empty launch queue (just after a
@@ -454,6 +496,16 @@ def main():
             print(f"  {y['name']:<9}{y['model_flops'] / 1e12:>10.1f}{y['left']:>8.3f}"
                   f"{y['needed'] / 1e12:>8.1f}{y['planner'] / 1e12:>8.1f}"
                   f"{y['sustained'] / 1e12:>10.1f}{y['best_gemm'] / 1e12:>10.1f}")
+    print("  one-stage rows: the layer GEMMs as priced (measured model_gemms at their "
+          "shapes), and the rate the layer + output-layer GEMMs would need to take the "
+          "whole gap to the published step (gemm_rates)")
+    print(f"  {'model':<9}{'TFLOP':>8}{'ms':>8}{'TFLOP/s':>9}{'gap ms':>8}{'needed':>8}")
+    for r in rows():
+        if r["layout"]["pp"] == 1:
+            g = gemm_rates(r)
+            need = f"{g['needed'] / 1e12:>8.1f}" if g["needed"] else f"{'-':>8}"
+            print(f"  {g['name']:<9}{g['flops'] / 1e12:>8.1f}{1e3 * g['seconds']:>8.1f}"
+                  f"{g['rate'] / 1e12:>9.1f}{1e3 * g['gap']:>8.1f}{need}")
     print("  host vs device, one layer's forward (ms): TE linear modules at "
           f"{1e6 * TE_LINEAR_FWD_HOST_2024:.0f} us each ({HOST_SOURCE}); the attention "
           "module and Megatron's Python unmeasured (0): the host is a LOWER BOUND")

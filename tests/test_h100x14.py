@@ -113,3 +113,24 @@ def test_the_32b_would_need_every_kernel_above_the_sustained_gemm_rate(parts):
 def test_compute_needed_refuses_a_pipelined_row(parts):
     with pytest.raises(ValueError, match="GPT 70B.*one-stage"):
         HB.compute_needed(parts["GPT 70B"])
+
+
+@pytest.mark.parametrize("name", ["GPT 1.7B", "GPT 7.1B"])
+def test_gemm_rates_count_the_layer_flops_and_the_rate_the_gap_needs(name):
+    row = next(r for r in HB.rows() if r["name"] == name)
+    g = HB.gemm_rates(row)
+    m = row["layout"]
+    h, L = row["model"]["d_model"], row["model"]["n_layer"]
+    micro = m["global_batch"] // (m["dp"] * m["micro_batch"])
+    # the layer part of Megatron-LM's num_floating_point_operations (training.py:73-108
+    # at f2e5db402c): 12 B s L h^2 x (2 + 4), the attention core (s / h) and logits apart
+    megatron_layers = 12 * m["micro_batch"] * micro * 4096 * L * h * h * 6 / m["tp"]
+    assert g["flops"] == pytest.approx(megatron_layers, rel=1e-12)
+    assert g["gap"] > 0                                   # the two optimistic rows
+    # at the needed rate the layer and output-layer GEMMs take exactly the gap more
+    import tp8_audit as T8
+    fam = T8.audit(row)["families"]
+    both = fam["layer GEMMs"] + fam["output-layer GEMMs"]
+    assert both * g["rate"] / g["needed"] - both == pytest.approx(g["gap"], rel=1e-9)
+    # the measured rates at these shapes are well above what the gap needs
+    assert g["rate"] > 1.15 * g["needed"]
