@@ -157,6 +157,28 @@ collective to overlap (as priced); --tp-comm-overlap with --sequence-parallel pa
 f2e5db402c ``arguments.py:199-200``'s assertion before sequence parallelism is turned off
 at tp 1 (``:468-469``), so the README's flags may have been given to it unchanged.
 
+Weight gradients into fp32 (2026-11-29, h100x14; :func:`wgrad_accum_bound`).  Megatron
+accumulates every weight gradient into the fp32 ``main_grad`` inside its GEMM: TE's
+``fuse_wgrad_accumulation`` for the layers' linear modules (f2e5db402c
+``core/transformer/custom_layers/transformer_engine.py:153, 263``, set from
+``--gradient-accumulation-fusion``, on unless ``--no-gradient-accumulation-fusion``:
+``training/arguments.py:1163``) and APEX's ``wgrad_gemm_accum_fp32`` for the output
+layer (``core/tensor_parallel/layers.py:490-493``): fp32 C read and written with beta 1.
+The measured wgrad the planner prices them at (``gpu_components.py`` ``LAYOUTS``:
+dY^T X) writes bf16: 6 bytes more per weight element and micro-batch.  The roofline
+counts the fp32 bytes (``layer_cost._backward``'s ``wgrad``: 8 per element), but the
+GEMMs are compute-bound at these shapes, so nothing is added (the output layer's wgrad
+bytes are counted at bf16 in ``costs.head_cost``, equally without effect).  Were the
+epilogue's traffic not hidden at all, at the measured copy rate (3,018.5 GB/s) it would
+add 11.7 ms a step to the 1.7B (9.6 layers + 2.1 output layer), 26.1 to the 7.1B, 30.4
+to the 16B and 30.3 to the 32B: 1.185 -> 1.150, 1.159 -> 1.117, 0.997 -> 0.962, 0.750
+-> 0.732.  No measurement of a bf16 GEMM into fp32 C with beta 1 on an H100 was found
+(searched: the issues corpus); Hopper's cuBLASLt kernels overlap a tile's epilogue with
+the next tile's main loop, so the true cost lies between 0 and that bound.  Not priced
+(it would move all four one-stage rows alike, the 16B and 32B the wrong way).  The
+device check that settles it: ``torch.addmm(c, dy.t(), x, out_dtype=torch.float32)``
+(CUDA only) against ``dy.t() @ x`` at the ``model_gemms`` shapes, on an H100.
+
 NCCL across the rows' 48 nodes (nccl12, 2026-11-29): the SMs a data-parallel
 collective holds now follow NCCL 2.21.5's graph search (``sim_mesh.nccl_channels``: 4 at
 one rank per node (tp 8), 8 at two (tp 4), 16 at four or eight, where the all-ranks 16 was
@@ -383,6 +405,35 @@ def gemm_rates(row) -> dict:
                 needed=flops / t * both / (both + gap) if gap > 0 else None)
 
 
+def wgrad_accum_bound(row) -> dict:
+    """For a one-stage row: the most the weight gradients' fp32 accumulation could add a
+    step beyond what is priced (module docstring, "Weight gradients into fp32").  Megatron
+    accumulates each weight-gradient GEMM's result into the fp32 ``main_grad`` inside the
+    GEMM (TE's ``fuse_wgrad_accumulation`` for the layers' linear modules, APEX's
+    ``wgrad_gemm_accum_fp32`` for the output layer: fp32 C read and written, beta 1),
+    where the measured wgrad (``gpu_components.py`` ``LAYOUTS["wgrad"]``: dY^T X) writes
+    a bf16 result: 4 + 4 - 2 = 6 bytes more per weight element and micro-batch.  The
+    planner's roofline counts the fp32 bytes, but these GEMMs are compute-bound, so they
+    add nothing; were that traffic not hidden at all behind the GEMM's main loop, it
+    would take its bytes at the measured copy rate (the profile's memory bandwidth x
+    ``memory_efficiency``).  Returns seconds a step (layers, output layer) and the ratio
+    the row would read were all of it added."""
+    cfg, lay, cl = P.build(row)
+    if lay.pp != 1:
+        raise ValueError(f"h100_breakdown.wgrad_accum_bound: {row['name']} has pp={lay.pp}; "
+                         f"one-stage rows only")
+    r = P.predict(row)
+    est, prof = r["estimate"], cl.profile
+    m = est.details["micro_batches"]
+    h, L, V = cfg.d_model, cfg.n_layer, cfg.vocab_size
+    rate = prof.memory_bandwidth * prof.memory_efficiency
+    layers = m * 6 * L * 12 * h * h / lay.tp / rate
+    head = m * 6 * V * h / lay.tp / rate
+    published = est.step_time * r["ratio"]
+    return dict(name=row["name"], layers=layers, head=head, ratio=r["ratio"],
+                ratio_if_added=published / (est.step_time + layers + head))
+
+
 def queue_idle(spans) -> float:
     """Seconds the device waits for the host over ``spans``, a sequence of (host seconds,
     device seconds) in issue order, starting from an empty launch queue (just after a
@@ -506,6 +557,14 @@ def main():
             need = f"{g['needed'] / 1e12:>8.1f}" if g["needed"] else f"{'-':>8}"
             print(f"  {g['name']:<9}{g['flops'] / 1e12:>8.1f}{1e3 * g['seconds']:>8.1f}"
                   f"{g['rate'] / 1e12:>9.1f}{1e3 * g['gap']:>8.1f}{need}")
+    print("  one-stage rows: the most the fp32 main_grad accumulation inside the wgrad "
+          "GEMMs could add, unhidden (wgrad_accum_bound; not priced: compute-bound), ms a step")
+    print(f"  {'model':<9}{'layers':>8}{'head':>8}{'ratio':>7}{'if added':>9}")
+    for r in rows():
+        if r["layout"]["pp"] == 1:
+            w = wgrad_accum_bound(r)
+            print(f"  {w['name']:<9}{1e3 * w['layers']:>8.1f}{1e3 * w['head']:>8.1f}"
+                  f"{w['ratio']:>7.3f}{w['ratio_if_added']:>9.3f}")
     print("  host vs device, one layer's forward (ms): TE linear modules at "
           f"{1e6 * TE_LINEAR_FWD_HOST_2024:.0f} us each ({HOST_SOURCE}); the attention "
           "module and Megatron's Python unmeasured (0): the host is a LOWER BOUND")

@@ -134,3 +134,21 @@ def test_gemm_rates_count_the_layer_flops_and_the_rate_the_gap_needs(name):
     assert both * g["rate"] / g["needed"] - both == pytest.approx(g["gap"], rel=1e-9)
     # the measured rates at these shapes are well above what the gap needs
     assert g["rate"] > 1.15 * g["needed"]
+
+
+def test_wgrad_accum_bound_is_six_bytes_per_weight_at_the_copy_rate():
+    """Megatron's fused wgrad accumulation reads and writes fp32 main_grad (4 + 4 bytes)
+    where the measured wgrad writes bf16 (2): 6 bytes per weight element and micro-batch,
+    at the profile's measured copy rate (3,018.5 GB/s: a 6.4 GB device copy, profile
+    h100 ``memory_efficiency`` 0.901 of 3.35 TB/s)."""
+    prof = get_profile("h100")
+    rate = prof.memory_bandwidth * prof.memory_efficiency
+    assert rate == pytest.approx(3018.5e9, rel=1e-3)
+    row = next(r for r in HB.rows() if r["name"] == "GPT 1.7B")
+    w = HB.wgrad_accum_bound(row)
+    # 24 layers of 12 h^2 weights (h 2,048), the 131,072 x 2,048 output layer, 4 micro-batches
+    assert w["layers"] == pytest.approx(4 * 6 * 24 * 12 * 2048 ** 2 / 3018.5e9, rel=1e-3)
+    assert w["head"] == pytest.approx(4 * 6 * 131072 * 2048 / 3018.5e9, rel=1e-3)
+    assert w["ratio_if_added"] < w["ratio"]
+    with pytest.raises(ValueError, match="GPT 70B.*pp=2"):
+        HB.wgrad_accum_bound(next(r for r in HB.rows() if r["name"] == "GPT 70B"))
