@@ -236,6 +236,7 @@ against PyTorch's 0.18 ms at 1,024 x 1,024 on an H100, host and device not separ
 #761 and #836, 2024, FP8 runs, profiles shown as images).  So host time stays unpriced: the sourced part cannot pace
 these layers, the rest has no figure.
 """
+import json
 import os
 import sys
 
@@ -244,11 +245,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import published as P  # noqa: E402
 import step_audit as SA  # noqa: E402
+import tp8_audit as T8  # noqa: E402
 from workbench.plan import costs as C  # noqa: E402
 from workbench.plan import frameworks as F  # noqa: E402
 from workbench.plan import megatron_buckets as MB  # noqa: E402
 from workbench.plan import zero_cost as Z  # noqa: E402
 from workbench.plan.edge_cost import edge_times  # noqa: E402
+from workbench.sim_mesh import measured as MS  # noqa: E402
 
 # Host (CPU) time of one forward of a Megatron-core linear module, BF16, TP = 1, measured
 # by Transformer Engine's developers in September 2024 (NVIDIA/TransformerEngine pull
@@ -370,8 +373,6 @@ def compute_needed(x, measured: str = "h100-sxm-80gb.json") -> dict:
     if x["bubble"] != 0.0:
         raise ValueError(f"h100_breakdown.compute_needed: {x['name']} has a bubble of "
                          f"{x['bubble']:.3f} s (pp > 1); one-stage rows only")
-    import json
-    from workbench.sim_mesh import measured as MS
     data = json.loads(MS._path(measured).read_text(encoding="utf-8"))
     best = max(max(g["fwd"], g["dgrad"], g["wgrad"]) for g in data["model_gemms"]) * 1e12
     sustained = MS.summary(measured)["sustained_tflops"] * 1e12
@@ -391,7 +392,6 @@ def gemm_rates(row) -> dict:
     accumulation included) and the rate that makes; with the output layer's GEMMs, the
     rate both would need to take the whole gap the estimate leaves to the published
     step (``gap``: published less predicted; None for a pessimistic row)."""
-    import tp8_audit as T8
     cfg, lay, cl = P.build(row)
     a = T8.audit(row)
     fam = a["families"]
