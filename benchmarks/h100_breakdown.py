@@ -74,6 +74,111 @@ question named is already priced, from its source, and none leaves the 71 ms (1.
   for the four micro-batches) is priced at its measured time: the gap is in what the
   48-GPU Megatron + TE run adds beside the device's kernels, not in them.
 
+Room against the floor (2026-11-29, h100x14; :func:`dp_room`, :func:`compute_needed`,
+tests/test_h100x14.py).  Which term makes the 32B slower per FLOP than its neighbours:
+the DP sync, and no source re-prices it.  ``tp8_audit.line_rate_floor``'s "ratio at best
+0.881" is the published step (0.892 s) over the most generous step the components
+allow at micro-batch 1 with fp32 gradients (1.013 s): the planner's compute and optimizer
+(0.735 s; no TP collective exposed), plus the fp32 reduce-scatter of the 3.97e9
+gradients per GPU at the port's 50 GB/s line rate (0.311 s, no per-call latency, not
+NCCL's 46.5 GB/s) less the whole last micro-batch's backward (0.124 s), plus the bf16
+all-gather (0.155 s) less the whole first forward (0.064 s).  Here the same floor for
+every row, beside the DP time each published step leaves (``room``: the published step
+less every other term the planner charges), seconds a step (figures of 2026-11-29):
+
+=========  ======  ======  ======  ======  =====================================
+row        floor    room   priced  room -  DP group
+                                   floor
+=========  ======  ======  ======  ======  =====================================
+1.7B        0.000   0.080   0.010   0.080  8 GPUs a node, 6 nodes
+7.1B        0.000   0.137   0.027   0.137  4 a node
+16B         0.061   0.116   0.119   0.056  2 a node (two NICs)
+32B         0.278   0.115   0.412  -0.162  1 a node (one NIC), 3.97e9 parameters
+70B         0.313   0.322   0.439   0.009  1 a node, 4.40e9 (stage 0)
+119B        0.285   0.512   0.412   0.227  1 a node
+177B-462B   0.30-   0.59-   0.38-   0.18-  1 a node
+            0.41    0.82    0.50    0.51
+=========  ======  ======  ======  ======  =====================================
+
+The 32B is the only row whose published step is shorter than its DP floor allows; the
+70B, whose DP group has the same shape (tp 8: one GPU, one 400 Gb/s port per node, 4.4e9
+parameters per GPU, fp32 gradients), leaves about its floor (0.009 s over it).
+So the planner's DP physics is not contradicted by the tp-8 rows; the 32B's run did
+something the others did not, or not as assumed.  Put the other way
+(:func:`compute_needed`): the 32B's GPU runs 409.8 model TFLOP a step (Megatron-LM's
+``num_floating_point_operations``, what the table's TFLOP/s counts); beside the DP floor
+and the optimizer the published step leaves 0.591 s for them, 693 model TFLOP/s over
+all the step's kernels (attention, norms and the loss included; 664 with the causal
+attention counted at the half it runs), above the measured H100's sustained GEMM rate
+(682.6 TFLOP/s, the median second of an 8,192-cube product at the card's 700 W limit,
+``sim_mesh/measurements/h100-sxm-80gb.json``) and 1.20 times the planner's 575.5; the
+16B asks 542.5 of its kernels where the planner's give 595.3, the 7.1B 478 (584), the
+1.7B 418 (511).  No kernel re-pricing can close that; only an input of the row can: the
+micro-batch (not stated: at 2, ``line_rate_floor`` allows 1.103), the gradients'
+dtype (fp32 is forced at f2e5db402c, ``training/arguments.py:299-307``; bf16 allows
+1.040), or the rank order (f2e5db402c ``parallel_state.py:317`` ``order =
+"tp-cp-ep-dp-pp"``, tp innermost: a tp-8 group is a node).  What was checked for the
+32B on 2026-11-29 (h100x14), beside what ``tp8_audit.py`` lists:
+
+- the shapes, from the README's image itself (f2e5db402c ``images/model_table.png``,
+  read as an image): 56 heads, hidden 7,168, 48 layers, tp 8, pp 1, dp 48, 384 GPUs,
+  batch 192, 459.6 TFLOP/s, as ``published.TABLE_H100``; the image gives no ffn or
+  query-group column: f2e5db402c's defaults are ffn 4 h (``arguments.py:378-387``; with
+  --swiglu 2/3 of it in three matrices, the same FLOPs) and one query group per head
+  (``arguments.py:636-639``); the parameter count the name "32B" implies (31.5e9 with
+  untied embeddings) rules out a few query groups (27e9 at 8 groups of 128).  The README's text of
+  f2e5db402c and of today (d98e8a64dd) gives no micro-batch, no script for the table;
+  NVIDIA/Megatron-LM #1571 (2025) and #1031 (2024) ask for the runs' flags, unanswered
+  in what the corpus holds.
+- the schedule: f2e5db402c ``schedules.py:390-391`` runs all micro-batches but the last
+  inside ``no_sync``: the reduce-scatter may overlap only the last backward, as priced.
+- the TP overlap and the GEMM rates at tp-8 shapes: the TP collectives exposed are 41 ms
+  a step (free, the row reads 0.776); the layer GEMMs run at 628 TFLOP/s where the 16B's
+  run at 656 (the measured ``model_gemms`` at the layers' own shapes: 4,096 x 2,688 x
+  7,168 fwd 740.7, 4,096 x 7,168 x 896 fwd 551.7): 24 ms a step between them.
+
+The small rows' GEMMs (2026-11-29, h100x14; :func:`gemm_rates`).  The README explains
+its MFU growing with size (41% at 1.7B to 47-48%) by "larger GEMMs have higher
+arithmetic intensity and are consequently more efficient to execute".  The measured
+H100 table (``model_gemms`` at the layers' own shapes; cuBLAS 13.0 under torch 2.11,
+measured 2026-11-26) shows the opposite order at these tp-sharded shapes: the layer
+GEMMs as priced run at 680.3 TFLOP/s (1.7B: 4,096 x 6,144 x 2,048 fwd 658.6, x 2,048 x
+2,048 626.7, x 8,192 x 2,048 661.5, x 2,048 x 8,192 767.4), 669.5 (7.1B), 656.6 (16B),
+627.8 (32B).  To take the whole gap to the published step the layer and output-layer
+GEMMs would have to run at 511.0 (1.7B) and 545.3 (7.1B) TFLOP/s, 25% and 19% below the
+table.  A table of the runs' own software (mid-2024: TE v1.8 on cuBLAS 12.5-12.6) at
+these shapes would settle whether the 2026 library is that much faster at h 2,048; none
+was found (searched: the issues and pages corpora for H100 bf16 GEMM rates by shape of
+2024; ml-engineering's MAMF table gives only each card's best shape: H100 SXM 792.1).
+So nothing is re-priced: the table the planner uses is a measurement, its software is
+newer than the runs' (stated in the profile's notes), and this is the one component
+whose 2024 figure would move the small rows.  Also read: at tp 1 the 1.7B has no TP
+collective to overlap (as priced); --tp-comm-overlap with --sequence-parallel passes
+f2e5db402c ``arguments.py:199-200``'s assertion before sequence parallelism is turned off
+at tp 1 (``:468-469``), so the README's flags may have been given to it unchanged.
+
+Weight gradients into fp32 (2026-11-29, h100x14; :func:`wgrad_accum_bound`).  Megatron
+accumulates every weight gradient into the fp32 ``main_grad`` inside its GEMM: TE's
+``fuse_wgrad_accumulation`` for the layers' linear modules (f2e5db402c
+``core/transformer/custom_layers/transformer_engine.py:153, 263``, set from
+``--gradient-accumulation-fusion``, on unless ``--no-gradient-accumulation-fusion``:
+``training/arguments.py:1163``) and APEX's ``wgrad_gemm_accum_fp32`` for the output
+layer (``core/tensor_parallel/layers.py:490-493``): fp32 C read and written with beta 1.
+The measured wgrad the planner prices them at (``gpu_components.py`` ``LAYOUTS``:
+dY^T X) writes bf16: 6 bytes more per weight element and micro-batch.  The roofline
+counts the fp32 bytes (``layer_cost._backward``'s ``wgrad``: 8 per element), but the
+GEMMs are compute-bound at these shapes, so nothing is added (the output layer's wgrad
+bytes are counted at bf16 in ``costs.head_cost``, equally without effect).  Were the
+epilogue's traffic not hidden at all, at the measured copy rate (3,018.5 GB/s) it would
+add 11.7 ms a step to the 1.7B (9.6 layers + 2.1 output layer), 26.1 to the 7.1B, 30.4
+to the 16B and 30.3 to the 32B: 1.185 -> 1.150, 1.159 -> 1.117, 0.997 -> 0.962, 0.750
+-> 0.732.  No measurement of a bf16 GEMM into fp32 C with beta 1 on an H100 was found
+(searched: the issues corpus); Hopper's cuBLASLt kernels overlap a tile's epilogue with
+the next tile's main loop, so the true cost lies between 0 and that bound.  Not priced
+(it would move all four one-stage rows alike, the 16B and 32B the wrong way).  The
+device check that settles it: ``torch.addmm(c, dy.t(), x, out_dtype=torch.float32)``
+(CUDA only) against ``dy.t() @ x`` at the ``model_gemms`` shapes, on an H100.
+
 NCCL across the rows' 48 nodes (nccl12, 2026-11-29): the SMs a data-parallel
 collective holds now follow NCCL 2.21.5's graph search (``sim_mesh.nccl_channels``: 4 at
 one rank per node (tp 8), 8 at two (tp 4), 16 at four or eight, where the all-ranks 16 was
@@ -131,6 +236,7 @@ against PyTorch's 0.18 ms at 1,024 x 1,024 on an H100, host and device not separ
 #761 and #836, 2024, FP8 runs, profiles shown as images).  So host time stays unpriced: the sourced part cannot pace
 these layers, the rest has no figure.
 """
+import json
 import os
 import sys
 
@@ -139,11 +245,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import published as P  # noqa: E402
 import step_audit as SA  # noqa: E402
+import tp8_audit as T8  # noqa: E402
 from workbench.plan import costs as C  # noqa: E402
 from workbench.plan import frameworks as F  # noqa: E402
 from workbench.plan import megatron_buckets as MB  # noqa: E402
 from workbench.plan import zero_cost as Z  # noqa: E402
 from workbench.plan.edge_cost import edge_times  # noqa: E402
+from workbench.sim_mesh import measured as MS  # noqa: E402
 
 # Host (CPU) time of one forward of a Megatron-core linear module, BF16, TP = 1, measured
 # by Transformer Engine's developers in September 2024 (NVIDIA/TransformerEngine pull
@@ -224,6 +332,106 @@ def breakdown(row) -> dict:
                 grad_bytes=g, params=psi, reduce_scatter=rs, all_gather=ag,
                 last_backward=slow["time"] - slow["forward"], first_forward=slow["forward"],
                 room=published - compute - d["optimizer"])
+
+
+def dp_room(x, profile=None) -> dict:
+    """The DP sync a published row leaves room for, beside the least its DP sync can be
+    exposed from component figures (module docstring, "Room against the floor"): ``x`` a
+    :func:`breakdown` row.  ``room``: the published step less every other term the
+    planner charges (compute, optimizer, TP collectives exposed, bubble: the estimate's
+    step less its DP term).  ``floor``: the fp32 reduce-scatter of the first stage's
+    gradients and the bf16 all-gather of its weights, each at the line rate of the NICs
+    its DP group has on a node (one 400 Gb/s NDR port per GPU, 50 GB/s: the profile's
+    ``inter_node.bandwidth``, DGX H100 user guide) over (n - 1) / n of the buffer (a
+    ring), no per-call latency, the reduce-scatter hidden by the whole last micro-batch's
+    backward and the gather by the whole first forward (``tp8_audit.line_rate_floor``'s
+    terms for any pp).  ``room < floor``: no overlap model priced from these components
+    reaches the published step."""
+    if profile is None:
+        profile = P.build(next(r for r in rows() if r["name"] == x["name"]))[2].profile
+    n = x["nodes"] * x["per_node"]
+    rate = profile.inter_node.bandwidth * x["per_node"]
+    frac = (n - 1) / n
+    rs = x["grad_bytes"] * x["params"] * frac / rate
+    ag = 2 * x["params"] * frac / rate
+    floor = max(0.0, rs - x["last_backward"]) + max(0.0, ag - x["first_forward"])
+    room = x["published"] - (x["predicted"] - x["dp_exposed"])
+    return dict(name=x["name"], rs_line=rs, ag_line=ag, floor=floor, room=room,
+                priced=x["dp_exposed"], short=room - floor)
+
+
+def compute_needed(x, measured: str = "h100-sxm-80gb.json") -> dict:
+    """For a one-stage (pp = 1) :func:`breakdown` row ``x``: the model FLOPs a GPU runs a
+    step (the published model TFLOP/s times the published step: Megatron-LM's
+    ``num_floating_point_operations`` over the GPUs, which the metric is), the time the
+    published step leaves them beside the DP sync's line-rate floor (:func:`dp_room`)
+    and the optimizer, the model-FLOP rate that asks of the whole step's kernels
+    (GEMMs, attention, element-wise, loss together), beside the rate the planner's
+    compute gives and two figures of the measured H100 (``measured``): the median of its
+    sustained 8,192-cube GEMM seconds (``sustained``, the card at its 700 W limit) and
+    the fastest product of its ``model_gemms`` table (``best_gemm``)."""
+    if x["bubble"] != 0.0:
+        raise ValueError(f"h100_breakdown.compute_needed: {x['name']} has a bubble of "
+                         f"{x['bubble']:.3f} s (pp > 1); one-stage rows only")
+    data = json.loads(MS._path(measured).read_text(encoding="utf-8"))
+    best = max(max(g["fwd"], g["dgrad"], g["wgrad"]) for g in data["model_gemms"]) * 1e12
+    sustained = MS.summary(measured)["sustained_tflops"] * 1e12
+    y = dp_room(x)
+    flops = x["published"] * next(r["published"] for r in rows()
+                                  if r["name"] == x["name"]) * 1e12
+    left = x["published"] - y["floor"] - x["optimizer"]
+    return dict(name=x["name"], model_flops=flops, left=left, needed=flops / left,
+                planner=flops / x["compute"], sustained=sustained, best_gemm=best)
+
+
+def gemm_rates(row) -> dict:
+    """For a one-stage row: the layer GEMMs' model FLOPs a step (24 h^2 / tp per token
+    and layer, forward and backward: QKV, proj, fc1, fc2 at ffn 4 h), the seconds the
+    planner charges them (``tp8_audit.audit``'s family, from the measured
+    ``model_gemms`` at the layers' own shapes, the wgrad's fp32 ``main_grad``
+    accumulation included) and the rate that makes; with the output layer's GEMMs, the
+    rate both would need to take the whole gap the estimate leaves to the published
+    step (``gap``: published less predicted; None for a pessimistic row)."""
+    cfg, lay, cl = P.build(row)
+    a = T8.audit(row)
+    fam = a["families"]
+    m = P.predict(row)["estimate"].details["micro_batches"]
+    flops = 6 * lay.micro_batch * cfg.seq_len * cfg.n_layer * 12 * cfg.d_model ** 2 \
+        / lay.tp * m
+    t = fam["layer GEMMs"]
+    both = t + fam["output-layer GEMMs"]
+    gap = a["published"] - a["predicted"]
+    return dict(name=row["name"], flops=flops, seconds=t, rate=flops / t, gap=gap,
+                needed=flops / t * both / (both + gap) if gap > 0 else None)
+
+
+def wgrad_accum_bound(row) -> dict:
+    """For a one-stage row: the most the weight gradients' fp32 accumulation could add a
+    step beyond what is priced (module docstring, "Weight gradients into fp32").  Megatron
+    accumulates each weight-gradient GEMM's result into the fp32 ``main_grad`` inside the
+    GEMM (TE's ``fuse_wgrad_accumulation`` for the layers' linear modules, APEX's
+    ``wgrad_gemm_accum_fp32`` for the output layer: fp32 C read and written, beta 1),
+    where the measured wgrad (``gpu_components.py`` ``LAYOUTS["wgrad"]``: dY^T X) writes
+    a bf16 result: 4 + 4 - 2 = 6 bytes more per weight element and micro-batch.  The
+    planner's roofline counts the fp32 bytes, but these GEMMs are compute-bound, so they
+    add nothing; were that traffic not hidden at all behind the GEMM's main loop, it
+    would take its bytes at the measured copy rate (the profile's memory bandwidth x
+    ``memory_efficiency``).  Returns seconds a step (layers, output layer) and the ratio
+    the row would read were all of it added."""
+    cfg, lay, cl = P.build(row)
+    if lay.pp != 1:
+        raise ValueError(f"h100_breakdown.wgrad_accum_bound: {row['name']} has pp={lay.pp}; "
+                         f"one-stage rows only")
+    r = P.predict(row)
+    est, prof = r["estimate"], cl.profile
+    m = est.details["micro_batches"]
+    h, L, V = cfg.d_model, cfg.n_layer, cfg.vocab_size
+    rate = prof.memory_bandwidth * prof.memory_efficiency
+    layers = m * 6 * L * 12 * h * h / lay.tp / rate
+    head = m * 6 * V * h / lay.tp / rate
+    published = est.step_time * r["ratio"]
+    return dict(name=row["name"], layers=layers, head=head, ratio=r["ratio"],
+                ratio_if_added=published / (est.step_time + layers + head))
 
 
 def queue_idle(spans) -> float:
@@ -320,6 +528,43 @@ def main():
         print(f"  {x['name']:<9}{x['layout']:<40}{x['m']:>3}{x['nodes']:>6}{x['per_node']:>6}"
               f"{x['params'] / 1e9:>7.2f}B{x['reduce_scatter']:>10.3f}{x['all_gather']:>10.3f}"
               f"{x['last_backward']:>9.3f}{x['first_forward']:>8.3f}")
+    print("  the DP sync each published step leaves room for (published - every other "
+          "priced term) beside its line-rate floor (dp_room: NIC line rate, no latency, the "
+          "whole last backward / first forward hiding it), seconds per step")
+    print(f"  {'model':<9}{'RS line':>8}{'AG line':>8}{'floor':>7}{'room':>7}{'priced':>8}"
+          f"{'room-floor':>11}")
+    for x in out:
+        y = dp_room(x)
+        print(f"  {y['name']:<9}{y['rs_line']:>8.3f}{y['ag_line']:>8.3f}{y['floor']:>7.3f}"
+              f"{y['room']:>7.3f}{y['priced']:>8.3f}{y['short']:>11.3f}")
+    print("  one-stage rows: the model-FLOP rate the published step asks of all the step's "
+          "kernels beside the DP floor and the optimizer (compute_needed), TFLOP/s")
+    print(f"  {'model':<9}{'TFLOP/GPU':>10}{'left s':>8}{'needed':>8}{'planner':>8}"
+          f"{'sustained':>10}{'best GEMM':>10}")
+    for x in out:
+        if x["bubble"] == 0.0:
+            y = compute_needed(x)
+            print(f"  {y['name']:<9}{y['model_flops'] / 1e12:>10.1f}{y['left']:>8.3f}"
+                  f"{y['needed'] / 1e12:>8.1f}{y['planner'] / 1e12:>8.1f}"
+                  f"{y['sustained'] / 1e12:>10.1f}{y['best_gemm'] / 1e12:>10.1f}")
+    print("  one-stage rows: the layer GEMMs as priced (measured model_gemms at their "
+          "shapes), and the rate the layer + output-layer GEMMs would need to take the "
+          "whole gap to the published step (gemm_rates)")
+    print(f"  {'model':<9}{'TFLOP':>8}{'ms':>8}{'TFLOP/s':>9}{'gap ms':>8}{'needed':>8}")
+    for r in rows():
+        if r["layout"]["pp"] == 1:
+            g = gemm_rates(r)
+            need = f"{g['needed'] / 1e12:>8.1f}" if g["needed"] else f"{'-':>8}"
+            print(f"  {g['name']:<9}{g['flops'] / 1e12:>8.1f}{1e3 * g['seconds']:>8.1f}"
+                  f"{g['rate'] / 1e12:>9.1f}{1e3 * g['gap']:>8.1f}{need}")
+    print("  one-stage rows: the most the fp32 main_grad accumulation inside the wgrad "
+          "GEMMs could add, unhidden (wgrad_accum_bound; not priced: compute-bound), ms a step")
+    print(f"  {'model':<9}{'layers':>8}{'head':>8}{'ratio':>7}{'if added':>9}")
+    for r in rows():
+        if r["layout"]["pp"] == 1:
+            w = wgrad_accum_bound(r)
+            print(f"  {w['name']:<9}{1e3 * w['layers']:>8.1f}{1e3 * w['head']:>8.1f}"
+                  f"{w['ratio']:>7.3f}{w['ratio_if_added']:>9.3f}")
     print("  host vs device, one layer's forward (ms): TE linear modules at "
           f"{1e6 * TE_LINEAR_FWD_HOST_2024:.0f} us each ({HOST_SOURCE}); the attention "
           "module and Megatron's Python unmeasured (0): the host is a LOWER BOUND")

@@ -125,6 +125,15 @@ TP communication with userbuffers is priced too slow; what was read and what it 
   model's (``tuning.cc``); no measured reduce-scatter over 48 nodes of one GPU each was
   found to hold it to.  Unexplained from sources: the row needs the run to have moved
   about half the gradient bytes, or to have hidden them behind twice the compute.
+- Against its neighbours (2026-11-29, h100x14: ``h100_breakdown.dp_room``,
+  ``compute_needed``): the same floor taken for every README row, the 32B is the only
+  one whose published step leaves less DP time than the floor (0.115 s against 0.278);
+  the 70B (tp 8, pp 2: the same one-GPU-per-node DP group, 4.4e9 parameters per GPU)
+  leaves 0.322 against 0.313, the 119B-462B more.  Beside the floor and the optimizer
+  the 32B's 409.8 model TFLOP a GPU would have 0.591 s: 693 model TFLOP/s over all its
+  kernels, above the measured H100's sustained 8,192-cube GEMM (682.6).  The row's
+  shapes were re-read from the README's image (f2e5db402c ``images/model_table.png``):
+  as priced.
 """
 from __future__ import annotations
 
