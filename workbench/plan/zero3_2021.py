@@ -177,6 +177,13 @@ script's ``--checkpoint-num-layers 2`` (``chkp_layers=2``) is the layout's
 two layers, then runs their backwards (``gpt_trace``'s ``chunk``), its checkpoint copies
 one per chunk.
 
+The layer itself is Megatron-LM-v1.1.5-ZeRO3's as the example script runs it: without
+its fusion flags, so eager ``masked_fill_`` + softmax, bias add + GeLU and bias add +
+dropout + residual add where the planner's Megatron layer prices fused kernels
+(``unfused_bytes`` / ``unfused_seconds``, ``UNFUSED_SOURCE``; the estimate adds them to
+the layer's forward and backward for this framework): 14 ms a layer at GPT 175B,
+micro-batch 4, with full recompute (found by ``benchmarks/zero3_audit.py``'s re-audit).
+
 Not modeled: the parent modules' hooks (no parameters of their own) and the host's
 Python in the hooks (no measurement: to explain the 530B rows alone each of a step's
 4,316 host waits would have to cost 11-16 ms more, ``benchmarks/zero3_audit.py``); the
@@ -198,7 +205,8 @@ from . import costs as C
 __all__ = ["FRAMEWORK", "COUNTER_STEP", "VERSION", "VERSIONS", "Entry", "gpt_trace",
            "simulate", "dp_sync", "dp_sync_parts", "list_collective",
            "partition_activation_seconds", "step_host_seconds", "post_step_gather",
-           "predivide_seconds", "counter_start", "behaviour", "backward_peak_bytes"]
+           "predivide_seconds", "counter_start", "behaviour", "backward_peak_bytes",
+           "UNFUSED_SOURCE", "unfused_bytes", "unfused_seconds"]
 
 FRAMEWORK = "deepspeed-0.3"
 # the release whose hooks the estimate prices, ASSUMED from the dates (module docstring)
@@ -284,6 +292,89 @@ STEP_WAITS = 9
 MICRO_BATCH_WAITS = 29
 STEP_H2D = 3
 MICRO_BATCH_H2D = 2
+
+
+# Megatron-LM-v1.1.5-ZeRO3 (DeepSpeedExamples 44be774aad) as the example script runs it
+# (examples/ds_pretrain_gpt2-zero3.sh: its gpt_options pass none of the fusion flags):
+# ``--scaled-upper-triang-masked-softmax-fusion``, ``--scaled-masked-softmax-fusion``,
+# ``--bias-gelu-fusion`` and ``--bias-dropout-fusion`` are ``store_true`` (default off,
+# megatron/arguments.py:249-260), so the layer runs PyTorch's eager kernels where the
+# planner's layer (``layer_cost``: Korthikanti et al.'s Megatron-LM) prices the fused ones:
+# - FusedScaleMaskSoftmax without fusion and without ``--apply-query-key-layer-scaling``
+#   (scale None, fp16 in: megatron/model/fused_softmax.py:118-128) runs
+#   ``gpt2_attention_mask_func``, an in-place ``masked_fill_`` of the b a s s scores
+#   (gpt2_model.py:31-33: read + write, and the [1, 1, s, s] bool mask once), then
+#   ``torch.nn.Softmax`` (the fused kernel's 2 bytes an element): + 2 e S + s^2 bytes, one
+#   kernel; its backward adds ``masked_fill``'s gradient (``grad.masked_fill(mask, 0)``,
+#   read + write) beside the softmax's (the fused kernel's 3 e S): + 2 e S + s^2, one
+#   kernel;
+# - ParallelMLP without ``--bias-gelu-fusion`` (transformer.py:127-132):
+#   ``F.gelu(intermediate + bias)``: the add writes T f elements that GeLU reads back,
+#   + 2 e T f bytes, one kernel, forward only (GeLU's backward reads its input as the
+#   fused backward does; the bias gradient is the same sum);
+# - ``bias_dropout_add`` unscripted (transformer.py:422-426, 519-528): ``x + bias``,
+#   ``F.dropout``, ``residual + out``, three kernels where the scripted one is one: the
+#   two intermediates of T h elements each written and read again, + 4 e T h bytes and
+#   two kernels per call (at p = 0 ATen's dropout returns its input: + 2 e T h, one
+#   kernel), two calls a layer, forward only (the gradient passes through the adds).
+# Recomputed with the forward under full recompute.  Priced at the profile's elementwise
+# rate with their launches (``unfused_seconds``).
+UNFUSED_SOURCE = ("Megatron-LM-v1.1.5-ZeRO3 (DeepSpeedExamples 44be774aad) without its "
+                  "fusion flags, as examples/ds_pretrain_gpt2-zero3.sh runs it "
+                  "(arguments.py:249-260 store_true; fused_softmax.py:118-128, "
+                  "transformer.py:127-132, :422-426): eager masked_fill_ + softmax, "
+                  "add + gelu, add + dropout + add (zero3_2021.unfused_seconds)")
+
+
+def unfused_bytes(cfg, micro_batch: int) -> dict:
+    """Bytes and kernel launches per layer and micro-batch that Megatron-LM-v1.1.5-ZeRO3's
+    eager (unfused) softmax, bias-GeLU and bias-dropout-add move beyond the fused kernels
+    the planner's layer prices (``UNFUSED_SOURCE``'s comment): ``forward`` and
+    ``backward`` (the backward pass alone, without its recompute), each (bytes,
+    launches), and ``core``: the attention core's part of ``forward`` (what selective
+    recompute re-runs).  A GPT layer (``cfg.arch == "gpt"``) only: Megatron-LM-v1.1.5 has no
+    other."""
+    if isinstance(micro_batch, bool) or not isinstance(micro_batch, int) or micro_batch < 1:
+        raise ValueError(f"micro_batch={micro_batch!r}: sequences per micro-batch, an "
+                         f"int >= 1")
+    if cfg.arch != "gpt":
+        raise ValueError(f"arch={cfg.arch!r}: the unfused kernels priced are "
+                         f"Megatron-LM-v1.1.5's GPT layer; framework={FRAMEWORK!r} runs no "
+                         f"other (give arch='gpt')")
+    from .layer_cost import _ITEMSIZE
+    e = _ITEMSIZE[cfg.dtype]
+    s, b, h, a, f = cfg.seq_len, micro_batch, cfg.d_model, cfg.n_head, cfg.d_ff
+    S, T = b * a * s * s, s * b
+    mask = s * s                                  # the broadcast [1, 1, s, s] bool mask
+    drop = cfg.dropout > 0
+    bda = (4 if drop else 2) * e * T * h, (2 if drop else 1)
+    fwd = (2 * e * S + mask + 2 * e * T * f + 2 * bda[0], 1 + 1 + 2 * bda[1])
+    bwd = (2 * e * S + mask, 1)
+    # ``core``: what selective recompute re-runs of it (the attention core's masked_fill_)
+    return {"forward": fwd, "backward": bwd, "core": (2 * e * S + mask, 1)}
+
+
+def unfused_seconds(cfg, micro_batch: int, prof, recompute: str) -> dict:
+    """Seconds per layer and micro-batch :func:`unfused_bytes` adds on ``prof`` at its
+    elementwise rate (``sim_mesh.kernel_cost.compute_time``): ``forward``, and
+    ``backward`` with what the recompute re-runs (``"full"``: the forward's, ``"selective"``:
+    the attention core's masked_fill_; the layer's backward seconds include its
+    recompute, ``costs.LayerCost``); 0 for a model that is not a GPT (Megatron-LM-v1.1.5's
+    layer only)."""
+    from ..sim_mesh.kernel_cost import compute_time
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r}: 'none', 'selective' or 'full' (what "
+                         f"Megatron-LM-v1.1.5 runs)")
+    if cfg.arch != "gpt":
+        return {"forward": 0.0, "backward": 0.0}
+    x = unfused_bytes(cfg, micro_batch)
+    fwd, bwd = (compute_time(0.0, float(nb), prof, cfg.dtype, "elementwise", launches=n)
+                for nb, n in (x["forward"], x["backward"]))
+    again = {"full": fwd, "selective": x["core"], "none": 0.0}[recompute]
+    if recompute == "selective":    # the attention core re-run: its masked_fill_ again
+        again = compute_time(0.0, float(again[0]), prof, cfg.dtype, "elementwise",
+                             launches=again[1])
+    return {"forward": fwd, "backward": bwd + again}
 
 
 def partition_activation_seconds(cfg, micro_batch: int, prof) -> tuple[float, float]:
