@@ -186,6 +186,20 @@ above; ex = DeepSpeedExamples 44be774aad Megatron-LM-v1.1.5-ZeRO3; rows before /
   PyTorch's own kernels under a dispatch mode: tests/test_z3x14.py).  14 ms a layer at
   175B / mb 4, 20 ms at 530B / mb 4: + 1.4 s / + 2.1 s a step.  Rows 1.197 / 1.207 / 0.874
   / 1.345 / 1.357 / 1.319 -> 1.173 / 1.192 / 0.871 / 1.330 / 1.346 / 1.315.
+- **chunks of 2 at 530B's 105 layers cannot have run: the 530B rows now run chunks of
+  1.**  ex transformer.py:949-969 runs ``custom(l, l + 2)``, whose ``_get_layer(105)`` is
+  layer 0 again (``_get_layer_index`` modulo the layers, :938-947): layer 0 is in the
+  first and the last chunk, two separate ``torch.autograd.backward`` calls
+  (checkpointing.py:686), so its parameters reach their AccumulateGrad hook (s3:1404-1409)
+  twice in one backward and ``reduce_independent_p_g_buckets_and_remove_grads`` asserts
+  "Multiple gradient reduction is currently not supported" (s3:1446-1449; the flag set at
+  :1713, cleared in the epilogue only, :1293-1294; v0.3.16 :1898-1901).  The planner
+  refuses it (``zero3_2021.check_chunks``; the hook firing twice checked on PyTorch's
+  reentrant checkpoint, tests/test_z3x14.py); the 530B rows take Megatron's default
+  ``--checkpoint-num-layers`` 1 (ex arguments.py:237), the only divisor of 105 whose peak
+  fits at 640 GPUs (79.3 GB of 80.1; 3, 5, 7: 88.7, 116.9, 147.8).  The 175B rows (96
+  layers) keep the example's 2.  530B rows 1.330 / 1.346 / 1.315 -> 1.341 / 1.364 /
+  1.352 (more optimistic: one gather fewer per chunk, the fc2 kept for its backward).
 - gradient reduction: ``average_tensor`` (s3:1496-1514) pre-divides and calls
   ``reduce_gradients_at_owner`` -> ``_reduce_scatter_gradients`` (pp:702-771): one
   ``torch.distributed.reduce_scatter`` per parameter on a list of p chunk views, not
@@ -217,13 +231,20 @@ above; ex = DeepSpeedExamples 44be774aad Megatron-LM-v1.1.5-ZeRO3; rows before /
   noticeable decline as the cluster size increases", no figure); nccl-tests #169 is
   all_reduce over PCIe RoCE at 2-6 nodes).  NOT changed.
 
-What is left, after the unfused kernels (the script's last lines): 12.1 / 63.4 s at
-175B / 384 and 530B / 640.  As NCCL bus bandwidth: 63 / 46 GB/s where 146 / 158 are
-priced (62 / 55 / 53 at 768 / 1,120 / 2,240; the 175B / 1,536 row already too slow, from
-its host loops over 1,536 chunks); as a fixed cost per NCCL collective: 5.3 / 25.6 ms
-(not one figure: the gap grows with the bytes, not with the calls); as compute: x 1.23 /
-1.43.  The NCCL reading is still the nearest to one figure (45-63 GB/s across five rows,
-about a quarter to a third of eight HDR NICs), and still without a component source.
+What is left, after both (the script's last lines): 12.1 / 65.0 s at 175B / 384 and
+530B / 640 (steps 69.5 / 190.6 s predicted, 81.6 / 255.5 published).  As NCCL bus
+bandwidth: 63 / 43 GB/s where 146 / 158 are priced (62 / 52 / 49 at 768 / 1,120 / 2,240;
+the 175B / 1,536 row already too slow, from its host loops over 1,536 chunks); as a fixed
+cost per NCCL collective: 5.3 / 26.8 ms (not one figure: the gap grows with the bytes,
+not with the calls); as compute: x 1.23 / 1.44; as host waits: 3.0 / 15.1 ms each.  The
+NCCL reading is still the nearest to one figure (43-63 GB/s across five rows, about a
+quarter to a third of eight HDR NICs), and still without a component source.  The
+summary (``python -m benchmarks.published``): within 15% 32, beyond 30% 3 (the 530B
+rows), range 0.750 .. 1.357 -> 0.750 .. 1.364, before and after.
+
+The memory table below was read with chunks of 2 at 530B / 640; with the row's chunks of
+1 the script prints 105 checkpointed inputs (35.23 GB) and one recomputed layer (16.11),
+79.34 GB in all (78.84 at fc2's bias hook), the other terms unchanged.
 
 Nothing here feeds the planner (it reads the same source lines itself).
 """

@@ -157,3 +157,68 @@ def test_estimate_charges_it_for_deepspeed_0_3_only():
     lo, ln = old.details["layer"], new.details["layer"]
     assert ln.fwd_compute == pytest.approx(lo.fwd_compute + x["forward"])
     assert ln.bwd_compute == pytest.approx(lo.bwd_compute + x["backward"])
+
+
+# -- chunks of k layers that do not divide the layers (zero3_2021.check_chunks) --------
+
+def test_chunk_layers_wrap_to_layer_0_as_megatron_v115():
+    # transformer.py:949-969 custom(l, l + k), _get_layer_index modulo the layers
+    assert Z.chunk_layers(6, 2) == [[0, 1], [2, 3], [4, 5]]
+    last = Z.chunk_layers(105, 2)
+    assert len(last) == 53 and last[-1] == [104, 0]
+    assert Z.chunk_layers(105, 1)[-1] == [104]
+    assert Z.chunk_layers(7, 3) == [[0, 1, 2], [3, 4, 5], [6, 0, 1]]
+    with pytest.raises(ValueError, match="k=0"):
+        Z.chunk_layers(4, 0)
+
+
+def test_a_layer_in_two_reentrant_chunks_reaches_its_gradient_hook_twice():
+    # PyTorch's own behaviour behind DeepSpeed's assert: a reentrant checkpoint's backward
+    # is its own torch.autograd.backward call (DeepSpeed checkpointing.py:686, as
+    # torch.utils.checkpoint's reentrant variant), so a parameter used in two chunks
+    # runs its AccumulateGrad (where stage3.py:1404-1409 hooks the reduction) twice in
+    # one backward; used twice inside one chunk, once
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(3)]
+    w = layers[0].weight
+    calls = []
+    acc = w.expand_as(w).grad_fn.next_functions[0][0]   # kept alive, as self.grad_accs
+    acc.register_hook(lambda *a: calls.append(1))
+
+    def chunk(idx):
+        def run(x):
+            for i in idx:
+                x = torch.tanh(layers[i](x))
+            return x
+        return run
+
+    x = torch.randn(4, 8, requires_grad=True)
+    for idx in Z.chunk_layers(3, 2):            # [[0, 1], [2, 0]]
+        x = checkpoint(chunk(idx), x, use_reentrant=True)
+    x.sum().backward()
+    assert len(calls) == 2
+    calls.clear()
+    y = checkpoint(chunk([0, 1, 2, 0]), torch.randn(4, 8, requires_grad=True),
+                   use_reentrant=True)
+    y.sum().backward()
+    assert len(calls) == 1
+
+
+def test_deepspeed_0_3_refuses_chunks_that_do_not_divide_the_layers():
+    cfg = wb.models.ModelConfig(arch="gpt", vocab_size=51200, seq_len=2048, d_model=4096,
+                                n_layer=5, n_head=32, dropout=0.1, dtype="float16",
+                                tie_embeddings=True)
+    cl = wb.plan.Cluster("a100", 16)
+    lay = wb.plan.Layout(dp=16, zero=3, recompute="full", micro_batch=1, global_batch=16,
+                         framework="deepspeed-0.3", recompute_num_layers=2)
+    with pytest.raises(ValueError, match=r"recompute_num_layers=2 does not divide the 5 "
+                                         r"layers.*\[0\].*Multiple gradient reduction"):
+        wb.plan.estimate(cfg, lay, cl)
+    with pytest.raises(ValueError, match="divide"):
+        Z.check_chunks(cfg, lay)
+    Z.check_chunks(cfg, lay.replace(recompute_num_layers=1))
+    Z.check_chunks(cfg.replace(n_layer=6), lay)
+    assert wb.plan.estimate(cfg, lay.replace(recompute_num_layers=1), cl).step_time > 0
+    # today's DeepSpeed (framework="deepspeed") is not refused by this rule
+    assert wb.plan.estimate(cfg, lay.replace(framework="deepspeed"), cl).step_time > 0

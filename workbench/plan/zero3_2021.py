@@ -175,7 +175,10 @@ all-reduces (``step_host_seconds``): 0.03 s a step.  The
 script's ``--checkpoint-num-layers 2`` (``chkp_layers=2``) is the layout's
 ``recompute_num_layers`` (``plan.recompute_chunks``): the trace recomputes a chunk of
 two layers, then runs their backwards (``gpt_trace``'s ``chunk``), its checkpoint copies
-one per chunk.
+one per chunk.  Chunks that do not divide the layers are refused (``check_chunks``):
+Megatron-LM-v1.1.5 runs layer 0 again in the last chunk and v0.3.13-0.3.16 assert on its
+second gradient in the backward ("Multiple gradient reduction is currently not
+supported", ``stage3.py:1446-1449``), so GPT 530B's 105 layers run in chunks of one.
 
 The layer itself is Megatron-LM-v1.1.5-ZeRO3's as the example script runs it: without
 its fusion flags, so eager ``masked_fill_`` + softmax, bias add + GeLU and bias add +
@@ -191,7 +194,8 @@ caching allocator's retries near the memory limit (no figure for them; the 530B 
 32 and 48 GB are as optimistic as the one at 78 GB).  The memory is v0.3.13's backward
 peak as its source holds it (:func:`backward_peak_bytes`, which ``memory.stage_memory``
 counts for this framework; ``benchmarks/zero3_audit.py`` reads it term by term: 78.3 GB
-at 530B / 640 of the a100 profile's 80.1 GB usable, the capacity CUDA reports; c10d's
+at 530B / 640 with chunks of two layers, 79.3 with the row's chunks of one, of the a100
+profile's 80.1 GB usable, the capacity CUDA reports; c10d's
 flat buffer of a list collective, a whole parameter, is live after that row's peak, at
 the peak at 1,120 and 2,240 GPUs).
 """
@@ -206,7 +210,8 @@ __all__ = ["FRAMEWORK", "COUNTER_STEP", "VERSION", "VERSIONS", "Entry", "gpt_tra
            "simulate", "dp_sync", "dp_sync_parts", "list_collective",
            "partition_activation_seconds", "step_host_seconds", "post_step_gather",
            "predivide_seconds", "counter_start", "behaviour", "backward_peak_bytes",
-           "UNFUSED_SOURCE", "unfused_bytes", "unfused_seconds"]
+           "UNFUSED_SOURCE", "unfused_bytes", "unfused_seconds", "chunk_layers",
+           "check_chunks"]
 
 FRAMEWORK = "deepspeed-0.3"
 # the release whose hooks the estimate prices, ASSUMED from the dates (module docstring)
@@ -324,6 +329,45 @@ UNFUSED_SOURCE = ("Megatron-LM-v1.1.5-ZeRO3 (DeepSpeedExamples 44be774aad) witho
                   "(arguments.py:249-260 store_true; fused_softmax.py:118-128, "
                   "transformer.py:127-132, :422-426): eager masked_fill_ + softmax, "
                   "add + gelu, add + dropout + add (zero3_2021.unfused_seconds)")
+
+
+def chunk_layers(n_layer: int, k: int) -> list[list[int]]:
+    """The layers each checkpointed chunk of Megatron-LM-v1.1.5-ZeRO3 runs with
+    ``--checkpoint-num-layers k`` (DeepSpeedExamples 44be774aad ``megatron/model/
+    transformer.py``:949-969): ``custom(l, l + k)`` for l = 0, k, 2k, ... < n_layer, each
+    running ``self._get_layer(index)`` for index in range(l, l + k), whose index
+    ``_get_layer_index`` takes modulo the unique layers (:938-947; ``--param-sharing-style``
+    'grouped' and ``--num-unique-layers`` = the layers by default, arguments.py:160-166):
+    where k does not divide the layers the last chunk runs layer 0, 1, ... again."""
+    for name, v in (("n_layer", n_layer), ("k", k)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an int >= 1")
+    return [[i % n_layer for i in range(l, l + k)] for l in range(0, n_layer, k)]
+
+
+def check_chunks(cfg, lay) -> None:
+    """Raise ValueError where DeepSpeed v0.3.13-0.3.16's ZeRO-3 stops the run at its first
+    backward: with full recompute in chunks of k layers that do not divide the model's
+    layers, Megatron-LM-v1.1.5 runs layer 0 again in the last chunk (:func:`chunk_layers`),
+    whose backward is its own ``torch.autograd.backward`` call (DeepSpeed
+    ``activation_checkpointing/checkpointing.py``:686), so layer 0's parameters reach
+    their gradient hook twice in one backward, and ``reduce_independent_p_g_buckets_and_
+    remove_grads`` asserts "Multiple gradient reduction is currently not supported"
+    (v0.3.13 ``stage3.py``:1446-1449, the flag set at :1713 and cleared only in the
+    epilogue, :1293-1294; v0.3.16 :1898-1901)."""
+    k = getattr(lay, "recompute_num_layers", 1)
+    if lay.recompute != "full" or k == 1:
+        return
+    runs = [i for c in chunk_layers(cfg.n_layer, k) for i in c]
+    twice = sorted({i for i in runs if runs.count(i) > 1})
+    if twice:
+        raise ValueError(f"framework={FRAMEWORK!r}: recompute_num_layers={k} does not "
+                         f"divide the {cfg.n_layer} layers, so Megatron-LM-v1.1.5 runs "
+                         f"layer(s) {twice} again in the last chunk and DeepSpeed "
+                         f"v0.3.13-0.3.16's ZeRO-3 asserts on their second gradient "
+                         f"('Multiple gradient reduction is currently not supported', "
+                         f"stage3.py:1446-1449): use a recompute_num_layers that divides "
+                         f"{cfg.n_layer} (1: Megatron's default)")
 
 
 def unfused_bytes(cfg, micro_batch: int) -> dict:
@@ -755,6 +799,7 @@ def dp_sync_parts(cfg, lay, prof, layer, head, edge) -> dict:
     if lay.zero != 3 or lay.pp != 1 or lay.tp != 1 or getattr(lay, "cp", 1) != 1:
         raise ValueError(f"framework={FRAMEWORK!r}: layout {lay.short()}; DeepSpeed v0.3's "
                          f"ZeRO-3 is priced without model parallelism (zero=3, tp=pp=cp=1)")
+    check_chunks(cfg, lay)
     if lay.dp == 1:
         return {"first": None, "rest": None, "post": 0.0, "host": None, "seconds": 0.0,
                 "exposed": 0.0, "sent": 0.0}
