@@ -203,8 +203,11 @@ figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B t
   root prefetches, 2.6-9.3 s slower a step, the breakdown's ``v0.3.14`` / ``v0.3.16``
   columns).  ASSUMED: fp16,
   full recompute in chunks of two layers (the example script's ``--checkpoint-num-layers
-  2``, ``Layout.recompute_num_layers``), micro-batch = batch / GPUs, DeepSpeedExamples'
-  Megatron ZeRO-3 config.  With ``framework="deepspeed"`` (DeepSpeed as it runs today: coalesced
+  2``, ``Layout.recompute_num_layers``) for the 175B (96 layers), one layer for the 530B
+  (105 layers: chunks of two run layer 0 again in the last chunk and v0.3.13-0.3.16
+  assert on its second gradient, ``zero3_2021.check_chunks``; 1 is Megatron's default
+  and the only divisor of 105 whose peak fits at 640 GPUs), micro-batch = batch / GPUs,
+  DeepSpeedExamples' Megatron ZeRO-3 config.  With ``framework="deepspeed"`` (DeepSpeed as it runs today: coalesced
   gathers into one flat tensor, no host synchronisation) the 175B rows read 232 / 222 /
   188, 1.6x to 4.3x the published figures.
   Read together (not used by the planner): from 768 to 2,240 GPUs the published steps
@@ -417,15 +420,19 @@ _Z3_SHAPES = {175: (12288, 96, 96), 530: (20480, 105, 128)}
 def _zero3_2021_rows():
     for size, gpus, gbs, tflops, _ in ZERO3_2021:
         h, l, a = _Z3_SHAPES[size]
+        # the example script's chunks of 2 where they divide the layers; at 105 layers
+        # v0.3.13-0.3.16 would assert (zero3_2021.check_chunks): Megatron's default 1
+        k = 2 if l % 2 == 0 else 1
         yield dict(source="narayanan_zero3", name=f"GPT {size}B", profile="a100",
                    devices=gpus, model=dict(d_model=h, n_layer=l, n_head=a, dtype="float16"),
                    layout=dict(dp=gpus, tp=1, pp=1, sp=False, zero=3, recompute="full",
                                micro_batch=gbs // gpus, global_batch=gbs, schedule="1f1b",
-                               v=1, framework="deepspeed-0.3", recompute_num_layers=2),
+                               v=1, framework="deepspeed-0.3", recompute_num_layers=k),
                    metric="tflops_per_device", published=tflops, published_hfu=None,
                    cite=ZERO3_2021_CITE,
-                   assume="fp16, full recompute in chunks of 2 layers (the example "
-                          "script's --checkpoint-num-layers 2), one micro-batch per step, "
+                   assume=f"fp16, full recompute in chunks of {k} layer(s) (the "
+                          "example script's --checkpoint-num-layers 2 where 2 divides the "
+                          "layers, else Megatron's default 1), one micro-batch per step, "
                           "DeepSpeed "
                           "v0.3.13's hooks (v0.3.14-0.3.16's trace is off by one: "
                           "zero3_2021.VERSIONS) with DeepSpeedExamples' Megatron ZeRO-3 "
@@ -469,11 +476,13 @@ NOTES = {"narayanan": _N_ASSUME + _N_DDP.replace(";", " (rows with pp=1:", 1) + 
                             "recompute, micro-batch = batch / GPUs (one per step) ASSUMED; "
                             "recompute in chunks of 2 layers as DeepSpeedExamples' "
                             "ds_pretrain_gpt2-zero3.sh:47 (44be774aad, --checkpoint-num-layers "
-                            "2; plan.recompute_chunks: at 530B's 105 layers its Megatron "
-                            "runs layer 0 again in the last chunk, NOT priced) ASSUMED; "
+                            "2) at 175B, of 1 at 530B (at 105 layers chunks of 2 run layer 0 "
+                            "again in the last chunk and v0.3.13-0.3.16 assert on its second "
+                            "gradient: zero3_2021.check_chunks; Megatron's default 1) "
+                            "ASSUMED; "
                             "memory as v0.3.13 holds it at its backward peak, term by term "
                             "from its source (plan.zero3_2021.backward_peak_bytes, "
-                            "benchmarks/zero3_audit.py): 78.3 GB at 530B/640 of the "
+                            "benchmarks/zero3_audit.py): 79.3 GB at 530B/640 (chunks of 1) of the "
                             "profile's 80.1 GB usable (the 79.25 GiB CUDA reports); "
                             "DeepSpeed of spring 2021 (framework='deepspeed-0.3', "
                             "plan.zero3_2021) with DeepSpeedExamples' Megatron ZeRO-3 "

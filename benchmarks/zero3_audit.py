@@ -64,7 +64,10 @@ CPU-side Python per sub-module hook         -            no measurement found; N
 (s3:1062-1180; ~11 modules a layer, 6                    (ASSUMPTION: cheap beside the
 hook calls each a micro-batch)                           100 ms GEMMs they wait for)
 compute: layers, embedding, head, loss      51.3 / 145.5 layer clock (Korthikanti Table 4
-                                                         within 5.4%); not re-audited
+                                                         within 5.4%); its fused kernels
+                                                         replaced by the example's eager
+                                                         ones since (re-audit below:
+                                                         52.6 / 147.6)
 step: the estimate's / the published        67.6 / 188.4 ratio 1.207 / 1.356
                                             81.6 / 255.5
 ==========================================  ===========  ==================================
@@ -164,6 +167,84 @@ prices (``zero3_2021.COUNTER_STEP`` = 2); the live counter drifts down each step
 the module after the one running is prefetched too (as the planner's window counts,
 beside the held embedding it leaves out), and the source's peak rises by fc1's 3.36 GB,
 prefetched during fc2's backward.
+
+Re-audit of 2026-11-29 (helper z3x14): what DeepSpeed v0.3.13 and the example's
+Megatron-LM-v1.1.5-ZeRO3 run, candidate by candidate, read again at the tags (s3, pp as
+above; ex = DeepSpeedExamples 44be774aad Megatron-LM-v1.1.5-ZeRO3; rows before / after:
+175B 384 / 768 / 1,536 and 530B 640 / 1,120 / 2,240):
+
+- **Megatron's unfused kernels: NOT priced before, priced now.**  The example script
+  (ex examples/ds_pretrain_gpt2-zero3.sh, gpt_options) passes none of
+  ``--scaled-upper-triang-masked-softmax-fusion``, ``--scaled-masked-softmax-fusion``,
+  ``--bias-gelu-fusion``, ``--bias-dropout-fusion`` (ex megatron/arguments.py:249-260,
+  ``store_true``), so the layer runs ``masked_fill_`` + ``torch.nn.Softmax`` (ex
+  fused_softmax.py:118-128, gpt2_model.py:31-33), ``F.gelu(x + bias)`` (ex
+  transformer.py:127-132) and the unscripted ``bias_dropout_add`` (:422-426) where the
+  planner's layer (Korthikanti's Megatron-LM) prices the fused kernels: + 2 e S bytes in
+  forward and in backward (S = b a s^2 scores), + 2 e T f and + 2 x 4 e T h in forward,
+  the forward again in the recompute (``zero3_2021.unfused_bytes``, checked against
+  PyTorch's own kernels under a dispatch mode: tests/test_z3x14.py).  14 ms a layer at
+  175B / mb 4, 20 ms at 530B / mb 4: + 1.4 s / + 2.1 s a step.  Rows 1.197 / 1.207 / 0.874
+  / 1.345 / 1.357 / 1.319 -> 1.173 / 1.192 / 0.871 / 1.330 / 1.346 / 1.315.
+- **chunks of 2 at 530B's 105 layers cannot have run: the 530B rows now run chunks of
+  1.**  ex transformer.py:949-969 runs ``custom(l, l + 2)``, whose ``_get_layer(105)`` is
+  layer 0 again (``_get_layer_index`` modulo the layers, :938-947): layer 0 is in the
+  first and the last chunk, two separate ``torch.autograd.backward`` calls
+  (checkpointing.py:686), so its parameters reach their AccumulateGrad hook (s3:1404-1409)
+  twice in one backward and ``reduce_independent_p_g_buckets_and_remove_grads`` asserts
+  "Multiple gradient reduction is currently not supported" (s3:1446-1449; the flag set at
+  :1713, cleared in the epilogue only, :1293-1294; v0.3.16 :1898-1901).  The planner
+  refuses it (``zero3_2021.check_chunks``; the hook firing twice checked on PyTorch's
+  reentrant checkpoint, tests/test_z3x14.py); the 530B rows take Megatron's default
+  ``--checkpoint-num-layers`` 1 (ex arguments.py:237), the only divisor of 105 whose peak
+  fits at 640 GPUs (79.3 GB of 80.1; 3, 5, 7: 88.7, 116.9, 147.8).  The 175B rows (96
+  layers) keep the example's 2.  530B rows 1.330 / 1.346 / 1.315 -> 1.341 / 1.364 /
+  1.352 (more optimistic: one gather fewer per chunk, the fc2 kept for its backward).
+- gradient reduction: ``average_tensor`` (s3:1496-1514) pre-divides and calls
+  ``reduce_gradients_at_owner`` -> ``_reduce_scatter_gradients`` (pp:702-771): one
+  ``torch.distributed.reduce_scatter`` per parameter on a list of p chunk views, not
+  stage 2's per-partition ``dist.reduce`` calls (its ``average_tensor``); ``reduce_scatter``
+  is True by default (zero/constants.py:50-51, zero/config.py:85-87) and the example's
+  JSON does not turn it off; the script's ``--zero-reduce-scatter``,
+  ``--zero-reduce-bucket-size 5e7`` and ``--zero-allgather-bucket-size 5e9`` are parsed
+  (ex arguments.py:504-515) and never read (only ``args.zero_stage``, ex
+  pretrain_gpt2.py:44): the JSON's 6.71e7 reduce bucket holds.  Already priced as
+  such.  (deepspeedai/DeepSpeed #1173, 2021-06, v0.3.16+: Nsight showed NCCL all-reduce
+  kernels and no reduce-scatter kernel in ZeRO-3; the v0.3.13 source calls
+  reduce_scatter, so that observation is not explained here and not priced.)
+- all-gather granularity: one list all-gather per parameter (pp:596-636); stage 3 takes
+  no ``allgather_bucket_size`` (engine.py:768-800 passes prefetch bucket, max reuse
+  distance, max live parameters only); priced.
+- prefetch / max live / reuse distance: the JSON's (1e9, 1e9, 6.04e7), the misspelt
+  persistence key leaving 1e5; priced (``zero3_2021``).
+- ``torch.cuda.synchronize`` / stream waits per fetch and release, the fp16 overflow
+  check, the norm's ``.item()`` and all-reduces: priced (the tables above).
+- ``param.ds_tensor`` copies: ``_allgather_param``'s copy of the rank's own partition
+  into its chunk (pp:623-629), numel / p elements: 3 us for fc1 at 640 ranks, not priced
+  (negligible); c10d's chunk copies are priced.
+- host Python per module hook: still no measurement found (searched DeepSpeed #1069,
+  #1170, #1174: #1174 reports a whole forward, 480 ms for a 5B BERT on one p4d node with
+  v0.3.16, not a per-hook figure).  NOT priced.
+- NCCL at 48-280 nodes: no A100 / HDR all-gather or reduce-scatter bus bandwidth measured
+  at that scale found (searched again: NVIDIA/nccl #1218 is H100 over RoCE at 32 nodes,
+  all_gather of 2 GB at 200 GB/s; #1211, #1413 (NVIDIA: reduce-scatter "shows a
+  noticeable decline as the cluster size increases", no figure); nccl-tests #169 is
+  all_reduce over PCIe RoCE at 2-6 nodes).  NOT changed.
+
+What is left, after both (the script's last lines): 12.1 / 65.0 s at 175B / 384 and
+530B / 640 (steps 69.5 / 190.6 s predicted, 81.6 / 255.5 published).  As NCCL bus
+bandwidth: 63 / 43 GB/s where 146 / 158 are priced (62 / 52 / 49 at 768 / 1,120 / 2,240;
+the 175B / 1,536 row already too slow, from its host loops over 1,536 chunks); as a fixed
+cost per NCCL collective: 5.3 / 26.8 ms (not one figure: the gap grows with the bytes,
+not with the calls); as compute: x 1.23 / 1.44; as host waits: 3.0 / 15.1 ms each.  The
+NCCL reading is still the nearest to one figure (43-63 GB/s across five rows, about a
+quarter to a third of eight HDR NICs), and still without a component source.  The
+summary (``python -m benchmarks.published``): within 15% 32, beyond 30% 3 (the 530B
+rows), range 0.750 .. 1.357 -> 0.750 .. 1.364, before and after.
+
+The memory table below was read with chunks of 2 at 530B / 640; with the row's chunks of
+1 the script prints 105 checkpointed inputs (35.23 GB) and one recomputed layer (16.11),
+79.34 GB in all (78.84 at fc2's bias hook), the other terms unchanged.
 
 Nothing here feeds the planner (it reads the same source lines itself).
 """
@@ -276,8 +357,10 @@ def needs(a: dict) -> dict:
     gap = a["published"] - a["predicted"]
     nccl = a["work"]["nccl_ag"] + a["work"]["nccl_rs"]
     waits = a["work"]["sync"] / Z.SYNC_S + a["work"]["release"] / Z.RELEASE_S
+    calls = a["gathers"] + a["reduce_scatters"] if a["m"] == 1 else None   # one a step
     return {"gap": gap, "nccl": (nccl + gap) / nccl, "compute": (a["compute"] + gap)
             / a["compute"], "per_wait": gap / waits, "waits": waits,
+            "per_call": gap / calls if calls else float("nan"),
             "busbw": a["sent"] / nccl / 1e9, "busbw_needed": a["sent"] / (nccl + gap) / 1e9}
 
 
@@ -310,8 +393,11 @@ def main():
                              "{:>17.1f}"),
                             ("compute x", "compute", "{:>17.2f}"),
                             ("host waits (sync + release) in the step", "waits", "{:>17.0f}"),
-                            ("each host wait longer by, ms", "per_wait", "{:>17.2f}")):
-        vals = [needs(x)[key] * (1e3 if key == "per_wait" else 1) for x in out]
+                            ("each host wait longer by, ms", "per_wait", "{:>17.2f}"),
+                            ("each NCCL collective (gathers + reduce-scatters) longer by, "
+                             "ms", "per_call", "{:>17.2f}")):
+        vals = [needs(x)[key] * (1e3 if key in ("per_wait", "per_call") else 1)
+                for x in out]
         print(f"    {label:<{w - 2}}" + "".join(fmt.format(v) for v in vals))
     return out
 

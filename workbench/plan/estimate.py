@@ -702,6 +702,11 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         eager = TE.extra_seconds(cfg, lay, prof, torchtitan_eager)
         layer = replace(layer, fwd_compute=layer.fwd_compute + eager["forward"],
                         bwd_compute=layer.bwd_compute + eager["backward"])
+    unfused = None
+    if lay.engine == Z21.FRAMEWORK and cfg.arch == "gpt":   # Megatron-LM-v1.1.5's eager
+        unfused = Z21.unfused_seconds(cfg, b, prof, lay.recompute)   # softmax, GeLU, bda
+        layer = replace(layer, fwd_compute=layer.fwd_compute + unfused["forward"],
+                        bwd_compute=layer.bwd_compute + unfused["backward"])
     head = C.head_cost(tcfg, b, tp, sp, prof)
     emb_t, emb_sent = C.embedding_comm(tcfg, b, tp, sp, prof)
     links, p2p_sent = _p2p(tcfg, lay, prof) if pp > 1 else ([0.0], 0.0)
@@ -884,6 +889,7 @@ def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = 
         + ((FR.ASSUMPTION,) if slow["copies"] and lay.dp * lay.cp > 1 else ())
         + (DS.assumptions(lay, cfg) if ds is not None else ())
         + ((TE.assumption(torchtitan_eager, eager, cfg.n_layer),) if eager else ())
+        + ((Z21.UNFUSED_SOURCE,) if unfused else ())
         + (OS.assumption(lay, opt_passes), CM.assumption(comm_mem, prof))
         + ((AL.assumption(busiest["allocator_cache"]),) if busiest["allocator_cache"]
            else ())
