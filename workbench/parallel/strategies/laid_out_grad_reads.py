@@ -49,7 +49,9 @@ _TORCH = os.path.dirname(torch.__file__) + os.sep
 _WORKBENCH = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 _MODELS = _WORKBENCH + "models" + os.sep
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_OWN = (_HERE + "rank_grads.py",)
+# rank_grads and the modules split from it (its gradients' __torch_function__ and helpers)
+_OWN = tuple(_HERE + f for f in ("rank_grads.py", "normed_grads.py", "kept_grads.py",
+                                 "grad_norm_reads.py", "partial_norm.py"))
 # torch's helpers that a user calls to read a tensor, read as the user's own call
 _USERS_TORCH = (_TORCH + "overrides.py", _TORCH + "_tensor.py",
                 _TORCH + os.path.join("nn", "utils", "convert_parameters.py"),

@@ -1,0 +1,103 @@
+"""Reading a :class:`~.program.CompiledProgram`: its notes, its printout (placements and
+reshards op by op, priced), the bytes its forward and backward send, its step replayed on
+the clock and what each pass saved."""
+from __future__ import annotations
+
+from ..parallel.placement import fmt_placements
+from .lower import Reshard
+
+
+class _Reading:
+    """What a compiled program reports (a base of :class:`~.program.CompiledProgram`)."""
+
+    @property
+    def notes(self) -> list:
+        """What running the program does, and what only its schedule holds."""
+        if self.eager or self.level != "O2":
+            return []
+        out = ["run: the graph is launched once (sink); gradients are all-reduced in the "
+               "bucket pass's buckets, one collective per bucket when its last gradient is "
+               "ready (on simulated ranks; under torch.distributed one per parameter)"]
+        tags = {t for it in self.schedule.items for t in it.tag.split()}
+        if "early" in tags or any(it.tag.startswith("split") for it in self.schedule.items):
+            out.append("plan only: the overlap pass's early and split collectives are "
+                       "priced on the clock (prog.step()); the run issues each collective "
+                       "where its consumer needs it, whole")
+        return out
+
+    # ---- reading -----------------------------------------------------------------
+    def __str__(self) -> str:
+        if self.eager:
+            parts = "".join(
+                f"\n  {name}: " + ("eager" if p.eager else f"compiled, {len(p.graph.nodes)} ops")
+                for name, p in self.parts.items())
+            return (f"compiled program ({self.level}): runs eagerly, op by op"
+                    + (f", calling its compiled children:{parts}" if parts else "") + "\n"
+                    + "\n".join(str(b) for b in self.breaks))
+        a = self.assignment
+        lines = [f"compiled program ({self.level}) on {self.mesh} priced on {self.profile}: "
+                 f"{len(self.graph.nodes)} ops, capture by {self.graph.method}"]
+        lines += [f"  # {n}" for n in self.graph.notes + self.notes]
+        g = self.graph
+        for v in g.values:
+            if v.kind in ("input", "param"):
+                lines.append(f"  %{v.vid} = {v.kind} {v.name} "
+                             f"{fmt_placements(a.placements[v.vid])} {tuple(v.shape)}")
+        pending = []
+        for ins in self.program:
+            if isinstance(ins, Reshard):
+                if ins.why.startswith("pinned"):
+                    lines.append(str(ins))
+                else:
+                    pending.append(ins)
+                continue
+            n = g.nodes[ins.nid]
+            st = ins.strategy
+            ins_txt = ", ".join("-" if vid is None else f"%{vid}:{fmt_placements(req)}"
+                                for vid, req in zip(n.inputs, st.inputs))
+            outs = ", ".join(f"%{o}:{fmt_placements(ps)}" for o, ps in zip(n.outs, st.outputs))
+            lines.append(f"  {outs} = {n.op}({ins_txt})" + (f"  # {n.note}" if n.note else ""))
+            lines += ["  " + str(r) for r in pending]
+            pending = []
+        lines.append(f"  return {g.output}")
+        lines.append(f"modeled step {a.time * 1e6:.2f} us ({a.how}); greedy "
+                     f"{self.greedy.time * 1e6:.2f} us; forward reshards "
+                     f"{self.bytes:,d} B per rank (greedy {self.greedy.bytes:,d} B); "
+                     f"activations {a.memory:,d} B per rank (greedy {self.greedy.memory:,d} B)")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    @property
+    def bytes(self) -> int:
+        """Bytes each rank sends in the program's forward reshards (the backward's:
+        :attr:`backward_bytes`)."""
+        from .extrema import inner_bytes      # (an amax / amin reducing its own output)
+        return sum(i.plan.total_bytes for i in self.program if isinstance(i, Reshard)) + \
+            sum(inner_bytes(c) for c in self.assignment.choice.values())
+
+    @property
+    def backward_bytes(self) -> int:
+        """Bytes each rank sends in the step's backward collectives: the reshards'
+        backward and the gradient reductions of :attr:`schedule` (``schedule.py``; after
+        this level's passes, so O2's buckets), what a traced run records for the program's
+        backward (``benchmarks/eager_comm_probe.py`` holds the two equal)."""
+        if self.eager:
+            raise RuntimeError("this program runs eagerly (a graph break); trace it instead")
+        from ..sim_mesh.cost import wire_bytes
+        shape = self.mesh.shape
+        return sum(wire_bytes(it.coll, it.nbytes, shape[it.mesh_dim])
+                   for it in self.schedule.items
+                   if it.kind == "comm" and it.phase == "backward")
+
+    def step(self, schedule=None):
+        """The compiled step (forward and backward) replayed on the clock: a
+        :class:`~.schedule.StepReport` (its ``trace`` holds the timeline)."""
+        from .schedule import replay
+        if self.eager:
+            raise RuntimeError("this program runs eagerly (a graph break); trace it instead")
+        return replay(schedule or self.schedule)
+
+    def passes(self) -> str:
+        """Each pass: what it changed and what it saved."""
+        return "\n".join(f"{name}: {saved}" for name, _, _, saved in self.log)
