@@ -33,7 +33,7 @@ import warnings
 import torch
 
 from . import inplace_overlap as overlap
-from . import storage
+from . import storage, versions
 from .dist_tensor import DistTensor, shard_tensor
 from .ops_table.checks import _to_meta
 from .seq_order import check_write, orders_of, same_order
@@ -288,6 +288,7 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
         y = reshard(y, x.mesh, x.placements)
     nd = x.mesh.ndim
     link = None
+    olds = storage.tensors(x._local)     # (before a write through a view replaces them)
     if x._view is not None:
         if through_view(x, y, op):
             x._view = x._view[:2] + (False,)    # written through base[index] from now on
@@ -312,6 +313,9 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
             # a tracked z, x's history was dropped and its leaf's grad was None, not zeros)
             y = over_old(y, x)
         x._local = y._local
+        # the old values stay in their memory: torch's version counter says they were
+        # written (a value saved for backward then raises there, as torch: versions.py)
+        versions.bump(olds, f"{op}() on {x.notation()}")
         if x._view is not None:
             x._view = x._view[:2] + (False,)
         return x
@@ -330,6 +334,7 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
     keep = x.requires_grad           # a leaf under no_grad (nn.init): stays a leaf
     new = storage.map_tensors(y._local, lambda t: t.detach().clone())
     x._local = storage.map_tensors(new, lambda t: t.requires_grad_()) if keep else new
+    versions.bump(olds, f"{op}() on {x.notation()}")    # (written in place: copy_ bumps)
     if link is not None:
         push_link(link)
     return x
@@ -434,7 +439,7 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
         _unsupported(op, f"PyTorch has no out-of-place {op[:-1]}() to compute it from; "
                          "write the result with x.copy_(...)")
     try:
-        y = dispatch(base, (x,) + tuple(args), kwargs)
+        y = dispatch(base, (_self(x, args, kwargs),) + tuple(args), kwargs)
     except NoRuleError as e:
         raise NoRuleError(f"{op}() on a DistTensor {x.notation()}: {e}") from None
     if not isinstance(y, DistTensor):
@@ -694,5 +699,17 @@ def inplace_kwarg(func, args, kwargs):
                         **{k: _meta(v) for k, v in kwargs.items()}))
     name = getattr(func, "__name__", "op")
     overlap.check(x, lambda xs, a, k: func(xs, *a, **k), args[1:], kwargs, name, func)
-    y = dispatch(func, args, {**kwargs, "inplace": False})
+    y = dispatch(func, (_self(x, args[1:], kwargs),) + tuple(args[1:]),
+                 {**kwargs, "inplace": False})
     return assign(x, y, getattr(func, "__name__", "op"), sources=args)
+
+
+def _self(x: DistTensor, args, kwargs):
+    """``x`` as the out-of-place op that computes ``x.op_(...)`` reads it: where autograd
+    records the write, under a version counter of its own (torch saves the original self
+    of ``y.mul_(w)`` apart; the write then bumps ``x``'s: versions.py)."""
+    if not torch.is_grad_enabled() or not (x.requires_grad or any(
+            isinstance(a, (DistTensor, torch.Tensor)) and a.requires_grad
+            for a in tuple(args) + tuple(kwargs.values()))):
+        return x
+    return versions.unversioned(x)
