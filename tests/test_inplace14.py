@@ -10,6 +10,11 @@ device (values, gradients, error types), and ``parameters_to_vector`` /
    DistTensor write and the fix (clone()) appended; writes into values no op saved keep
    working (y.mul_(w) and F.leaky_relu(y, inplace=True) too, as torch saves their original
    self apart).  wb.compile: such a write breaks the graph (eager then raises at backward).
+2. ``parameters_to_vector`` over a ColwiseParallel / RowwiseParallel module: values equal to
+   one device's (it worked).  ``vector_to_parameters`` sets ``p.data`` to a plain slice:
+   torch DTensor 2.13 takes it and leaves the parameters unchanged, silently (measured on a
+   1-rank gloo mesh); here the project's TypeError, now naming the copy that does it (a
+   DistTensor vector meets torch's own TypeError first: its isinstance check).
 """
 import pytest
 import torch
@@ -222,3 +227,55 @@ def test_compile_breaks_at_a_write_into_a_saved_value(method):
     out.sum().backward()
     for a, r in zip(args, ref):
         torch.testing.assert_close(a.grad.full_tensor(), r.grad, rtol=1e-12, atol=1e-12)
+
+
+# ---- 2. parameters_to_vector / vector_to_parameters over tensor parallelism -----------------
+
+def _tp(mesh_shape):
+    def mk():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(),
+                                   torch.nn.Linear(6, 4)).double()
+    ref, m = mk(), mk()
+    wb.parallelize_module(m, wb.Mesh.grid(mesh_shape),
+                          {"0": wb.ColwiseParallel(), "2": wb.RowwiseParallel()})
+    return ref, m
+
+
+def _full(p):
+    return p.full_tensor() if isinstance(p, wb.DistTensor) else p
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,)])
+def test_parameters_to_vector_equals_one_device(mesh_shape):
+    from torch.nn.utils import parameters_to_vector
+    ref, m = _tp(mesh_shape)
+    assert any(isinstance(p, wb.DistTensor) for p in m.parameters())
+    v = parameters_to_vector(m.parameters())
+    assert torch.equal(_full(v), parameters_to_vector(ref.parameters()))
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,)])
+def test_vector_to_parameters_refuses_naming_the_copy_and_the_copy_works(mesh_shape):
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+    ref, m = _tp(mesh_shape)
+    before = [_full(p).clone() for p in m.parameters()]
+    vec = parameters_to_vector(ref.parameters()).detach() * 2 + 1
+    with pytest.raises(TypeError, match=r"(?s)vector_to_parameters.*copy_"):
+        vector_to_parameters(vec, m.parameters())
+    for p, b in zip(m.parameters(), before):         # nothing written
+        assert torch.equal(_full(p), b)
+    with pytest.raises(TypeError):                   # torch's own check of vec's type
+        vector_to_parameters(parameters_to_vector(m.parameters()), m.parameters())
+    vector_to_parameters(vec, ref.parameters())      # one device
+    for source in (vec, parameters_to_vector(m.parameters()).detach() * 2 + 1):
+        i = 0
+        with torch.no_grad():                        # the fix the message names
+            for p in m.parameters():
+                p.copy_(source[i:i + p.numel()].view(p.shape))
+                i += p.numel()
+        for p, r in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(_full(p), r)
+        with torch.no_grad():
+            for p, b in zip(m.parameters(), before):
+                p.copy_(b)
