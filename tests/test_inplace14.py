@@ -279,3 +279,20 @@ def test_vector_to_parameters_refuses_naming_the_copy_and_the_copy_works(mesh_sh
         with torch.no_grad():
             for p, b in zip(m.parameters(), before):
                 p.copy_(b)
+
+
+@pytest.mark.parametrize("layout", range(len(LAYOUTS)), ids=IDS)
+def test_nograd_write_into_a_value_an_op_read_through_a_copy(layout):
+    """``z = a * a`` with ``a`` Partial reads an all-reduced copy of ``a``; a write into
+    ``a`` under no_grad afterwards raises at backward, as torch's (it saved ``a``)."""
+    def f(x):
+        a = x + 1
+        z = a * a
+        with torch.no_grad():
+            a.add_(1)
+        return z
+    err, _, _ = _run(f, _x().requires_grad_())
+    assert isinstance(err, RuntimeError)
+    mesh, ps = LAYOUTS[layout]
+    got, _, _ = _run(f, _d(_x(), mesh, ps))
+    assert type(got) is RuntimeError and "On DistTensors" in str(got), got

@@ -328,6 +328,8 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
         with torch.no_grad():
             for a, b in zip(xs, ys):
                 a.copy_(b)
+        # (copy_ bumped them; the copies an op read of them, and the write's name: versions)
+        versions.bump(xs, f"{op}() on {x.notation()}")
         if link is not None:
             push_link(link)
         return x
