@@ -18,7 +18,9 @@ One recipe, as PyTorch defines an in-place op (the out-of-place result, written 
    optimizers and hooks that hold them see the new values. Where autograd records the
    op (grad mode on and a tensor that requires grad), ``x`` takes the result's history
    instead (torch rebases ``x``'s history the same way); local tensors that cannot be
-   written elementwise (one memory location for several elements) are replaced.
+   written elementwise (one memory location for several elements) are replaced.  Either
+   way the old local tensors' version counters are bumped (:mod:`.versions`): a value an
+   op saved for backward then raises torch's "modified by an inplace operation" there.
 
 Random fills (``normal_``, ``uniform_``, ``bernoulli_``..., and ``torch.nn.init``): the
 full tensor is what one device would draw for the global shape with the same generator
