@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from ..parallel.dist_tensor import DistTensor
 from ..parallel.inplace import _judge
+from .saved import check_saved, own_saves
 
 __all__ = ["NOT_A_WRITE", "write"]
 
@@ -108,74 +109,18 @@ def write(tracer, func, name, args, kwargs):
                       "view, or a tensor with views): torch's write reaches them too, which "
                       "one captured value does not; the program runs eagerly (write into a "
                       "clone, or compute the new value with torch.where / torch.cat)")
-    before = _check_saved(tracer, x, op)
+    before = check_saved(tracer, x, op)
     # in-place ops are not autocast (torch.amp's docs; parallel/inplace.method): the new
     # value's ops are recorded with the caller's autocast off, and run so
     with torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") \
             else contextlib.nullcontext():
         new = _new_value(tracer, func, x, op, args, kwargs)
-    _own_saves(tracer, x, new, before)
+    own_saves(tracer, x, new, before)
     with tracer:
         from ..parallel.ops_table.layout_hooks import keep_layout
         new = keep_layout(new, x)          # laid out as x (eager's assign)
     _rebind(tracer, x, new)
     return None if op == "__setitem__" else x
-
-
-def _check_saved(tracer, x, op) -> None:
-    """A write into a value an op of the program saved for backward (``y = a.exp();
-    y.add_(1)``: exp saves its output; ``z = y * b; y.add_(1)``: mul saves y): torch's
-    backward raises "one of the variables needed for gradient computation has been
-    modified by an inplace operation", where the captured graph of new values would give
-    the old values' gradient.  Told as torch tells it: the write bumps the meta stand-in's
-    version counter (its views share it), and every saved value of the traced graph is
-    unpacked (torch's SavedVariable check).  Refused: the program runs eagerly, whose
-    backward raises torch's error (parallel/versions.py)."""
-    torch.autograd.graph.increment_version(x)
-    own = getattr(tracer, "_wb_own_saves", set())
-    seen, todo = set(), [t.grad_fn for t in tracer.keep
-                         if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        for a in dir(fn):
-            if a.startswith("_saved_") and (fn, a) not in own:
-                try:
-                    getattr(fn, a)
-                except RuntimeError as e:
-                    if "modified by an inplace operation" not in str(e):
-                        raise
-                    raise Refused(
-                        f"{op} writes into a value that {fn.name()} saved for backward: "
-                        "torch's backward raises (\"modified by an inplace operation\"); "
-                        "the program runs eagerly, whose backward raises it too. Fix: clone() "
-                        "before writing, or use the out-of-place op") from None
-        todo.extend(f for f, _ in fn.next_functions)
-    return seen
-
-
-def _own_saves(tracer, x, new, before) -> None:
-    """What the write's own new value saved of ``x`` (``clamp_`` computed as ``clamp(x)``
-    saves x): torch saves an in-place op's original self apart, so a later write into ``x``
-    does not touch it; remembered on the tracer, skipped by :func:`_check_saved`."""
-    own = tracer.__dict__.setdefault("_wb_own_saves", set())
-    todo = [new.grad_fn] if isinstance(new, torch.Tensor) else []
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in before:
-            continue
-        before.add(fn)
-        for a in dir(fn):
-            if a.startswith("_saved_"):
-                try:
-                    v = getattr(fn, a)
-                except RuntimeError:
-                    continue
-                if isinstance(v, torch.Tensor) and _storage(v) == _storage(x):
-                    own.add((fn, a))
-        todo.extend(f for f, _ in fn.next_functions)
 
 
 def _storage(t):
