@@ -374,6 +374,8 @@ def _view_inplace(x, op, args, kwargs):
     placements, as DTensor re-labels self)."""
     from .dispatch import dispatch
     _judge(lambda: getattr(_meta_self(x), op)(*args, **kwargs))
+    # (torch's in-place view ops bump the version too; not here: x's local tensors are
+    # often views made in the dispatcher's custom Function, unusable once bumped)
     y = dispatch(getattr(T, op[:-1]), (x,) + tuple(args), kwargs)
     x._local, x.placements, x.shape, x._spec, x.names = y._local, y.placements, y.shape, None, None
     x._gstride = y._gstride
