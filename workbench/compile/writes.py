@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from ..parallel.dist_tensor import DistTensor
 from ..parallel.inplace import _judge
+from .saved import check_saved, own_saves
 
 __all__ = ["NOT_A_WRITE", "write"]
 
@@ -108,11 +109,13 @@ def write(tracer, func, name, args, kwargs):
                       "view, or a tensor with views): torch's write reaches them too, which "
                       "one captured value does not; the program runs eagerly (write into a "
                       "clone, or compute the new value with torch.where / torch.cat)")
+    before = check_saved(tracer, x, op)
     # in-place ops are not autocast (torch.amp's docs; parallel/inplace.method): the new
     # value's ops are recorded with the caller's autocast off, and run so
     with torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") \
             else contextlib.nullcontext():
         new = _new_value(tracer, func, x, op, args, kwargs)
+    own_saves(tracer, x, new, before)
     with tracer:
         from ..parallel.ops_table.layout_hooks import keep_layout
         new = keep_layout(new, x)          # laid out as x (eager's assign)

@@ -10,6 +10,7 @@ import torch
 
 from . import storage
 from .dist_tensor import DistTensor
+from .versions import explained
 
 __all__ = ["AUTOGRAD"]
 
@@ -61,8 +62,9 @@ def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False,
     kw = {}
     if inputs is not None:
         kw["inputs"] = _inputs(inputs)[1]
-    torch.autograd.backward(outs, gos, retain_graph=retain_graph, create_graph=create_graph,
-                            **kw)
+    with explained():
+        torch.autograd.backward(outs, gos, retain_graph=retain_graph,
+                                create_graph=create_graph, **kw)
 
 
 def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False,
@@ -75,9 +77,10 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=Fal
     outs, gos = _seeds(outputs, grad_outputs, "grad")
     ins, flat, spans = _inputs(inputs)
     _check_replicas(flat)
-    gs = torch.autograd.grad(outs, flat, gos, retain_graph=retain_graph,
-                             create_graph=create_graph, allow_unused=allow_unused,
-                             materialize_grads=materialize_grads)
+    with explained():
+        gs = torch.autograd.grad(outs, flat, gos, retain_graph=retain_graph,
+                                 create_graph=create_graph, allow_unused=allow_unused,
+                                 materialize_grads=materialize_grads)
     res, k = [], 0
     for x, n in zip(ins, spans):
         part, k = list(gs[k:k + n]), k + n

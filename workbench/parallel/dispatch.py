@@ -64,6 +64,7 @@ from .dispatch_local import (VALIDATE, Ctx, as_dist, fallback as _fallback,  # n
                              run_cells as _run_cells, wrap as _wrap)
 from .placement import Replicate
 from . import reshard_backward as _rb
+from . import versions as _versions
 from . import seq_order as _seq_order
 from . import gather_backward_dist as _gbd
 from .ops_table.strategy import NoRuleError, infer
@@ -734,6 +735,12 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
                     locs.append(loc)
                     continue
         locs.append(_rb.local_for_op(t, plan, mesh, even, axes, label))
+    if torch.is_grad_enabled():
+        # an input read through a copy (moved by its plan): a later write into the input
+        # bumps the copy's version too, as torch's saved input would be (versions.py)
+        for x, loc in zip(inputs, locs):
+            if type(x) is DistTensor and loc is not x._local:
+                _versions.derive(x._local, loc)
     out_shapes = prep.out_shapes
     ctx = prep.ctx
     if ctx is None:

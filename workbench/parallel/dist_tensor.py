@@ -365,11 +365,13 @@ class DistTensor:
                 ins = [inputs] if isinstance(inputs, (DistTensor, torch.Tensor)) else inputs
                 kw["inputs"] = [u for x in ins for u in (
                     storage.tensors(x._local) if isinstance(x, DistTensor) else [x])]
-        elif gradient is None and storage.backward_scalar(self._local, self.mesh,
-                                                          self.placements):
-            return
-        outs, grads = self._seed(gradient, "backward")
-        torch.autograd.backward(outs, grads, **kw)
+        from .versions import explained
+        with explained():       # (a saved value written in place: the DistTensor write)
+            if not kw and gradient is None and storage.backward_scalar(
+                    self._local, self.mesh, self.placements):
+                return
+            outs, grads = self._seed(gradient, "backward")
+            torch.autograd.backward(outs, grads, **kw)
 
     def _seed(self, gradient, fn: str):
         """The local tensors to start backpropagation from and their gradients (None: a

@@ -112,9 +112,15 @@ def _set_data(self, value) -> None:
     """``d.data = other``: ``d`` takes ``other``'s data (its mesh, layout, shape and
     dtype; an alias, as torch), keeping its own ``requires_grad``."""
     if not isinstance(value, DistTensor):
+        # (torch.nn.utils.vector_to_parameters sets p.data to a slice of its vector: torch
+        # DTensor 2.13 takes it and leaves the parameter unchanged, silently, measured on a
+        # 1-rank gloo mesh; here refused before anything is written, naming the copy)
         raise TypeError(f"DistTensor.data = {type(value).__name__}: give a DistTensor (its data "
                         "is laid out over ranks), e.g. d.data = wb.shard_tensor(t, d.mesh, "
-                        "d.placements), or write values with d.copy_(t)")
+                        "d.placements), or write values with d.copy_(t). For "
+                        "torch.nn.utils.vector_to_parameters(vec, params) write the slices: "
+                        "with torch.no_grad(): for p in params: p.copy_(vec[i:i + p.numel()]"
+                        ".view(p.shape)); i += p.numel()")
     for t in storage.tensors(self._local):
         stale = getattr(t, "_wb_stale", None)   # a ZeRO-3 template or gathered copy
         if stale:                               # (fsdp_dist_habits): new data would not

@@ -18,7 +18,9 @@ One recipe, as PyTorch defines an in-place op (the out-of-place result, written 
    optimizers and hooks that hold them see the new values. Where autograd records the
    op (grad mode on and a tensor that requires grad), ``x`` takes the result's history
    instead (torch rebases ``x``'s history the same way); local tensors that cannot be
-   written elementwise (one memory location for several elements) are replaced.
+   written elementwise (one memory location for several elements) are replaced.  Either
+   way the old local tensors' version counters are bumped (:mod:`.versions`): a value an
+   op saved for backward then raises torch's "modified by an inplace operation" there.
 
 Random fills (``normal_``, ``uniform_``, ``bernoulli_``..., and ``torch.nn.init``): the
 full tensor is what one device would draw for the global shape with the same generator
@@ -33,7 +35,7 @@ import warnings
 import torch
 
 from . import inplace_overlap as overlap
-from . import storage
+from . import storage, versions
 from .dist_tensor import DistTensor, shard_tensor
 from .ops_table.checks import _to_meta
 from .seq_order import check_write, orders_of, same_order
@@ -288,6 +290,7 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
         y = reshard(y, x.mesh, x.placements)
     nd = x.mesh.ndim
     link = None
+    olds = storage.tensors(x._local)     # (before a write through a view replaces them)
     if x._view is not None:
         if through_view(x, y, op):
             x._view = x._view[:2] + (False,)    # written through base[index] from now on
@@ -312,6 +315,9 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
             # a tracked z, x's history was dropped and its leaf's grad was None, not zeros)
             y = over_old(y, x)
         x._local = y._local
+        # the old values stay in their memory: torch's version counter says they were
+        # written (a value saved for backward then raises there, as torch: versions.py)
+        versions.bump(olds, f"{op}() on {x.notation()}")
         if x._view is not None:
             x._view = x._view[:2] + (False,)
         return x
@@ -324,12 +330,15 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
         with torch.no_grad():
             for a, b in zip(xs, ys):
                 a.copy_(b)
+        # (copy_ bumped them; the copies an op read of them, and the write's name: versions)
+        versions.bump(xs, f"{op}() on {x.notation()}")
         if link is not None:
             push_link(link)
         return x
     keep = x.requires_grad           # a leaf under no_grad (nn.init): stays a leaf
     new = storage.map_tensors(y._local, lambda t: t.detach().clone())
     x._local = storage.map_tensors(new, lambda t: t.requires_grad_()) if keep else new
+    versions.bump(olds, f"{op}() on {x.notation()}")    # (written in place: copy_ bumps)
     if link is not None:
         push_link(link)
     return x
@@ -365,6 +374,8 @@ def _view_inplace(x, op, args, kwargs):
     placements, as DTensor re-labels self)."""
     from .dispatch import dispatch
     _judge(lambda: getattr(_meta_self(x), op)(*args, **kwargs))
+    # (torch's in-place view ops bump the version too; not here: x's local tensors are
+    # often views made in the dispatcher's custom Function, unusable once bumped)
     y = dispatch(getattr(T, op[:-1]), (x,) + tuple(args), kwargs)
     x._local, x.placements, x.shape, x._spec, x.names = y._local, y.placements, y.shape, None, None
     x._gstride = y._gstride
@@ -434,7 +445,7 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
         _unsupported(op, f"PyTorch has no out-of-place {op[:-1]}() to compute it from; "
                          "write the result with x.copy_(...)")
     try:
-        y = dispatch(base, (x,) + tuple(args), kwargs)
+        y = dispatch(base, (_self(x, args, kwargs),) + tuple(args), kwargs)
     except NoRuleError as e:
         raise NoRuleError(f"{op}() on a DistTensor {x.notation()}: {e}") from None
     if not isinstance(y, DistTensor):
@@ -694,5 +705,17 @@ def inplace_kwarg(func, args, kwargs):
                         **{k: _meta(v) for k, v in kwargs.items()}))
     name = getattr(func, "__name__", "op")
     overlap.check(x, lambda xs, a, k: func(xs, *a, **k), args[1:], kwargs, name, func)
-    y = dispatch(func, args, {**kwargs, "inplace": False})
+    y = dispatch(func, (_self(x, args[1:], kwargs),) + tuple(args[1:]),
+                 {**kwargs, "inplace": False})
     return assign(x, y, getattr(func, "__name__", "op"), sources=args)
+
+
+def _self(x: DistTensor, args, kwargs):
+    """``x`` as the out-of-place op that computes ``x.op_(...)`` reads it: where autograd
+    records the write, under a version counter of its own (torch saves the original self
+    of ``y.mul_(w)`` apart; the write then bumps ``x``'s: versions.py)."""
+    if not torch.is_grad_enabled() or not (x.requires_grad or any(
+            isinstance(a, (DistTensor, torch.Tensor)) and a.requires_grad
+            for a in tuple(args) + tuple(kwargs.values()))):
+        return x
+    return versions.unversioned(x)

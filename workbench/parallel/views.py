@@ -79,6 +79,12 @@ def refresh(base, replaced: bool) -> None:
             new = reshard(new, v.mesh, v.placements)
         old = v._local
         v._local = new._local
+        if not aliased:
+            # a view of the written base: torch's views share its version counter (a view
+            # saved for backward raises there); a copy here does not share it: bumped (an
+            # alias shares the memory it views, bumped by that memory's write)
+            from .versions import bump
+            bump(storage.tensors(old), f"a write into {base.notation()} seen by its view")
         v._view = (base, index, new._view is not None and new._view[2])
         _follow_handles(v, old)
         refresh(v, True)

@@ -1,0 +1,139 @@
+"""torch's version counter for in-place writes into DistTensors.
+
+On one device an in-place op bumps its tensor's version counter; a value an op saved for
+backward (``exp`` and ``sigmoid`` save their output, ``mul`` and ``matmul`` their inputs)
+remembers the version it was saved at, and backward raises torch's RuntimeError "one of the
+variables needed for gradient computation has been modified by an inplace operation" where
+it differs (torch/csrc/autograd/saved_variable.cpp, ``SavedVariable::unpack``).
+
+Here a write that autograd records gives the DistTensor new local tensors (its old ones
+keep the old values: ``parallel/inplace.py``), so nothing bumped their counters and
+backward used the old values, silently unlike torch.  Now every write bumps the old local
+tensors' counters (:func:`bump`, ``torch.autograd.graph.increment_version``: views of them,
+replicated copies held as stride-0 views, share the counter, as torch's views do), and the
+op's own out-of-place computation reads ``x`` under a counter of its own
+(:func:`unversioned`), as torch saves an in-place op's original ``self`` apart (``y.mul_(w)``
+and ``F.leaky_relu(y, inplace=True)`` keep working).  :func:`explained` adds to torch's
+error which DistTensor write it was and the fix.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import weakref
+
+import torch
+
+from . import storage
+
+__all__ = ["bump", "derive", "unversioned", "explained"]
+
+_WRITES: dict = {}      # (node name, output nr, local shape) -> "y.add_() on R[4, 4]"
+_KEEP = 256             # the most recent writes remembered for the message
+
+
+def _key(t: torch.Tensor):
+    fn = t.grad_fn
+    name = "" if fn is None else re.sub(r"Backward\d*$", "", type(fn).__name__)
+    return name, (t.output_nr if fn is not None else None), tuple(t.shape)
+
+
+def bump(ts, what: str) -> None:
+    """Bump the version counter of each tensor in ``ts`` (old local tensors of a DistTensor
+    written in place; ``what`` names the write for :func:`explained`)."""
+    seen, ts = set(), list(ts)
+    for t in list(ts):
+        got = _DERIVED.get(id(t))
+        if got is not None and got[0]() is t:
+            ts += [c for c in (r() for r in got[1]) if c is not None]
+    for t in ts:
+        if id(t) in seen or t.is_inference():
+            continue
+        seen.add(id(t))
+        try:
+            key = _key(t) if t.requires_grad else None
+        except RuntimeError:    # a view made in a custom Function whose base was written
+            key = None          # (its grad_fn cannot be read any more): bumped, not named
+        torch.autograd.graph.increment_version(t)
+        if key is not None:
+            _WRITES.pop(key, None)
+            _WRITES[key] = what
+            while len(_WRITES) > _KEEP:
+                del _WRITES[next(iter(_WRITES))]
+
+
+def derive(src_loc, loc) -> None:
+    """``loc`` (an op's input laid out anew by the dispatcher: an all-reduced or all-to-all
+    copy) is ``src_loc``'s value for that op: a later write into the source bumps the copy
+    too, so that what the op saved of it raises as torch's saved input does (``z = a @ x;
+    a.mul_(2)`` with ``a`` moved by an all_to_all)."""
+    outs = [weakref.ref(t) for t in storage.tensors(loc)]
+    for s in storage.tensors(src_loc):
+        got = _DERIVED.get(id(s))
+        if got is None or got[0]() is not s:
+            got = _DERIVED[id(s)] = (weakref.ref(s, _forget(id(s))), [])
+        got[1][:] = [r for r in got[1] if r() is not None] + outs
+
+
+def _forget(k):
+    return lambda _: _DERIVED.pop(k, None)
+
+
+_DERIVED: dict = {}     # id(local tensor) -> (weakref to it, [weakrefs to copies read])
+
+
+class _Unversioned(torch.autograd.Function):
+    """``t``'s values and gradient path under a version counter of its own (``t.data``
+    shares the memory, not the counter)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.data
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def unversioned(x):
+    """``x`` (a DistTensor) whose local tensors, read by the out-of-place op that computes
+    an in-place write, are not bumped by that write (torch saves the original ``self`` of
+    ``x.mul_(w)`` apart from ``x``)."""
+    from .dist_tensor import DistTensor
+
+    def one(t):
+        return _Unversioned.apply(t) if t.requires_grad else t.data
+    out = DistTensor(storage.map_tensors(x._local, one), x.mesh, x.placements, x.shape,
+                     x.dtype, x.names)
+    for a in ("_gstride", "_ring_order", "_ring_also"):
+        if hasattr(x, a):
+            setattr(out, a, getattr(x, a))
+    return out
+
+
+_PAT = re.compile(r"\[torch\.\w+ \[([\d, ]*)\]\](?:, which is output (\d+) of (\w+))?")
+
+
+@contextlib.contextmanager
+def explained():
+    """Runs a backward; torch's "modified by an inplace operation" error gets the DistTensor
+    write it was (where remembered) and the fix appended (same type, RuntimeError)."""
+    try:
+        yield
+    except RuntimeError as e:
+        msg = str(e)
+        if not ("modified by an inplace operation" in msg or "been modified inplace" in msg) \
+                or "On DistTensors" in msg:
+            raise
+        m = _PAT.search(msg)
+        what = None
+        if m:
+            shape = tuple(int(s) for s in m.group(1).split(",") if s.strip())
+            nr = int(m.group(2)) if m.group(2) is not None else None
+            what = _WRITES.get((m.group(3) or "", nr, shape))
+        which = f"the DistTensor write {what}" if what else "an in-place write into a DistTensor"
+        raise RuntimeError(
+            f"{msg}\nOn DistTensors: {which} changed a value that an op had saved for "
+            "backward (torch raises the same on one device). Fix: clone() before writing "
+            "(y = y.clone(); then write y), or use the out-of-place op (y = y + 1 for "
+            "y.add_(1))") from None
