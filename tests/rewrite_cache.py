@@ -11,7 +11,8 @@ against the source's hash (a PEP 552 checked-hash pyc: an edited file is rewritt
 ``python -m tests.rewrite_cache FILE...`` writes that cache for the files given, with
 pytest's own functions (``_rewrite_test``, ``_write_pyc``: private, so any failure only
 prints a note and leaves the workers to rewrite as before; the cache is an optimization,
-never a result). tests/run_all.py runs it in two processes before the workers start.
+never a result). tests/conftest.py runs it in two processes under pytest-xdist, before
+the workers start (``make test`` runs pytest so: tests/run_all.py).
 """
 import sys
 from pathlib import Path

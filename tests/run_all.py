@@ -14,22 +14,6 @@ def run(args: list[str]) -> int:
     return subprocess.call(args, cwd=ROOT)
 
 
-def rewrite_cache(py: str) -> None:
-    """pytest's assertion rewrite of every test module, cached before the workers start
-    (tests/rewrite_cache.py): under PYTHONDONTWRITEBYTECODE each of the two workers
-    rewrote all of them, 15 s of CPU a worker at collection (measured: `pytest
-    --collect-only tests` 26.6 s -> 11.5 s of CPU with the cache).  Two processes, half
-    the files each, one a core; a failure here only leaves pytest to rewrite them."""
-    tests = os.path.join(ROOT, "tests")
-    files = sorted(os.path.join("tests", f) for f in os.listdir(tests)
-                   if f == "conftest.py" or (f.startswith("test_") and f.endswith(".py")))
-    print(f"+ {py} -m tests.rewrite_cache ({len(files)} files, 2 processes)", flush=True)
-    procs = [subprocess.Popen([py, "-m", "tests.rewrite_cache", *files[k::2]], cwd=ROOT)
-             for k in range(2)]
-    for p in procs:
-        p.wait()
-
-
 def main() -> int:
     # 2 cores shared by 2 test workers: one thread each (torch's default of one thread
     # per core makes every worker spin against the other)
@@ -40,12 +24,8 @@ def main() -> int:
     # from source, 0.35 s of CPU a process (measured: 1.82 s -> 1.47 s for `import
     # workbench, workbench.plan, workbench.recipes`); compiling once first (0.6 s) lets
     # them read the bytecode, which that variable does not forbid
-    rc = run([py, "-m", "compileall", "-q", "workbench"])
-    if rc != 0:
-        print(f"FAILED (exit code {rc})", flush=True)
-        return rc
-    rewrite_cache(py)
-    steps = [[py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", "-n", "2",
+    steps = [[py, "-m", "compileall", "-q", "workbench"],
+             [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", "-n", "2",
               "--timeout", "600"]]
     nbs = sorted(os.path.join("notebooks", f) for f in os.listdir(os.path.join(ROOT, "notebooks"))
                  if f.endswith(".ipynb")) if os.path.isdir(os.path.join(ROOT, "notebooks")) else []
