@@ -63,3 +63,39 @@ def _seeded():
     random.seed(SEED)
     np.random.seed(SEED)
     yield
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, before the workers start: pytest's assertion rewrite of the test
+    modules given, cached where every worker reads it (tests/rewrite_cache.py), in two
+    processes.  PYTHONDONTWRITEBYTECODE (this project's machines set it) keeps pytest from
+    writing that cache itself, so each worker rewrote every module at collection: 15 s of
+    CPU a worker for the whole suite (measured: `pytest --collect-only tests` 26.9 s ->
+    12.3 s of CPU with the cache; writing it, 10.9 s in one process, 0.7 s once up to
+    date).  Not in a worker, nor without -n, nor where pytest writes its cache itself."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None) \
+            or not sys.dont_write_bytecode:
+        return
+    files = set()
+    for arg in config.args:
+        p = Path(config.invocation_params.dir, arg.split("::")[0])
+        if not p.exists():                       # testpaths: relative to the rootdir
+            p = Path(config.rootpath, arg.split("::")[0])
+        if p.is_dir():
+            files.update(p.rglob("test_*.py"))
+            files.update(p.rglob("conftest.py"))
+        elif p.suffix == ".py" and p.is_file():
+            files.add(p)
+    files = sorted(str(f) for f in files)
+    if not files:
+        return
+    root = str(Path(__file__).resolve().parent.parent)
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.rewrite_cache", *files[k::2]],
+                              cwd=root, env=dict(os.environ, PYTHONPATH=root))
+             for k in range(2)]
+    for p in procs:
+        p.wait()

@@ -49,7 +49,9 @@ def test_step_floor_lies_under_every_estimate(full):
 
 def test_pruned_search_lists_what_the_full_ranking_starts_with(full):
     cfg, cl, gb, kw, r = full
-    for top in (1, 3, 5):
+    # top 1 (the tightest pruning: one kept, the first floor above it stops) and 5 (a heap
+    # of several, replaced as better ones come); top 3 ran the same code as 5 (speed14)
+    for top in (1, 5):
         got = search(cfg, cl, global_batch=gb, top=top, **kw)
         assert (got.tried, got.fitting, got.least) == (r.tried, r.fitting, r.least)
         assert [lay for lay, _ in got] == [lay for lay, _ in r[:top]]
