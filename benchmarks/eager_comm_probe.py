@@ -28,10 +28,19 @@ O0 and the forward unchanged): mlp col->row dp2xtp2 6 / 4,992 -> 5 / 4,864; unev
 read by 2 (tp4) AR 2 / 1,536 -> RS 1 / 768; attention block dp2xtp2 13 / 2,912 -> 12 /
 2,848; gpt layer dp2xtp2 20 / 8,032 -> 18 / 7,904; llama dp2xtp2 batch 2 20 / 55,040 ->
 19 / 54,016.  Every program's eager backward is now O0's; the gradients are bit for bit
-what they were.  Left: where the op-by-op choice prefers an all-to-all to an all-gather
-in forward (slice / pad / feature slice of a sharded tensor) its backward costs more than
-DTensor's all-gather would (slice rows S(0): 512 + 4,608 B against DTensor's 2,048 + 0),
-a choice of strategy priced on the forward alone, O0's too.  DTensor's column: under
+what they were.
+
+eager14: the op-by-op choice (eager and O0's, ``ops_table/strategy.py``) prices the
+transposes of an input's re-layout when the input requires grad (``backward_price``): an
+all-to-all runs again in backward, a local slice's gradient is all-gathered (a Partial's
+reduce-scatter is still ranked on its forward: its docstring says why).  Rank 0,
+(forward + backward) collectives / buffer bytes, eager = O0 before and after (python -m
+benchmarks.eager_comm_probe): slice rows S(0) 3 / 5,120 -> 1 / 2,048 (DTensor's one
+all-gather; modeled comm on the a100 15.07 -> 5.03 us); pad rows alike; slice cols S(1)
+3 / 2,560 -> 1 / 1,024 (16.49 -> 5.02 us); slice+pad cols (new) 3 / 4,608 -> 1 / 1,024
+(16.55 -> 5.02 us); embedding dim-sharded 1 / 4,096 -> 1 / 3,072; attention block tp4
+11 / 2,816 -> 7 / 3,584 (more bytes, fewer latencies: the chooser ranks modeled time
+first); gpt layer tp4 17 / 6,656 -> 11 / 5,760; the others unchanged.  DTensor's column: under
 LocalTensorMode the replicated bias b2's gradient (mlp dp2xtp2) comes back Replicate with
 no collective logged (its value right): its 4 all-reduces are a floor, not a count.
 """
@@ -84,6 +93,10 @@ def _slice_cols(x, w):                            # a slice of the sharded featu
     return F.linear(x[:, 4:12], w)
 
 
+def _slice_pad_cols(x, w):                        # a feature slice, padded back, then tanh
+    return torch.tanh(F.linear(F.pad(x[:, 2:], (0, 2)), w))
+
+
 def _two_readers(x, w1, w2):                      # two column-parallel readers of x
     return F.linear(x, w1) * F.linear(x, w2)
 
@@ -110,6 +123,7 @@ FUNCS = {
     "slice rows S(0) tp4": ((4,), [((16, D), [S(0)]), ((H, D), [R()])], _slice_rows),
     "pad rows S(0) tp4": ((4,), [((16, D), [S(0)]), ((H, D), [R()])], _pad_rows),
     "slice cols S(1) tp4": ((4,), [((8, D), [S(1)]), ((H, 8), [R()])], _slice_cols),
+    "slice+pad cols S(1) tp4": ((4,), [((8, D), [S(1)]), ((H, D), [R()])], _slice_pad_cols),
     "embedding vocab-sharded tp4": ((4,), [("idx", (4, 6), [R()]), ((24, D), [S(0)]),
                                            ((H, D), [S(0)])], _embed),
     "embedding dim-sharded tp4": ((4,), [("idx", (4, 6), [R()]), ((24, D), [S(1)]),

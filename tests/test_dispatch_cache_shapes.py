@@ -56,9 +56,11 @@ class Recorder:
     def __enter__(self):
         self._orig = FC.choose
 
-        def rec(op, specs, attrs, check=False):
-            dec = self._orig(op, specs, attrs, check)
-            self.calls.append((op, specs, dict(attrs), dec))
+        def rec(op, specs, attrs, check=False, grads=()):
+            dec = self._orig(op, specs, attrs, check, grads)
+            # (the inputs that require grad: the decision prices their reshards' backward
+            # too, eager14)
+            self.calls.append((op, specs, dict(attrs, _grads=grads), dec))
             return dec
         FC.choose = rec
         return self

@@ -133,7 +133,9 @@ def test_gpt_layer_backward_is_o0s(mesh_shape):
     ref(X).pow(2).mean().backward()
     for g, p in zip(res["eager"][1], ref.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
-    assert sum(res["eager"][0].values()) == (18 if len(mesh_shape) == 2 else 10)
+    # (tp4: 10 -> 7 with eager14's choice, which prices a re-layout's backward: the
+    # all-to-alls of the head split and their transposes give way to all-gathers, as O0)
+    assert sum(res["eager"][0].values()) == (18 if len(mesh_shape) == 2 else 7)
 
 
 # ---- 2. an uneven shard gathered by its readers ------------------------------------------

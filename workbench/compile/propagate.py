@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..parallel.ops_table.strategy import infer_on
+from ..parallel.ops_table.strategy import BACKWARD_OF, infer_on
 from ..parallel.ops_table.table import TABLE
 from ..parallel.placement import Partial, Replicate, normalize_placements
 from ..parallel.reshard import plan_reshard_cached
@@ -47,16 +47,10 @@ from .kernels import op_kernels
 
 __all__ = ["Assignment", "propagate", "greedy", "initial", "NodeCost", "BACKWARD_OF"]
 
-# the collective a forward reshard step's gradient passes through (sim_mesh/collectives.py
-# records these backward events).  A reshard's all_gather (S -> R) and all_reduce (P -> R)
-# make a compact replicated tensor: its gradient is one copy, already summed where the
-# consumer's per-rank copies met (that all-reduce is priced with the consumer), so their
-# backward is a local slice / the gradient itself, no communication (the reshard's
-# all_gather and all_reduce record no backward event; DTensor's Redistribute.backward
-# likewise takes R -> S by a local chunk).  Pricing them too counted collectives the run
-# never makes (the tiny Llama's O1 step: 39 priced against 37 run).
-BACKWARD_OF = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all",
-               "local_slice": "all_gather"}
+# the collective a forward reshard step's gradient passes through: the dispatcher's
+# chooser's map (ops_table/strategy.py, which says why an all_gather and an all_reduce have
+# none), one place.  Pricing those too counted collectives the run never makes (the tiny
+# Llama's O1 step: 39 priced against 37 run).
 
 
 @dataclass(frozen=True)
@@ -135,8 +129,11 @@ def _plan(a, vid, ps):
 class _Pricer:
     """Prices one op's candidate (cached: the search asks the same questions often)."""
 
-    def __init__(self, graph, mesh, profile):
+    def __init__(self, graph, mesh, profile, grads=False):
         self.g, self.mesh, self.profile = graph, mesh, get_profile(profile)
+        # decide as the dispatcher does with the inputs' requires_grad (greedy: O0, eager's
+        # choice, which prices those inputs' reshards in backward too)
+        self.grads = grads
         self.pname = self.profile.name
         self._compute, self._dec = {}, {}
         self.backward = backward_nodes(graph)
@@ -169,7 +166,9 @@ class _Pricer:
                 self.g.values[vid].shape, self.mesh, ps,
                 self.run_dtype(vid) if run else self.g.values[vid].dtype, _trusted=True)
                 for vid, ps in zip(node.inputs, in_ps))
-            dec = infer_on(self.pname, node.op, *specs, **node.attrs)
+            grads = tuple(vid is not None and self.g.values[vid].requires_grad
+                          for vid in node.inputs) if self.grads else ()
+            dec = infer_on(self.pname, node.op, *specs, _grads=grads, **node.attrs)
             if runs_even(self.g, node, in_ps):    # its Partial reduced inside (extrema.py)
                 dec = as_run(self.g, node, dec, self.mesh, self.pname)
             d = self._dec[key] = (specs, dec)
@@ -388,7 +387,7 @@ def _norm_pins(graph, mesh, pins):
 
 def greedy(graph, placements, mesh, profile, pins=None) -> Assignment:
     """The dispatcher's op-by-op choice (each op's cheapest candidate), priced."""
-    pr = _Pricer(graph, mesh, profile)
+    pr = _Pricer(graph, mesh, profile, grads=torch.is_grad_enabled())
     pins = _norm_pins(graph, mesh, pins)
     pl = initial(graph, placements, mesh)
     choice, costs = {}, {}

@@ -333,7 +333,8 @@ def dispatch(func, args, kwargs):
         specs = tuple([x._spec or x.spec for x in inputs])
     tr = current_trace()
     key = (entry.name, specs, tuple(sorted(attrs.items())) if attrs else (),
-           tr.profile.name if tr is not None else _DEFAULT_PROFILE, consts)
+           tr.profile.name if tr is not None else _DEFAULT_PROFILE, consts,
+           _grads(inputs) if torch.is_grad_enabled() else ())
     prep = _PREPARED.get(key) if not _FORCE else None
     if prep is None:
         if entry.rule is None:
@@ -525,6 +526,23 @@ def _int_summed(specs, out_dtypes) -> bool:
     return False
 
 
+def _grads(inputs) -> tuple:
+    """Per input, whether it requires grad (grad mode on): the decision prices those
+    inputs' reshards in backward too (``ops_table/strategy.backward_price``); () where
+    none does."""
+    out = None
+    for k, x in enumerate(inputs):
+        if type(x) is DistTensor:
+            loc = x._local
+            rg = loc.requires_grad if type(loc) is torch.Tensor and \
+                "_wb_requires_grad_of" not in loc.__dict__ else x.requires_grad
+            if rg:
+                if out is None:
+                    out = [False] * len(inputs)
+                out[k] = True
+    return () if out is None else tuple(out)
+
+
 def _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key):
     """The first call for an input layout: torch's own checks on meta tensors of the
     global shapes, the rule, the strategy (module docstring, 2.); None: the rule found no
@@ -532,8 +550,8 @@ def _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key):
     theirs = checks.torch_meta_outputs(func, args, kwargs) if entry.meta_check else None
     try:
         # a new shape: free_choice's shortcut where a candidate moves nothing
-        dec = infer(entry.name, *specs, **attrs) if _FORCE else \
-            free_choice.choose(entry.name, specs, attrs, check=VALIDATE[-1])
+        dec = infer(entry.name, *specs, _grads=key[-1], **attrs) if _FORCE else \
+            free_choice.choose(entry.name, specs, attrs, check=VALIDATE[-1], grads=key[-1])
     except NoRuleError:
         if _FALLBACK[-1]:
             return None

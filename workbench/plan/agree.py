@@ -62,6 +62,9 @@ class Agreement:
     estimate: object = field(repr=False)
     stage_memory: tuple = field(repr=False)     # per pipeline rank: the estimate's dict
     framework_gap: dict = field(default_factory=dict)   # key -> bytes (module doc)
+    # heading -> (estimate, dry run) seconds of the step under the dry run's breakdown
+    # keys (:func:`headings`): where each side files its time
+    headings: dict = field(default_factory=dict, repr=False)
 
     @property
     def worst_stage_ratio(self) -> float:
@@ -114,7 +117,22 @@ def compare(model, layout, cluster, seed: int = 0) -> Agreement:
     return Agreement(layout=lay, step_ratio=_ratio(dr.step_time, est.step_time),
                      memory_ratio=_ratio(dr.memory["total"], est.memory["total"]),
                      stage_ratios=stage, activation_ratios=act, dry_run=dr, estimate=est,
-                     stage_memory=mems, framework_gap=gap)
+                     stage_memory=mems, framework_gap=gap, headings=headings(est, dr))
+
+
+def headings(est, dr) -> dict:
+    """heading -> (estimate seconds, dry run seconds), under the dry run's breakdown keys
+    (plain data; each side's values sum to its step time): ``dp_sync``, ``optimizer`` and
+    ``tied_embedding_sync`` are the estimate's ``details`` of those names, ``pipeline``
+    the rest of its step (its forward and backward of every micro-batch and the bubble).
+    Both file the exposed tail of the gradient reductions issued in backward (ZeRO-2/3's
+    reduce-scatters) under ``dp_sync``: the estimate's ``_dp_sync``, the dry run's
+    ``meta_run.sync_tail``."""
+    d = est.details
+    keys = ("dp_sync", "optimizer", "tied_embedding_sync")
+    out = {k: (d[k], dr.breakdown[k]) for k in keys}
+    out["pipeline"] = (est.step_time - sum(d[k] for k in keys), dr.breakdown["pipeline"])
+    return {k: out[k] for k in dr.breakdown}
 
 
 # ---- the sweep (benchmarks/plan_dryrun_sweep.py, tests/test_plan_dryrun_agree.py) -----

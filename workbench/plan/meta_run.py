@@ -349,6 +349,30 @@ class SavedCounter:
                 m.checkpoint = f
 
 
+# the labels of the gradient reductions the data-parallel optimizers' backward hooks issue
+# asynchronously (zero_optimizer_dist.defer_reduce_scatter: ZeRO-2's "zero-2 grad (async)",
+# ZeRO-3's "zero-3 params" reduce-scatter; ddp_reducer's buckets)
+GRAD_SYNC_LABELS = frozenset({"zero-2 grad (async)", "zero-3 params", "ddp grad",
+                              "ddp bucket"})
+_SYNC_KINDS = ("reduce_scatter", "all_reduce")
+
+
+def sync_tail(tr, ranks, first: int, end: float) -> float:
+    """How long the backward that recorded ``tr.events[first:]`` on ``ranks`` ends (at
+    ``end``) after its own work: its compute and every collective but the data-parallel
+    gradient reductions its hooks issued asynchronously (:data:`GRAD_SYNC_LABELS`).  That
+    tail is the exposed part of the step's gradient sync, which the estimate files under
+    its sync heading (``estimate``'s ``_dp_sync``: the reductions overlapped with the last
+    micro-batch's backward, the rest exposed) and the dry run now too (``dryrun``)."""
+    rs = set(ranks)
+    own = max(tr.now(r, "compute") for r in ranks)
+    for e in tr.events[first:]:
+        if e.stream == "comm" and rs.intersection(e.ranks) and not (
+                e.name in _SYNC_KINDS and e.label in GRAD_SYNC_LABELS):
+            own = max(own, e.end)
+    return max(0.0, end - own)
+
+
 def _clock(tr, ranks) -> float:
     return max(max(tr.now(r, "compute"), tr.now(r, "comm")) for r in ranks)
 
@@ -397,6 +421,7 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
         if sent:
             tr.wait(Handle(tuple(ranks), max(e.end for e in sent)))
     t1 = _clock(tr, ranks)
+    n1 = len(tr.events)
     # the recipe's backward context (context parallelism: recomputed attention on the ring)
     with getattr(h, "backward_context", contextlib.nullcontext)():
         if s == n_stages - 1:
@@ -405,6 +430,7 @@ def run_stage(h, model, s: int, cfg, micro_batch: int, tr, params) -> dict:
             torch.autograd.backward([y._local], [torch.empty_like(y._local)])
     t_bwd = _clock(tr, ranks)
     return {"stage": s, "forward": t_fwd - t0, "backward": t_bwd - t1, "send": send,
+            "sync_tail": sync_tail(tr, ranks, n1, t_bwd),
             "send_pair_bytes": pair_bytes,     # what each sender sends its peer
             "send_bytes": send_bytes,      # per rank: the send's and the receiving mesh's
             "activation_bytes": counter.bytes, "saved_tensors": len(counter.seen)}

@@ -109,13 +109,16 @@ class FreeDecision:
         return str(self.full())
 
 
-def choose(op: str, specs: tuple, attrs: dict, check: bool = False):
+def choose(op: str, specs: tuple, attrs: dict, check: bool = False, grads: tuple = ()):
     """The decision for ``op`` on ``specs``: a :class:`FreeDecision` where a candidate
     moves nothing (module docstring), else :func:`strategy.infer`'s.  ``check``: also
-    run the full decision and raise if its choice differs (the dispatcher's validator)."""
+    run the full decision and raise if its choice differs (the dispatcher's validator).
+    ``grads``: per input, whether it requires grad (its plan's transposes are priced too:
+    ``strategy.backward_price``; a local slice of such an input is no free move, its
+    gradient is all-gathered back)."""
     frozen = tuple(sorted((k, _st._freeze(v)) for k, v in attrs.items()))
     profile = _st._profile_name()
-    key = (op, tuple(specs), frozen, profile)
+    key = (op, tuple(specs), frozen, profile, _st.grads_key(grads))
     dec = _free(key) if _ON[-1] else None
     if dec is None:
         COUNTS["full"] += 1
@@ -132,7 +135,7 @@ def choose(op: str, specs: tuple, attrs: dict, check: bool = False):
 
 
 def _free(key):
-    op, specs, frozen, profile = key
+    op, specs, frozen, profile, grads = key
     mesh = None
     for s in specs:
         if s is not None:
@@ -153,12 +156,13 @@ def _free(key):
             continue
         seen.add(k)
         plans = []
-        for spec, req in zip(specs, st.inputs):
+        for k, (spec, req) in enumerate(zip(specs, st.inputs)):
             if spec is None or req is None:
                 plans.append(None)
                 continue
             steps = _steps(spec, tuple(req), profile)
-            if steps is None:
+            if steps is None or grads and grads[k] and \
+                    any(s_.kind in _st.BACKWARD_PRICED for s_ in steps):
                 break
             plans.append(_plan(spec, tuple(req), steps, profile))
         else:

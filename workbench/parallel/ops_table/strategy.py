@@ -34,7 +34,8 @@ from .table import RULES, TABLE, on_change
 from ..placement import Replicate, fmt_placements
 
 __all__ = ["Strategy", "Candidate", "Decision", "register_rule", "get_rule", "infer", "infer_on",
-           "combine", "RULES", "NoRuleError", "describe", "strategy_cost"]
+           "combine", "RULES", "NoRuleError", "describe", "strategy_cost", "backward_price",
+           "BACKWARD_OF", "BACKWARD_PRICED"]
 
 R = Replicate()
 
@@ -64,11 +65,15 @@ class Candidate:
     bytes: int              # bytes each rank sends for it
     deferred_time: float = 0.0   # what a zero-padded partial will cost to reduce later
     deferred_bytes: int = 0
+    backward_time: float = 0.0   # the plans' transposes for inputs that require grad
+    backward_bytes: int = 0      # (:func:`backward_price`)
 
     @property
     def rank_key(self) -> tuple:
-        """What the chooser minimizes: (time + deferred, bytes + deferred)."""
-        return (self.time + self.deferred_time, self.bytes + self.deferred_bytes)
+        """What the chooser minimizes: (time + deferred + backward, bytes + deferred +
+        backward)."""
+        return (self.time + self.deferred_time + self.backward_time,
+                self.bytes + self.deferred_bytes + self.backward_bytes)
 
     @property
     def collectives(self) -> list[str]:
@@ -83,6 +88,9 @@ class Candidate:
         later = (f" ({why}: ranked as the reduce-scatter it defers, "
                  f"{self.deferred_bytes:,d} B, {self.deferred_time * 1e6:.2f} us)"
                  if self.deferred_bytes or self.deferred_time else "")
+        if self.backward_bytes or self.backward_time:
+            later += (f" (+ backward {self.backward_bytes:,d} B, "
+                      f"{self.backward_time * 1e6:.2f} us)")
         return f"({ins}) -> ({outs}): {comm}, {self.bytes:,d} B, {self.time * 1e6:.2f} us{later}"
 
 
@@ -176,22 +184,33 @@ def _profile_name():
     return tr.profile.name if tr is not None else get_profile(None).name
 
 
-def infer(op: str, *specs, **attrs) -> Decision:
+def infer(op: str, *specs, _grads: tuple = (), **attrs) -> Decision:
     """Decide placements for ``op`` on inputs ``specs`` (TensorSpec, or None for
     non-tensor arguments), without running anything. ``attrs``: the op's attributes as
     torch names them (``dim=-1``, ``keepdim=True``); a name the op does not take is a
-    TypeError (a rule would ignore it: ``dims=-1`` on sum would reduce every dim)."""
+    TypeError (a rule would ignore it: ``dims=-1`` on sum would reduce every dim).
+    ``_grads``: per input, whether its gradient is wanted (the dispatcher's: the input
+    requires grad under grad mode); those inputs' plans are also priced in backward
+    (:func:`backward_price`).  () prices the forward alone."""
     attrs = _check_attr_names(op, specs, attrs)
     frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
-    return _infer_cached(op, tuple(specs), frozen, _profile_name())
+    return _infer_cached(op, tuple(specs), frozen, _profile_name(), grads_key(_grads))
 
 
-def infer_on(profile: str, op: str, *specs, **attrs) -> Decision:
+def infer_on(profile: str, op: str, *specs, _grads: tuple = (), **attrs) -> Decision:
     """:func:`infer` priced on the hardware profile named ``profile`` (not the current
     trace's): what the dispatcher decides when it runs under that profile's clock."""
     attrs = _check_attr_names(op, specs, attrs)
     frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
-    return _infer_cached(op, tuple(specs), frozen, get_profile(profile).name)
+    return _infer_cached(op, tuple(specs), frozen, get_profile(profile).name,
+                         grads_key(_grads))
+
+
+def grads_key(grads) -> tuple:
+    """``grads`` as the decision's cache key holds it: () where no input wants a gradient
+    (the forward-only decision, shared by every such call)."""
+    grads = tuple(bool(g) for g in grads)
+    return grads if any(grads) else ()
 
 
 def _check_attr_names(op, specs, attrs) -> dict:
@@ -385,7 +404,7 @@ def hand_off(op, specs, frozen_attrs, rule, strategies) -> None:
 
 
 @lru_cache(maxsize=8192)
-def _infer_cached(op, specs, frozen_attrs, profile) -> Decision:
+def _infer_cached(op, specs, frozen_attrs, profile, grads=()) -> Decision:
     rule = get_rule(op)
     attrs = {k: _thaw(v) for k, v in frozen_attrs}
     handed, _HANDOFF[0] = _HANDOFF[0], None
@@ -405,7 +424,9 @@ def _infer_cached(op, specs, frozen_attrs, profile) -> Decision:
             continue
         seen.add(key)
         plans, t, b, dt, db = strategy_cost(specs, st, profile)
-        cands.append((t + dt, b + db, order, Candidate(st, tuple(plans), t, b, dt, db)))
+        bt, bb = backward_price(specs, plans, grads, profile) if grads else (0.0, 0)
+        cands.append((t + dt + bt, b + db + bb, order,
+                      Candidate(st, tuple(plans), t, b, dt, db, bt, bb)))
     cands.sort(key=lambda c: c[:3])
     ranked = tuple(c[3] for c in cands)
     return Decision(op, specs, ranked, _reason(op, specs, ranked))
@@ -454,6 +475,60 @@ def strategy_cost(specs, st: Strategy, profile: str):
         dt += t_
         db += b_
     return plans, t, b, dt, db
+
+
+# The collective a forward reshard step's gradient passes through (sim_mesh/collectives.py
+# records these backward events).  A reshard's all_gather (S -> R) and all_reduce (P -> R)
+# make a compact replicated tensor: its gradient is one copy, already summed where the
+# consumer's per-rank copies met (that all-reduce is the consumer's), so their backward is
+# a local slice / the gradient itself, no communication (the reshard's all_gather and
+# all_reduce record no backward event; DTensor's Redistribute.backward likewise takes
+# R -> S by a local chunk, torch/distributed/tensor/_redistribute.py, torch 2.13 git
+# cf30153, ``_redistribute_backward``).  ``compile/propagate.py`` prices the same map.
+BACKWARD_OF = {"reduce_scatter": "all_gather", "all_to_all": "all_to_all",
+               "local_slice": "all_gather"}
+# What the chooser prices of them: the re-layouts (an all-to-all, a local slice of an
+# input whose gradient then comes back whole).  Not a Partial's reduce-scatter: against
+# the all-reduce it stands beside (P -> S against P -> R) it moves the same bytes over the
+# step (reduce-scatter + all-gather = all-reduce) and its sharded result saves compute and
+# memory downstream that one op's choice does not see (Megatron-LM's sequence parallelism
+# makes that trade: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+# Transformer Models", sec. 4.2.2); priced, the planner all-reduced before every
+# element-wise op of a row-parallel output (notebook 04's exercise, tests/
+# test_exercises_spmd_pipeline.py).
+BACKWARD_PRICED = frozenset({"all_to_all", "local_slice"})
+
+
+def backward_price(specs, plans, grads, profile: str):
+    """(seconds, wire bytes) of the transposes of ``plans`` (one per input, None where
+    none) for the inputs ``grads`` marks: each forward step in :data:`BACKWARD_PRICED`
+    runs its collective on the gradient in backward (an all-to-all back, the all-gather
+    of a local slice's gradient), priced as ``compile``'s
+    ``_Pricer.backward_comm`` prices them (the slowest group; the step's buffer, a
+    local slice's the source's shard).  The forward-only choice took ``x[2:14]`` of a
+    row-sharded x by an all-to-all (forward 512 B) and paid 4,608 B in backward where
+    DTensor's all-gather pays 2,048 + 0 (``benchmarks/eager_comm_probe.py``).  Not priced
+    here: the reduction of a replicated input's gradient read per rank (its
+    all-reduce), which DTensor's sharding propagation does not price either."""
+    from ...sim_mesh import cost as _cost
+    from .. import layout
+    prof = get_profile(profile)
+    t, b = 0.0, 0
+    for spec, plan, g in zip(specs, plans, grads):
+        if not g or spec is None or plan is None:
+            continue
+        for s_ in plan.steps:
+            kind = BACKWARD_OF.get(s_.kind)
+            if kind is None or s_.kind not in BACKWARD_PRICED or s_.mesh_dim is None:
+                continue
+            nb = s_.buffer_bytes
+            if not nb:
+                nb = math.prod(layout.max_local_shape(spec.shape, spec.mesh, s_.src)) * \
+                    spec.dtype.itemsize
+            groups = spec.mesh.groups(s_.mesh_dim)
+            t += max(_cost.price(kind, nb, grp, prof) for grp in groups)
+            b += _cost.wire_bytes(kind, nb, len(groups[0]))
+    return t, b
 
 
 _DEFERRED: dict = {}

@@ -63,7 +63,10 @@ def _experts_time(flops, nbytes, rows, per_expert, w_bytes, row_bytes, dtype, ge
     k = len(shapes) * local                                        # products in all
     one = sum(_cost.compute_time(flops / k, nbytes / k, profile, dtype, op_class="matmul",
                                  launches=0, gemm=shape) for shape in shapes)
-    return local * one + gemms * _cost.compute_time(0, 0, profile, dtype, launches=1)
+    # one launch per kernel: forward ``gemms``, backward each matrix's input-gradient and
+    # weight-gradient GEMM, 2 x ``gemms`` (the planner's ``moe_cost.backward_ops``, one
+    # launch each; was ``gemms`` in backward too)
+    return local * one + gemms * mult * _cost.compute_time(0, 0, profile, dtype, launches=1)
 
 
 def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
@@ -116,7 +119,14 @@ def record_layer(tr, plan, per_expert: int, w_bytes: int, row_bytes: int, dtype,
             for n in got:
                 rows = n * (c + 1) // chunks - n * c // chunks
                 flops = mult * 2 * rows * per_expert
-                nbytes = w_bytes + 2 * rows * row_bytes
+                # backward: each matrix's input-gradient GEMM reads the output gradient and
+                # the weights and writes the input gradient, its weight-gradient GEMM reads
+                # the activations and the output gradient and writes the weight gradient
+                # (the weights' size, 16-bit in this library's recipe): twice the forward's
+                # traffic, weights included (moe_cost.backward_ops' grads(): dgrad
+                # e (MN + bKN + MK), wgrad e (MN + MK) + g bKN; was the forward's bytes,
+                # which left out the weight gradients written and the second GEMM's reads)
+                nbytes = mult * (w_bytes + 2 * rows * row_bytes)
                 comp[c].append((flops, nbytes, _experts_time(
                     flops, nbytes, rows, per_expert, w_bytes, row_bytes, dtype, gemms, mult,
                     tr.profile)))
