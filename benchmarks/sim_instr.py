@@ -3,7 +3,7 @@ on a loaded machine (its timings moved 10% between identical runs at load 12-15;
 count moves well under 0.1%).
 
     OMP_NUM_THREADS=1 valgrind --tool=callgrind --instr-atstart=no \\
-        python benchmarks/sim_instr.py {wb,one,gpt,ew} [N]
+        python benchmarks/sim_instr.py {wb,one,gpt,gpt1,ew} [N]
 
 then divide valgrind's "Collected" count by N (compare at one N: switching collection
 on and off adds a fixed ~1-2M, e.g. the toy step reads 1,695K at N=100, 1,682K at
@@ -11,7 +11,8 @@ N=200).  Collection is switched on around the N
 timed steps only (``callgrind_control -i on/off`` on this process), after warm-up, so
 imports and first-call planning are not counted.  Workloads (sim_overhead.py's own):
 ``wb`` the toy TP MLP step on 8 simulated ranks, ``one`` the same step on one device,
-``gpt`` Hybrid(dp2, tp2) forward+backward of gpt-tiny, ``ew`` the elementwise 2x2 chain.
+``gpt`` Hybrid(dp2, tp2) forward+backward of gpt-tiny (``gpt1`` the same model's step on
+one device), ``ew`` the elementwise 2x2 chain.
 
 Instruction counts track the simulator's Python overhead (GEMM kernels count the same on
 both sides; sgemm instructions are ~0.75M of a toy step either way); they are not time:
@@ -55,12 +56,13 @@ def main(argv=None) -> int:
         step = B.workbench_step(X, W1, W2)
     elif which == "one":
         step = B.single_step(X, W1, W2)
-    elif which in ("gpt", "ew"):
+    elif which in ("gpt", "gpt1", "ew"):
         cases = B.ops_cases()
-        step = cases[2][1] if which == "gpt" else cases[0][1]
+        step = cases[2][1] if which == "gpt" else cases[2][2] if which == "gpt1" else \
+            cases[0][1]
     else:
-        raise SystemExit(f"workload {which!r}: use one of wb, one, gpt, ew")
-    for _ in range(5 if which == "gpt" else 30):
+        raise SystemExit(f"workload {which!r}: use one of wb, one, gpt, gpt1, ew")
+    for _ in range(5 if which.startswith("gpt") else 30):
         step()
     ctl = ["callgrind_control", "-i"]
     subprocess.run(ctl + ["on", str(os.getpid())], capture_output=True)

@@ -31,10 +31,11 @@ Autograd records on the local tensors, so ``loss.backward()`` gives every shard
 its gradient and the backward communication is each collective's backward.
 
 Where a prepared op's layout leaves steps 3-5 nothing to do but run the local op and
-wrap its one output (even shards on simulated ranks, no reshard, no stride tracking,
-not a view; untraced and unhooked), dispatch runs it without :func:`run_prepared`
+wrap its one output (even shards on simulated ranks, no reshard, no stride tracking;
+untraced and unhooked), dispatch runs it without :func:`run_prepared`
 (``_fast_facts``, decided once per prepared op; per call it checks only what the cache
-key does not hold): the same tensors, bit for bit (tests/test_perf12.py).
+key does not hold): the same tensors, bit for bit (tests/test_perf12.py); a view op's
+output told to :func:`views.note_views` as run_prepared tells it (tests/test_perf14.py).
 """
 from __future__ import annotations
 
@@ -404,6 +405,8 @@ def dispatch(func, args, kwargs):
             w = DistTensor(o, mesh, ps, shape, o.dtype)
             if w.dtype == sp.dtype:
                 w._spec = sp
+            if entry.op_class == "view" and isinstance(inputs[0], DistTensor):
+                note_views(entry.name, inputs[0], (w,), attrs)   # as run_prepared
             return w
     out = run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
     # the global strides, where the outputs' shards cannot tell them (or an input's were
@@ -658,10 +661,11 @@ def _fast_facts(opdef, prep, specs, mesh, many):
     those dims, no reshard), where a call of this prepared op, untraced and unhooked, has
     nothing for run_prepared to do but run the local op on the inputs' local tensors and
     wrap its one output (dispatch's fast path): even shards on simulated ranks, no input
-    resharded, the output's strides told by its shards, not a view, no integer partial
-    sum to reduce; else False.  Every fact read here is a fact of the layout (the cache
+    resharded, the output's strides told by its shards, no integer partial sum to reduce
+    (a view op's one output is noted as run_prepared notes it: views.note_views); else
+    False.  Every fact read here is a fact of the layout (the cache
     key's specs and the mesh), the same on every call of ``prep``."""
-    if many or not prep.even or opdef.op_class == "view" or prep.lost or prep.int_summed \
+    if many or not prep.even or prep.lost or prep.int_summed \
             or prep.ctx.coord is not None or _B.is_distributed(mesh) or \
             len(prep.out_specs) != 1 or prep.keep and prep.rep_axes is None or \
             not len(prep.moves) == len(prep.expand) == len(specs) == len(prep.cand.plans):
