@@ -362,6 +362,7 @@ def dispatch(func, args, kwargs):
         # key does not hold: each input a DistTensor held as one tensor, with no global
         # strides kept and no ring order)
         locs = []
+        grads = None
         for x, d in zip(inputs, fast):
             if d is False:
                 locs.append(x)                       # a constant (spec None)
@@ -372,11 +373,18 @@ def dispatch(func, args, kwargs):
                 loc = x._local
                 if d is not True:
                     # replicated along mesh dims ``d`` (dim, ranks), every rank given a
-                    # view (collectives.expand_replicas) where no gradient flows back
-                    # through it (reshard_backward.gather / convert then do nothing)
-                    if loc.requires_grad and torch.is_grad_enabled() or \
-                            _rb.KEY in loc.__dict__:
+                    # view (collectives.expand_replicas)
+                    if _rb.KEY in loc.__dict__:
                         break
+                    if loc.requires_grad and torch.is_grad_enabled():
+                        # the gradient flows back through it: run_prepared's own call
+                        # (reshard_backward.gather, else local_for_op's expand), made
+                        # below once every input has passed these checks
+                        if grads is None:
+                            grads = []
+                        grads.append(len(locs))
+                        locs.append(x)
+                        continue
                     shape = None
                     for i, n in d:
                         if loc.shape[i] == 1:
@@ -389,6 +397,16 @@ def dispatch(func, args, kwargs):
             else:
                 break
         else:
+            if grads is not None:
+                plans, expand = prep.cand.plans, prep.expand
+                memos = prep.memos or (None,) * len(expand)
+                label = prep.label or f"{entry.name} input"
+                for k in grads:
+                    x = locs[k]
+                    loc = _rb.gather(x, plans[k], expand[k], mesh, True, label, memos[k])
+                    if loc is None:
+                        loc = _rb.local_for_op(x, plans[k], mesh, True, expand[k], label)
+                    locs[k] = loc
             o = entry.local(prep.nd, prep.ctx, *locs, **attrs)
             if prep.keep:
                 # run_prepared's keep: even shards, stacked, on simulated ranks
