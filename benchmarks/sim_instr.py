@@ -30,6 +30,11 @@ sim_overhead.py --only step --timer cpu --rounds 5, base then perf13 back to bac
 (load 7-18): toy 2.43x -> 2.06x (468.5 -> 367.3 us), 2.33x -> 2.10x (383.9 -> 334.0 us),
 still above the 2.0x target; --only ops --rounds 3: GPT Hybrid 2.6x both (15.31 -> 13.66
 ms, its torch floor 5.74 -> 5.33 ms: within the load's noise).
+perf14 (dispatch's fast path takes view ops, then a replicated input the gradient flows
+back through; base = perf14's parent, both measured here, N=20): gpt 72.77M -> 72.57M ->
+72.23M (general-path calls 38 -> 20 -> 4 of 53 a step) -> 72.14M (grid.Stacked.expand
+gives expand ints); gpt1 (the same step on one
+device) 40.38M.  Results checked bit for bit with ``benchmarks/sim_bits.py``.
 """
 from __future__ import annotations
 
