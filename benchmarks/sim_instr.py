@@ -33,8 +33,9 @@ ms, its torch floor 5.74 -> 5.33 ms: within the load's noise).
 perf14 (dispatch's fast path takes view ops, then a replicated input the gradient flows
 back through; base = perf14's parent, both measured here, N=20): gpt 72.77M -> 72.57M ->
 72.23M (general-path calls 38 -> 20 -> 4 of 53 a step) -> 72.14M (grid.Stacked.expand
-gives expand ints); gpt1 (the same step on one
-device) 40.38M.  Results checked bit for bit with ``benchmarks/sim_bits.py``.
+gives expand ints); gpt1 (the same step on one device) 40.38M.  Toy step (wb 200): 1,580.0K
+-> 1,581.4K (the fast path's one more check per input; one device 1,128K).  Results checked
+bit for bit with ``benchmarks/sim_bits.py``.
 """
 from __future__ import annotations
 
