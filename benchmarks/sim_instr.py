@@ -3,7 +3,7 @@ on a loaded machine (its timings moved 10% between identical runs at load 12-15;
 count moves well under 0.1%).
 
     OMP_NUM_THREADS=1 valgrind --tool=callgrind --instr-atstart=no \\
-        python benchmarks/sim_instr.py {wb,one,gpt,ew} [N]
+        python benchmarks/sim_instr.py {wb,one,gpt,gpt1,ew} [N]
 
 then divide valgrind's "Collected" count by N (compare at one N: switching collection
 on and off adds a fixed ~1-2M, e.g. the toy step reads 1,695K at N=100, 1,682K at
@@ -11,7 +11,8 @@ N=200).  Collection is switched on around the N
 timed steps only (``callgrind_control -i on/off`` on this process), after warm-up, so
 imports and first-call planning are not counted.  Workloads (sim_overhead.py's own):
 ``wb`` the toy TP MLP step on 8 simulated ranks, ``one`` the same step on one device,
-``gpt`` Hybrid(dp2, tp2) forward+backward of gpt-tiny, ``ew`` the elementwise 2x2 chain.
+``gpt`` Hybrid(dp2, tp2) forward+backward of gpt-tiny (``gpt1`` the same model's step on
+one device), ``ew`` the elementwise 2x2 chain.
 
 Instruction counts track the simulator's Python overhead (GEMM kernels count the same on
 both sides; sgemm instructions are ~0.75M of a toy step either way); they are not time:
@@ -29,6 +30,12 @@ sim_overhead.py --only step --timer cpu --rounds 5, base then perf13 back to bac
 (load 7-18): toy 2.43x -> 2.06x (468.5 -> 367.3 us), 2.33x -> 2.10x (383.9 -> 334.0 us),
 still above the 2.0x target; --only ops --rounds 3: GPT Hybrid 2.6x both (15.31 -> 13.66
 ms, its torch floor 5.74 -> 5.33 ms: within the load's noise).
+perf14 (dispatch's fast path takes view ops, then a replicated input the gradient flows
+back through; base = perf14's parent, both measured here, N=20): gpt 72.77M -> 72.57M ->
+72.23M (general-path calls 38 -> 20 -> 4 of 53 a step) -> 72.14M (grid.Stacked.expand
+gives expand ints); gpt1 (the same step on one device) 40.38M.  Toy step (wb 200): 1,580.0K
+-> 1,581.4K (the fast path's one more check per input; one device 1,128K).  Results checked
+bit for bit with ``benchmarks/sim_bits.py``.
 """
 from __future__ import annotations
 
@@ -55,12 +62,13 @@ def main(argv=None) -> int:
         step = B.workbench_step(X, W1, W2)
     elif which == "one":
         step = B.single_step(X, W1, W2)
-    elif which in ("gpt", "ew"):
+    elif which in ("gpt", "gpt1", "ew"):
         cases = B.ops_cases()
-        step = cases[2][1] if which == "gpt" else cases[0][1]
+        step = cases[2][1] if which == "gpt" else cases[2][2] if which == "gpt1" else \
+            cases[0][1]
     else:
-        raise SystemExit(f"workload {which!r}: use one of wb, one, gpt, ew")
-    for _ in range(5 if which == "gpt" else 30):
+        raise SystemExit(f"workload {which!r}: use one of wb, one, gpt, gpt1, ew")
+    for _ in range(5 if which.startswith("gpt") else 30):
         step()
     ctl = ["callgrind_control", "-i"]
     subprocess.run(ctl + ["on", str(os.getpid())], capture_output=True)

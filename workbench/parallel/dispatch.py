@@ -31,10 +31,11 @@ Autograd records on the local tensors, so ``loss.backward()`` gives every shard
 its gradient and the backward communication is each collective's backward.
 
 Where a prepared op's layout leaves steps 3-5 nothing to do but run the local op and
-wrap its one output (even shards on simulated ranks, no reshard, no stride tracking,
-not a view; untraced and unhooked), dispatch runs it without :func:`run_prepared`
+wrap its one output (even shards on simulated ranks, no reshard, no stride tracking;
+untraced and unhooked), dispatch runs it without :func:`run_prepared`
 (``_fast_facts``, decided once per prepared op; per call it checks only what the cache
-key does not hold): the same tensors, bit for bit (tests/test_perf12.py).
+key does not hold): the same tensors, bit for bit (tests/test_perf12.py); a view op's
+output told to :func:`views.note_views` as run_prepared tells it (tests/test_perf14.py).
 """
 from __future__ import annotations
 
@@ -363,6 +364,7 @@ def dispatch(func, args, kwargs):
         # key does not hold: each input a DistTensor held as one tensor, with no global
         # strides kept and no ring order)
         locs = []
+        grads = None
         for x, d in zip(inputs, fast):
             if d is False:
                 locs.append(x)                       # a constant (spec None)
@@ -373,11 +375,18 @@ def dispatch(func, args, kwargs):
                 loc = x._local
                 if d is not True:
                     # replicated along mesh dims ``d`` (dim, ranks), every rank given a
-                    # view (collectives.expand_replicas) where no gradient flows back
-                    # through it (reshard_backward.gather / convert then do nothing)
-                    if loc.requires_grad and torch.is_grad_enabled() or \
-                            _rb.KEY in loc.__dict__:
+                    # view (collectives.expand_replicas)
+                    if _rb.KEY in loc.__dict__:
                         break
+                    if loc.requires_grad and torch.is_grad_enabled():
+                        # the gradient flows back through it: run_prepared's own call
+                        # (reshard_backward.gather, else local_for_op's expand), made
+                        # below once every input has passed these checks
+                        if grads is None:
+                            grads = []
+                        grads.append(len(locs))
+                        locs.append(x)
+                        continue
                     shape = None
                     for i, n in d:
                         if loc.shape[i] == 1:
@@ -390,6 +399,16 @@ def dispatch(func, args, kwargs):
             else:
                 break
         else:
+            if grads is not None:
+                plans, expand = prep.cand.plans, prep.expand
+                memos = prep.memos or (None,) * len(expand)
+                label = prep.label or f"{entry.name} input"
+                for k in grads:
+                    x = locs[k]
+                    loc = _rb.gather(x, plans[k], expand[k], mesh, True, label, memos[k])
+                    if loc is None:
+                        loc = _rb.local_for_op(x, plans[k], mesh, True, expand[k], label)
+                    locs[k] = loc
             o = entry.local(prep.nd, prep.ctx, *locs, **attrs)
             if prep.keep:
                 # run_prepared's keep: even shards, stacked, on simulated ranks
@@ -406,6 +425,8 @@ def dispatch(func, args, kwargs):
             w = DistTensor(o, mesh, ps, shape, o.dtype)
             if w.dtype == sp.dtype:
                 w._spec = sp
+            if entry.op_class == "view" and isinstance(inputs[0], DistTensor):
+                note_views(entry.name, inputs[0], (w,), attrs)   # as run_prepared
             return w
     out = run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
     # the global strides, where the outputs' shards cannot tell them (or an input's were
@@ -677,10 +698,11 @@ def _fast_facts(opdef, prep, specs, mesh, many):
     those dims, no reshard), where a call of this prepared op, untraced and unhooked, has
     nothing for run_prepared to do but run the local op on the inputs' local tensors and
     wrap its one output (dispatch's fast path): even shards on simulated ranks, no input
-    resharded, the output's strides told by its shards, not a view, no integer partial
-    sum to reduce; else False.  Every fact read here is a fact of the layout (the cache
+    resharded, the output's strides told by its shards, no integer partial sum to reduce
+    (a view op's one output is noted as run_prepared notes it: views.note_views); else
+    False.  Every fact read here is a fact of the layout (the cache
     key's specs and the mesh), the same on every call of ``prep``."""
-    if many or not prep.even or opdef.op_class == "view" or prep.lost or prep.int_summed \
+    if many or not prep.even or prep.lost or prep.int_summed \
             or prep.ctx.coord is not None or _B.is_distributed(mesh) or \
             len(prep.out_specs) != 1 or prep.keep and prep.rep_axes is None or \
             not len(prep.moves) == len(prep.expand) == len(specs) == len(prep.cand.plans):

@@ -213,7 +213,7 @@ class Stacked:
         """Every rank along ``axis`` sees the one copy (a stride-0 view)."""
         shape = list(x.shape)
         shape[axis] = n
-        return x.expand(shape)
+        return x.expand(*shape)         # (ints: torch parses a list argument slower)
 
     @staticmethod
     def pick(x, axis, root):
