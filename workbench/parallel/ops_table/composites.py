@@ -73,7 +73,11 @@ def _dim_is_none(args, kwargs) -> bool:
 
 
 def _var_value(input, dims, correction, keepdim, n):
-    centered = input - input.mean(dims, keepdim=True)
+    # the mean detached: torch's var_backward is (2 / (N - correction)) grad (x - mean), the
+    # mean's path left out (its gradient, -2 sum(x - mean) / N, is 0 in exact arithmetic);
+    # through it a slice holding +-inf got nan everywhere (sum(x - mean) = nan), where
+    # torch's is -+inf beside the inf's own nan (sweep14)
+    centered = input - input.mean(dims, keepdim=True).detach()
     if centered.is_complex():         # |x - mean|^2, a real variance (torch.var of complex;
         a = centered.abs()            # a complex DistTensor has no gradient)
         s = (a * a).sum(dims, keepdim=keepdim)

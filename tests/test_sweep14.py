@@ -1,0 +1,182 @@
+"""Random sweep 14: NaN / inf / signed-zero differences from one device found by the random
+sweep (``benchmarks/random_sweep.py``) and probes, and the ops torch has that the op table
+lacked (torch.mode, logaddexp, nextafter, ldexp, special.xlog1py / zeta, igamma, gcd / lcm,
+renorm, pairwise_distance, Tensor.unfold).  Each test holds a DistTensor call to torch on
+the full tensor; the docstrings say what was wrong before."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import workbench as wb
+from workbench.parallel.placement import parse_placements
+from workbench.parallel.validate_inputs import distribute
+
+M1 = wb.Mesh.grid(2, ["a"])
+M2 = wb.Mesh([[0, 1], [2, 3]])
+INF = float("inf")
+
+
+def _d(x, ps, mesh=M2, seed=3):
+    return distribute(x, mesh, parse_placements(ps), seed=seed)
+
+
+def _same(got, want):
+    """Values equal with NaNs in the same places and zeros of the same sign."""
+    torch.testing.assert_close(got, want, equal_nan=True)
+    assert torch.equal(torch.signbit(got), torch.signbit(want)), (got, want)
+
+
+# ---- a partial sum times a factor holding inf: matmul-class ops --------------------------
+
+_MATMULS = {
+    "matmul": torch.matmul, "mm": torch.mm,
+    "bmm": lambda a, b: torch.bmm(a.unsqueeze(0), b.unsqueeze(0)),
+    "linear": lambda a, b: F.linear(a, b.t()),
+    "einsum": lambda a, b: torch.einsum("ij,jk->ik", a, b),
+    "addmm": lambda a, b: torch.addmm(torch.ones((), dtype=a.dtype), a, b),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_MATMULS))
+@pytest.mark.parametrize("partial_first", [True, False])
+@pytest.mark.parametrize("mesh,ps", [(M1, ["P(sum)"]), (M2, ["P(sum)", "S(0)"]),
+                                     (M2, ["R", "P(sum)"])])
+def test_partial_sum_matmul_by_a_factor_holding_inf(op, partial_first, mesh, ps):
+    """x P(sum) @ w with w holding inf: part by part a_ik inf + b_ik inf is nan where the
+    parts differ in sign, where one device gives x_ik inf = +-inf (mul / div had the guard,
+    the matmul-class ops not: nan in every such column)."""
+    f = _MATMULS[op]
+    x = torch.tensor([[1.0, 2.0], [0.5, -1.0]], dtype=torch.float64)
+    w = torch.tensor([[INF, 1.0, -2.0], [2.0, 3.0, -INF]], dtype=torch.float64)
+    vals = (x, w) if partial_first else (w.t().contiguous(), x.t().contiguous())
+    refs = [v.clone().requires_grad_(True) for v in vals]
+    want = f(*refs)
+    k = 0 if partial_first else 1                                  # the partial input
+    ds = [distribute(v, mesh, parse_placements(ps if i == k else ["R"] * mesh.ndim),
+                     seed=5).requires_grad_(True) for i, v in enumerate(vals)]
+    got = f(*ds)
+    _same(got.full(), want.detach())
+    gy = torch.arange(want.numel(), dtype=torch.float64).reshape(want.shape) / 4 - 0.6
+    (want * gy).sum().backward()
+    (got * gy).sum().backward()
+    for d, r in zip(ds, refs):
+        torch.testing.assert_close(d.grad.full(), r.grad, equal_nan=True)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_partial_sum_conv_by_a_weight_holding_inf(bias):
+    """conv1d of a P(sum) input by a weight holding inf: the partial sum is reduced first
+    (the bias is added, not a factor: not read)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 5, dtype=torch.float64, generator=g)
+    w = torch.randn(3, 2, 2, dtype=torch.float64, generator=g)
+    w[0, 1, 0] = INF
+    b = torch.randn(3, dtype=torch.float64, generator=g) if bias else None
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    want = F.conv1d(xr, wr, b)
+    dx = _d(x, ["P(sum)"], M1).requires_grad_(True)
+    dw = _d(w, ["R"], M1).requires_grad_(True)
+    got = F.conv1d(dx, dw, None if b is None else _d(b, ["R"], M1))
+    _same(got.full(), want.detach())
+    gy = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    (want * gy).sum().backward()
+    (got * gy).sum().backward()
+    torch.testing.assert_close(dx.grad.full(), xr.grad, equal_nan=True)
+    torch.testing.assert_close(dw.grad.full(), wr.grad, equal_nan=True)
+
+
+def test_partial_sum_matmul_without_inf_stays_partial():
+    """No inf in the factor: x P(sum) @ w keeps its partial output (nothing reduced)."""
+    x = torch.tensor([[1.0, 2.0], [0.5, -1.0]], dtype=torch.float64)
+    w = torch.tensor([[0.0, 1.0], [2.0, 3.0]], dtype=torch.float64)
+    got = _d(x, ["P(sum)"], M1) @ _d(w, ["R"], M1)
+    assert got.placements[0].is_partial()
+    torch.testing.assert_close(got.full(), x @ w)
+
+
+# ---- var / std of a slice holding inf: torch's var_backward ---------------------------------
+
+_VARS = {
+    "var1": lambda t: t.var(1), "var0": lambda t: torch.var(t, 0, keepdim=True),
+    "var": lambda t: t.var(), "std1": lambda t: t.std(1),
+    "var_mean": lambda t: torch.var_mean(t, 1)[0], "std_mean": lambda t: torch.std_mean(t, 1)[0],
+    "var_mean_both": lambda t: sum(torch.var_mean(t, 1, correction=0)),
+}
+
+
+@pytest.mark.parametrize("fn", sorted(_VARS))
+@pytest.mark.parametrize("mesh,ps", [(M1, ["R"]), (M1, ["S(1)"]), (M2, ["S(0)", "S(1)"])])
+@pytest.mark.parametrize("which", ["inf", "both"])
+def test_var_gradient_of_a_slice_holding_inf(fn, mesh, ps, which):
+    """A row holding inf: torch's var_backward is (2 / (N - c)) grad (x - mean), -inf beside
+    the inf's own nan (x - mean = finite - inf); the composition's gradient through the
+    mean, -2 sum(x - mean) / N = nan, made the whole row nan."""
+    f = _VARS[fn]
+    x = torch.tensor([[1.0, INF, 2.0, 3.0], [1.0, 2.0, 4.0, -1.0],
+                      [-INF if which == "both" else 0.25, 0.5, 1.0, 2.0]], dtype=torch.float64)
+    xr = x.clone().requires_grad_(True)
+    want = f(xr)
+    dx = distribute(x, mesh, parse_placements(ps)).requires_grad_(True)
+    got = f(dx)
+    torch.testing.assert_close(got.full(), want.detach(), equal_nan=True)
+    gy = torch.linspace(0.5, 1.5, want.numel(), dtype=torch.float64).reshape(want.shape)
+    (want * gy).sum().backward()
+    (got * gy).sum().backward()
+    torch.testing.assert_close(dx.grad.full(), xr.grad, equal_nan=True)
+
+
+# ---- signed zeros of a partial sum scaled part by part -------------------------------------
+
+_ZEROS = torch.tensor([[0.0, 1.0, 0.0], [0.0, -0.0, 2.0]], dtype=torch.float64)
+_SCALES = {
+    "mul_tensor": lambda a: a * _ZEROS, "mul_0": lambda a: a * 0, "rmul_0.0": lambda a: 0.0 * a,
+    "torch.mul": lambda a: torch.mul(a, _ZEROS), "mul_bool": lambda a: a * (_ZEROS != 0),
+    "mul_long": lambda a: a * (_ZEROS != 0).long(),
+    "div_inf": lambda a: a / torch.full((3,), INF, dtype=torch.float64),
+    "div_int0": lambda a: a / torch.tensor([1, 0, 2]),
+}
+
+
+@pytest.mark.parametrize("op", sorted(_SCALES))
+@pytest.mark.parametrize("mesh,ps", [(M1, ["P(sum)"]), (M2, ["S(1)", "P(sum)"])])
+def test_partial_sum_times_zero_keeps_the_sign(op, mesh, ps):
+    """v * 0 is -0 for v < 0 on one device; part by part a * 0 + b * 0 with parts of either
+    sign is +0 (seed 2005232 wide: digamma(-0) = +inf read -inf); a divisor holding inf
+    the same; a divisor holding 0 of an integer tensor gave nan (inf - inf) where torch
+    gives +-inf (integer divisors were not read)."""
+    f = _SCALES[op]
+    x = torch.tensor([[-1.5, 2.0, -0.25], [0.5, -3.0, 1.0]], dtype=torch.float64)
+    _same(f(_d(x, ps, mesh)).full(), f(x))
+
+
+def test_partial_sum_times_a_nonzero_factor_stays_partial():
+    """A factor with no zero and no inf: the product stays partial (nothing read changes)."""
+    x = torch.tensor([[-1.5, 2.0, -0.25], [0.5, -3.0, 1.0]], dtype=torch.float64)
+    for f in (lambda a: a * 2.0, lambda a: a * (_ZEROS + 1.5), lambda a: a / 3):
+        got = f(_d(x, ["P(sum)"], M1))
+        assert got.placements[0].is_partial()
+        torch.testing.assert_close(got.full(), f(x))
+
+
+def test_bfloat16_gradient_of_a_replicated_input_is_summed_per_rank():
+    """Documented, not matched (seed 1061466): a float32 0-d input added to a bfloat16
+    tensor sharded over 2 ranks.  One device sums the bfloat16 gradient in one kernel and
+    rounds once to bfloat16 (7.0); here each rank's gradient is summed and cast to float32
+    by autograd (torch's engine: sum_to, then the input's dtype), and the ranks' float32
+    values are summed (7.013671875), as DTensor's all-reduce of a replicated input's
+    gradient: both within half a bfloat16 ulp of the exact sum."""
+    a = torch.tensor([[2.013095262850718, 0.2324157861326391, -0.7603877096222161]],
+                     dtype=torch.float64)
+    b = torch.tensor(0.4966769516468048, dtype=torch.float32)
+    gy = torch.tensor([[-0.1796875, -0.494140625, 7.6875]], dtype=torch.bfloat16)
+    ar, br = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    ((ar.to(torch.bfloat16) + br) * gy).sum().backward()
+    da = _d(a, ["S(1)"], M1).requires_grad_(True)
+    db = _d(b, ["R"], M1).requires_grad_(True)
+    ((da.to(torch.bfloat16) + db) * _d(gy, ["S(1)"], M1)).sum().backward()
+    got, want = db.grad.full(), br.grad
+    per_rank = sum(c.sum().float() for c in gy.chunk(2, 1))       # ranks: 2 and 1 columns
+    assert got == per_rank == 7.015625 and want == gy.sum().float() == 7.0
+    exact = gy.double().sum()
+    ulp = 2.0 ** (torch.floor(torch.log2(exact.abs())) - 7)
+    assert abs(got.double() - exact) <= ulp / 2 and abs(want.double() - exact) <= ulp / 2
