@@ -180,3 +180,172 @@ def test_bfloat16_gradient_of_a_replicated_input_is_summed_per_rank():
     exact = gy.double().sum()
     ulp = 2.0 ** (torch.floor(torch.log2(exact.abs())) - 7)
     assert abs(got.double() - exact) <= ulp / 2 and abs(want.double() - exact) <= ulp / 2
+
+
+# ---- ops torch has that the table lacked ----------------------------------------------------
+
+from tests.spmd_harness import check_op  # noqa: E402
+from workbench.parallel.ops_table.strategy import NoRuleError  # noqa: E402
+
+_G = torch.Generator().manual_seed(14)
+_X = torch.randn(4, 6, generator=_G, dtype=torch.float64)
+_Y = torch.randn(4, 6, generator=_G, dtype=torch.float64)
+_P, _Q = _X.abs() + 0.3, _Y.abs() + 0.2
+_T3 = torch.randn(3, 4, 5, generator=_G, dtype=torch.float64)
+_MESHES = [M1, wb.Mesh.grid((2, 2), ["a", "b"])]
+_I1 = torch.tensor([1, -2, 3, 0, 1, 2])
+
+# name -> (function, inputs, layouts of Partial too, gradient checked)
+NEW_OPS = {
+    "logaddexp": (torch.logaddexp, [_X, _Y], True, True),
+    "logaddexp2": (torch.logaddexp2, [_X, _Y[0]], True, True),
+    "nextafter": (torch.nextafter, [_X, _Y], True, True),
+    "xlog1py": (torch.special.xlog1py, [_X, _P], True, True),
+    "special.xlogy": (torch.special.xlogy, [_X, _P], True, True),
+    "zeta": (lambda x, q: torch.special.zeta(x + 1.5, q), [_P, _Q], True, False),
+    "igamma": (torch.igamma, [_P, _Q], True, False),
+    "gammaincc": (torch.special.gammaincc, [_P, _Q], True, False),
+    "gcd": (lambda a, b: torch.gcd((a * 4).long(), (b * 4).long()), [_X, _Y], True, False),
+    "lcm": (lambda a, b: torch.lcm((a * 4).long(), (b * 4).long()), [_X, _Y], True, False),
+    "ldexp": (lambda x: torch.ldexp(x, _I1), [_X], True, True),
+    "mode": (lambda x: tuple(torch.mode(x, 1)), [_X], True, True),
+    "mode_ties": (lambda x: tuple(torch.mode((x * 2).round(), 0, True)), [_X], False, False),
+    "renorm": (lambda x: torch.renorm(x, 2, 0, 1.0), [_X], True, True),
+    "renorm_3d": (lambda x: x.renorm(1, -1, 2.0), [_T3], True, True),
+    "pairwise_distance": (F.pairwise_distance, [_X, _Y], True, True),
+    "pairwise_distance_bcast": (lambda a, b: F.pairwise_distance(a, b, 1.5, keepdim=True),
+                                [_X, _Y[0]], True, True),
+    "unfold": (lambda x: x.unfold(1, 3, 2), [_X], True, True),
+    "unfold_overlap": (lambda x: x.unfold(0, 2, 1), [_X], True, True),
+    "unfold_3d": (lambda x: x.unfold(-1, 2, 2), [_T3], True, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_OPS))
+def test_new_op_equals_one_device_on_every_layout(name):
+    """Every combination of R / S(d) / P(sum) (unequal parts) per input on a 2-rank and a
+    2x2 mesh: values, shapes and dtypes as torch's (ties of mode: exact values only, no
+    Partial, whose parts' sum rounds)."""
+    fn, ins, partial, _ = NEW_OPS[name]
+    n = check_op(fn, ins, meshes=_MESHES, partial=partial)
+    assert n >= 12
+    dist = [_d(x, ["S(0)", "R"]) for x in ins]
+    outs, refs = fn(*dist), fn(*ins)
+    for o, r in zip(outs if isinstance(outs, tuple) else (outs,),
+                    refs if isinstance(refs, tuple) else (refs,)):
+        assert o.dtype == r.dtype and o.shape == r.shape
+
+
+@pytest.mark.parametrize("name", sorted(n for n, v in NEW_OPS.items() if v[3]))
+@pytest.mark.parametrize("ps", [["R", "R"], ["S(0)", "S(1)"], ["P(sum)", "S(0)"]])
+def test_new_op_gradient_equals_one_device(name, ps):
+    """The gradients of every input, laid out on the 2x2 mesh, equal torch's."""
+    fn, ins, _, _ = NEW_OPS[name]
+    refs = [x.clone().requires_grad_(True) for x in ins]
+    want = fn(*refs)
+    want = want[0] if isinstance(want, tuple) else want
+    ds = [_d(x, ps if x.dim() >= 2 else [p if p != "S(1)" else "R" for p in ps],
+             seed=7 + i).requires_grad_(True) for i, x in enumerate(ins)]
+    got = fn(*ds)
+    got = got[0] if isinstance(got, tuple) else got
+    gy = torch.linspace(-1.0, 2.0, want.numel(), dtype=want.dtype).reshape(want.shape)
+    (want * gy).sum().backward()
+    (got * gy).sum().backward()
+    for d, r in zip(ds, refs):
+        torch.testing.assert_close(d.grad.full(), r.grad)
+
+
+@pytest.mark.parametrize("call", [
+    lambda a, b: torch.special.zeta(a + 1.5, b.abs() + 0.1),    # x's: not implemented
+    lambda a, b: torch.igamma(a.abs() + 0.1, b.abs() + 0.1),    # input's: not implemented
+])
+def test_new_op_backward_torch_does_not_implement_raises_as_torch(call):
+    a, b = _X.clone().requires_grad_(True), _Y.clone()
+    with pytest.raises(RuntimeError):
+        call(a, b).sum().backward()
+    da = _d(_X, ["S(0)", "R"]).requires_grad_(True)
+    with pytest.raises(RuntimeError):
+        call(da, _d(_Y, ["R", "S(1)"])).sum().backward()
+
+
+@pytest.mark.parametrize("call,exc", [
+    (lambda x: torch.gcd(x, x), RuntimeError),                 # floats: no gcd kernel
+    (lambda x: torch.renorm(x[0], 2, 0, 1.0), RuntimeError),   # 1-d: needs 2 dims
+    (lambda x: torch.renorm(x, -1, 0, 1.0), RuntimeError),     # a negative p
+    (lambda x: x.unfold(1, 7, 1), RuntimeError),               # a window past the dim
+    (lambda x: x.unfold(2, 1, 1), IndexError),                 # no dim 2
+    (lambda x: x.unfold(1, 2, 0), RuntimeError),               # step 0
+    (lambda x: torch.mode(x, 2), IndexError),
+    (lambda x: torch.mode(x.to(torch.complex64), 1), NotImplementedError),
+    (lambda x: F.pairwise_distance(x, x[:, :4]), RuntimeError),   # shapes do not broadcast
+])
+def test_new_op_errors_are_torchs(call, exc):
+    """Bad arguments raise torch's exception type, on a DistTensor as on a tensor."""
+    with pytest.raises(exc):
+        call(_X)
+    with pytest.raises(exc):
+        call(_d(_X, ["S(0)", "S(1)"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_new_pointwise_ops_keep_torchs_dtypes(dtype):
+    """16- and 32-bit inputs, and a float64 0-d beside them: the result dtype and values
+    torch's (a 0-d tensor does not promote)."""
+    x, y = _X.to(dtype), _Y.to(dtype)
+    z = torch.tensor(0.5, dtype=torch.float64)
+    for f in (torch.logaddexp, torch.logaddexp2, lambda a, b: torch.logaddexp(a, z),
+              lambda a, b: torch.special.xlog1py(a, b.abs()), torch.nextafter):
+        want = f(x, y)
+        got = f(_d(x, ["S(1)", "R"]), _d(y, ["R", "S(0)"]))
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.full(), want)
+
+
+def test_ldexp_of_integers_is_torchs_float():
+    """An integer input and exponent: torch's mul(x, pow(2.0, e)) is the default float."""
+    a = torch.tensor([[1, -3, 2], [0, 5, 7]])
+    e = torch.tensor([2, 0, -1])
+    want = torch.ldexp(a, e)
+    got = torch.ldexp(_d(a, ["S(0)", "R"]), _d(e, ["R", "S(0)"]))
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got.full(), want)
+
+
+def test_unfold_of_the_sharded_dim_gathers_and_others_stay_sharded():
+    """A sharded dim being unfolded is made whole (a window may straddle two shards); a
+    sharded dim not unfolded stays sharded; a Partial stays Partial (a view)."""
+    d = _d(_X, ["S(1)", "S(0)"])
+    u = d.unfold(1, 3, 2)
+    assert tuple(p for p in u.placements) == (wb.Replicate(), wb.Shard(0))
+    torch.testing.assert_close(u.full(), _X.unfold(1, 3, 2))
+    p = _d(_X, ["P(sum)", "R"]).unfold(0, 2, 1)
+    assert p.placements[0].is_partial()
+    torch.testing.assert_close(p.full(), _X.unfold(0, 2, 1))
+
+
+def test_unfold_and_mode_of_a_ring_ordered_dim_are_refused():
+    """The windows (and mode's index) read positions along the dim: on a sequence in
+    load-balanced ring order they would give another answer than on its own order."""
+    from workbench.parallel.seq_order import RingOrderError
+    from workbench.parallel.strategies.context_parallel import to_ring_layout
+    mesh = wb.Mesh.grid(2, ["cp"])
+    x = torch.randn(2, 8, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    r = to_ring_layout(wb.shard_tensor(x, mesh, [wb.Replicate()]), "cp", 1)
+    with pytest.raises(RingOrderError):
+        r.unfold(1, 2, 1)
+    with pytest.raises(RingOrderError):
+        torch.mode(r, 1)
+    u = r.unfold(2, 2, 1)                  # another dim: the windows and the order kept
+    assert u.placements == r.placements and u._ring_order == r._ring_order
+
+
+def test_zeta_gradient_in_q_and_igamma_in_x_equal_one_device():
+    """torch implements zeta's gradient in q and igamma / igammac's in x only."""
+    for f in (lambda a, b: torch.special.zeta(a.detach() + 1.5, b),
+              lambda a, b: torch.igamma(a.detach(), b),
+              lambda a, b: torch.igammac(a.detach(), b)):
+        qr = _Q.clone().requires_grad_(True)
+        (f(_P, qr) * _X).sum().backward()
+        dq = _d(_Q, ["S(1)", "P(sum)"]).requires_grad_(True)
+        (f(_d(_P, ["S(0)", "R"]), dq) * _d(_X, ["R", "R"])).sum().backward()
+        torch.testing.assert_close(dq.grad.full(), qr.grad)
