@@ -3,6 +3,8 @@ sweep (``benchmarks/random_sweep.py``) and probes, and the ops torch has that th
 lacked (torch.mode, logaddexp, nextafter, ldexp, special.xlog1py / zeta, igamma, gcd / lcm,
 renorm, pairwise_distance, Tensor.unfold).  Each test holds a DistTensor call to torch on
 the full tensor; the docstrings say what was wrong before."""
+import zlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -227,7 +229,12 @@ def test_new_op_equals_one_device_on_every_layout(name):
     2x2 mesh: values, shapes and dtypes as torch's (ties of mode: exact values only, no
     Partial, whose parts' sum rounds)."""
     fn, ins, partial, _ = NEW_OPS[name]
-    n = check_op(fn, ins, meshes=_MESHES, partial=partial)
+    # two floating inputs: a fixed quarter of the 2x2 mesh's 256 combinations (crc32 of the
+    # layouts), every one of the 2-rank mesh's 16
+    few = sum(x.is_floating_point() for x in ins) > 1
+    n = check_op(fn, ins, meshes=_MESHES, partial=partial,
+                 skip=lambda mesh, combo: few and mesh.ndim == 2 and
+                 zlib.crc32(str(combo).encode()) % 4 != 0)
     assert n >= 12
     dist = [_d(x, ["S(0)", "R"]) for x in ins]
     outs, refs = fn(*dist), fn(*ins)
