@@ -356,3 +356,29 @@ def test_zeta_gradient_in_q_and_igamma_in_x_equal_one_device():
         dq = _d(_Q, ["S(1)", "P(sum)"]).requires_grad_(True)
         (f(_d(_P, ["S(0)", "R"]), dq) * _d(_X, ["R", "R"])).sum().backward()
         torch.testing.assert_close(dq.grad.full(), qr.grad)
+
+
+# ---- new sweep seeds (wide 2010200.., old 1064000..) ---------------------------------------
+
+@pytest.mark.parametrize("ps", [["S(1)"], ["R"], ["P(sum)"]])
+@pytest.mark.parametrize("src,to", [((1, 7), (14,)), ((1, 7), (2, 7, 1)),
+                                    ((3, 1, 4), (3, 20)), ((3, 1, 4), (15, 4)),
+                                    ((3, 1, 4), (3, 5, 2, 2)), ((3, 1, 4), (60,))])
+def test_view_of_an_expanded_tensor_is_judged_on_its_zero_strides(ps, src, to):
+    """x.expand(...).view(shape) raises where torch's does (an expanded dim has stride 0:
+    it merges with no other); the global strides were judged dense, so view((14,)) of a
+    (1, 7) tensor expanded to (2, 7) returned a result (seed 2011360 wide)."""
+    x = torch.randn(src, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    big = (2, 7) if src == (1, 7) else (3, 5, 4)
+    kind, want = _kind(lambda: x.expand(big).view(to))
+    got_kind, got = _kind(lambda: _d(x, ps, M1).expand(big).view(to))
+    assert got_kind == kind
+    if kind == "ok":
+        torch.testing.assert_close(got.full(), want)
+
+
+def _kind(f):
+    try:
+        return "ok", f()
+    except Exception as e:  # noqa: BLE001 - the type is compared with torch's
+        return type(e), None
