@@ -3,6 +3,7 @@ sweep (``benchmarks/random_sweep.py``) and probes, and the ops torch has that th
 lacked (torch.mode, logaddexp, nextafter, ldexp, special.xlog1py / zeta, igamma, gcd / lcm,
 renorm, pairwise_distance, Tensor.unfold).  Each test holds a DistTensor call to torch on
 the full tensor; the docstrings say what was wrong before."""
+import warnings
 import zlib
 
 import pytest
@@ -382,3 +383,29 @@ def _kind(f):
         return "ok", f()
     except Exception as e:  # noqa: BLE001 - the type is compared with torch's
         return type(e), None
+
+
+@pytest.mark.parametrize("mat", [(6, 0), (0, 3)])
+@pytest.mark.parametrize("inp", [(), (1,), (6,)])
+@pytest.mark.parametrize("beta", [-1.18, 1, 0])
+def test_addmv_of_an_empty_matrix_is_torchs_cpu_kernel(mat, inp, beta):
+    """addmv of a matrix with no element: torch's CPU kernel gives input * beta in input's
+    own shape (a 0-d input, a 0-d result), zeros of (n,) for beta 0; was broadcast to (n,)
+    (seed 2013627 wide)."""
+    if inp == (6,) and mat[0] != 6:
+        return
+    i = torch.arange(1.0, 1.0 + (inp[0] if inp else 1), dtype=torch.float64).reshape(inp)
+    m, v = torch.zeros(mat, dtype=torch.float64), torch.zeros(mat[1], dtype=torch.float64)
+    ir = i.clone().requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")         # torch's deprecated resize of its output
+        want = torch.addmv(ir, m, v, beta=beta, alpha=-0.76)
+    di = _d(i, ["R"], M1).requires_grad_(True)
+    got = torch.addmv(di, _d(m, ["S(0)"] if mat[0] else ["R"], M1), _d(v, ["R"], M1),
+                      beta=beta, alpha=-0.76)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    torch.testing.assert_close(got.full(), want.detach())
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(di.grad.full(), ir.grad)
+
