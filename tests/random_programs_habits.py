@@ -271,7 +271,9 @@ def _masked(p, cur, k):
         return f"torch.where({cn} > 0, {nm}, {yn})", \
             lambda t: torch.where(_pick(t, cd, cr) > 0, t, _pick(t, yd, yr))
     if k == "masked_fill_bc":         # a broadcast mask, a 0-d tensor value
-        v = torch.tensor(-0.75, dtype=r.dtype)
+        if not (r.is_floating_point() or r.is_complex()):
+            return None               # -0.75 as a uint8 / int tensor: the generator's own
+        v = torch.tensor(-0.75, dtype=r.dtype)      # RuntimeError (seed 2011180 wide)
         return f"{nm}.masked_fill({cn} > 0, torch.tensor(-0.75))", \
             lambda t: t.masked_fill(_pick(t, cd, cr) > 0, v)
     if k == "where_cond_only_scalar":

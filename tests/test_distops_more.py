@@ -610,6 +610,14 @@ def _table_samples():
         s = make(Gen())[0]
         TABLE_SAMPLES[name] = (s.fn, list(s.args))
     TABLE_SAMPLES["logical_xor"] = (lambda a, b: torch.logical_xor(a > 0, b > 0), [_X, _X.flip(0)])
+    # sweep14: integer ops laid out through floats; mode, unfold, renorm
+    for name in ("gcd", "lcm"):
+        TABLE_SAMPLES[name] = (lambda a, b, f=getattr(torch, name): f((a * 4).long(),
+                                                                        (b * 4).long()),
+                               [_X, _X.flip(0)])
+    TABLE_SAMPLES["mode"] = (lambda x: tuple(torch.mode(x, 1)), [_X])
+    TABLE_SAMPLES["unfold"] = (lambda x: x.unfold(1, 3, 2), [_X])
+    TABLE_SAMPLES["renorm"] = (lambda x: torch.renorm(x, 2, 0, 1.0), [_X])
 
 
 _table_samples()

@@ -107,6 +107,12 @@ CASES = {
     "median_rows": Case("one", lambda x, draw, d: ((x,), {"dim": d[0],
                                                        "keepdim": draw(st.booleans())}),
                         lambda t, d: torch.median(t, d[0])),
+    "mode": Case("one", lambda x, draw, d: ((x,), {"dim": d[0], "keepdim": draw(st.booleans())}),
+                 lambda t, d: torch.mode(t, d[0])),                          # sweep14
+    "renorm": Case("one", lambda x, draw, d: ((x,), {"p": 2, "dim": d[0], "maxnorm": 1.0}),
+                   lambda t, d: torch.renorm(t, 2, d[0], 1.0), min_ndim=2),
+    "unfold": Case("one", lambda x, draw, d: ((x,), {"dim": d[0], "size": 1, "step": 1}),
+                   lambda t, d: t.unfold(d[0], 1, 1)),
     "topk": Case("one", lambda x, draw, d: ((x,), {"k": 1, "dim": d[0], "largest": True,
                                                    "sorted": True}),
                  lambda t, d: torch.topk(t, 1, d[0])),

@@ -316,7 +316,8 @@ def dispatch(func, args, kwargs):
             plain = True
     consts = ()                    # the types of constant inputs (type promotion differs)
     if entry.name in ("mul", "div") and (plain and _unsafe_scale(entry.name, inputs)
-                                         or _unsafe_factor(entry.name, inputs)):
+                                         or _unsafe_factor(entry.name, inputs)) or \
+            entry.op_class == "matmul" and _unsafe_factor(entry.name, inputs):
         inputs = _partials_reduced(inputs)
     if plain:
         specs = []
@@ -444,16 +445,37 @@ def dispatch(func, args, kwargs):
 
 def _unsafe_scale(name, inputs) -> bool:
     """A number by which a partial sum cannot be scaled part by part: inf or nan (each
-    part becomes +-inf, their sum nan, where the sum times inf is +-inf), or a divisor 0."""
+    part becomes +-inf, their sum nan, where the sum times inf is +-inf), a divisor 0, or
+    a floating partial sum times 0 (each part becomes a zero of its own sign, and +0 + -0
+    is +0 where one device's v * 0 is -0 for v < 0: digamma / reciprocal / atan2 of it
+    then differ, sweep wide seed 2005232)."""
+    floating = None
     for k, x in enumerate(inputs):
         if type(x) is torch.Tensor and x.dim() == 0 and x.device.type == "cpu" and \
                 x.dtype.is_floating_point:
             x = float(x)                # a 0-d tensor on the CPU is read (no device sync)
         if isinstance(x, float) and not math.isfinite(x):
             return True
-        if name == "div" and k == 1 and isinstance(x, (int, float)) and x == 0:
-            return True
+        if isinstance(x, (int, float)) and x == 0:
+            if name == "div" and k == 1:
+                return True
+            if name == "mul":
+                if floating is None:
+                    floating = any(_summed(y) and (y.dtype.is_floating_point or
+                                                   y.dtype.is_complex) for y in inputs)
+                if floating:
+                    return True
     return False
+
+
+def _summed(x) -> bool:
+    """A DistTensor partial on some mesh dim by sum or average."""
+    return isinstance(x, DistTensor) and any(p.is_partial() and p.reduce_op in ("sum", "avg")
+                                             for p in x.placements)
+
+
+# the matmul-class ops (op_class "matmul") whose third input is a bias, not a factor
+_BIASED = frozenset(("linear", "conv1d", "conv2d", "conv3d", "convolution"))
 
 
 def _unsafe_factor(name, inputs) -> bool:
@@ -461,7 +483,11 @@ def _unsafe_factor(name, inputs) -> bool:
     numbers (:func:`_unsafe_scale`), the partial sum is reduced first, which is exact (the
     local product refused it: ops_table/pointwise._scaled_local; seeds 1043842, 1044382,
     1044502).  The partial inputs are read too (``d * d`` reduces one of them: its value
-    is the factor).  Values are read only where a partial sum or average is met.
+    is the factor).  Values are read only where a partial sum or average is met.  The
+    matmul-class ops (matmul, mm, bmm, linear, einsum, convolutions) are products too:
+    ``x @ w`` with x P(sum) of parts a + b and w holding inf at (k, j) is a_ik inf + b_ik
+    inf summed over the ranks, nan where a_ik and b_ik differ in sign, where one device
+    gives x_ik inf = +-inf (sweep14; was nan for every matmul-class op and addmm / mv).
 
     Under torch.distributed each process reads its own shards: where a factor read is
     not replicated on every mesh dim (x [Partial, Replicate] times a [Replicate, Shard(0)]
@@ -472,25 +498,35 @@ def _unsafe_factor(name, inputs) -> bool:
     0: print(p.grad.norm())``), where an all-reduce paired with the peers' next collective
     (2e408050, reverted); through the store that read ends in agree's error naming the
     fix."""
-    def summed(x):
-        return isinstance(x, DistTensor) and any(p.is_partial() and p.reduce_op in
-                                                 ("sum", "avg") for p in x.placements)
-    if not any(summed(x) for x in inputs):
+    if not any(_summed(x) for x in inputs):
         return False
+    # mul / div of a floating partial sum: a factor holding 0 (mul) or a divisor holding
+    # inf gives zeros whose sign is the sum's, lost part by part (+0 + -0 = +0; seed 2005232
+    # wide): reduced first too.  Not for matmul-class ops (their zeros are sums themselves)
+    signed = name in ("mul", "div") and any(
+        _summed(x) and (x.dtype.is_floating_point or x.dtype.is_complex) for x in inputs)
     found, local = False, False          # local: a value read differs between processes
     for k, x in enumerate(inputs):
-        if name == "div" and k == 0:
-            continue
+        if name == "div" and k == 0 or k == 2 and name in _BIASED:
+            continue                     # a dividend; a bias (added, not a factor)
         if isinstance(x, DistTensor) and not all(p.is_replicate() for p in x.placements):
             local = True
         if found:
             continue
         ts = storage.tensors(x._local) if isinstance(x, DistTensor) else \
             [x] if isinstance(x, torch.Tensor) else []
+        # read for zeros: a divisor; a factor beside a floating partial sum (not the
+        # partial sum's own parts: those of R -> P hold zeros on every rank but one)
+        zeros = name == "div" or signed and not _summed(x)
+        infs = name != "div" or signed            # read for +-inf: a factor, a divisor
         for t in ts:
-            if not t.is_floating_point() or not t.numel():
+            fl = t.is_floating_point() or t.is_complex()
+            if not t.numel() or not (fl or zeros):
                 continue
-            if bool((t == 0).any()) if name == "div" else bool(torch.isinf(t).any()):
+            hit = t == 0 if zeros else None
+            if infs and fl:
+                hit = torch.isinf(t) if hit is None else hit | torch.isinf(t)
+            if hit is not None and bool(hit.any()):
                 found = True
                 break
     mesh = next(x.mesh for x in inputs if isinstance(x, DistTensor))

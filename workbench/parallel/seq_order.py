@@ -26,8 +26,9 @@ tensor as a :class:`RingOrder` (``x._ring_order``), and kept exactly where it is
 * :func:`check_op` (the dispatcher, before the op runs) refuses, naming the fix, what
   would give another answer than one device on the sequence in its own order: an op
   that reads positions along a recorded dim (:func:`sensitive_dims`: scans, flip, roll,
-  slices and picks, index_select / gather, argmax / sort / topk (their indices would count
-  the ring's order), pad, convolutions and pools, tril / triu, split / cat, repeat / tile
+  slices and picks, index_select / gather, argmax / sort / topk / mode (their indices would
+  count the ring's order), pad, unfold's windows, convolutions and pools, tril / triu, split
+  / cat, repeat / tile
   along it, the data-dependent ops that list elements in the order met (nonzero,
   masked_select, ``x[mask]``, unique_consecutive, unsorted unique or its inverse), a view
   that merges the dim with another or splits it (its order could not be recorded); causal
@@ -317,7 +318,7 @@ _ALONG = frozenset((
     "argmax", "argmin", "sort", "argsort", "msort", "topk", "kthvalue_rows", "median_rows",
     "nanmedian", "chunk", "split", "unbind", "cat", "gather", "index_select", "index_add",
     "index_fill", "scatter", "scatter_add", "repeat_interleave", "take", "multinomial",
-    "nanmedian_all"))
+    "nanmedian_all", "mode", "unfold"))
 _LAST_TWO = frozenset(("tril", "triu"))           # a triangle of positions (rows, columns)
 _SPATIAL = frozenset(("conv1d", "conv2d", "conv3d", "convolution", "avg_pool1d",
                       "avg_pool2d", "max_pool1d", "max_pool2d", "adaptive_avg_pool1d",
@@ -423,13 +424,16 @@ def _how_read(name, attrs) -> str:
     if name in _LISTING or name in ("unique", "unique_consecutive"):
         return ("it lists elements, or their indices, in the order it meets them: "
                 "data-dependent")
+    if name == "unfold":
+        return (f"its windows of {attrs.get('size')} neighbours, {attrs.get('step')} apart, "
+                f"would hold positions of the ring's order")
     if name in _RESHAPES:
         return (f"to shape {tuple(attrs.get('shape', ()))} it merges the dim with another "
                 f"or splits it, and the result's order could not be recorded")
     if name == "repeat":
         return f"it repeats the sequence end to end, reps {tuple(attrs.get('reps', ()))}"
     if name in ("argmax", "argmin", "sort", "argsort", "topk", "cummax", "cummin",
-                "kthvalue_rows", "median_rows", "nanmedian"):
+                "kthvalue_rows", "median_rows", "nanmedian", "mode"):
         return "its indices would count the ring's order, not the sequence's"
     return "its answer depends on which position is which"
 

@@ -371,7 +371,16 @@ def expand_replicas(x, mesh, axes: Sequence[int], *, label: str = ""):
     Forward moves no data (the copies are views).  Backward sums the ranks'
     gradients: an all-reduce per axis, recorded in the trace.  This is the
     explicit form of what autograd would otherwise do silently when a
-    replicated tensor meets per-rank computation (Megatron's ``f``)."""
+    replicated tensor meets per-rank computation (Megatron's ``f``).
+
+    A gradient reaching the copies in a narrower dtype than ``x`` (a float32 ``x`` added
+    to a bfloat16 tensor) is summed to each rank's copy and cast to x's dtype by torch's
+    autograd on that rank (the engine's ``sum_to`` then the input's dtype), and the ranks'
+    values summed in x's dtype after: one 16-bit rounding per rank where one device rounds
+    the whole sum once (random sweep seed 1061466: 7.015625 here, torch's 7.0, the exact
+    sum 7.0137; both within half a bfloat16 ulp, as DTensor's all-reduce of a replicated
+    input's gradient).  Not matched: torch's order would need the activation's gradient
+    gathered before the sum (tests/test_sweep14.py pins it)."""
     if _B.is_distributed(mesh):
         for a in axes:
             had = getattr(x, "_wb_replica_axes", ())

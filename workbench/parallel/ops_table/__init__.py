@@ -52,6 +52,7 @@ FAMILIES += ("quantile", "searchsorted")    # order statistics; binary search in
 FAMILIES += ("index_bounds",)     # a computed index checked where its values are known
 FAMILIES += ("layout_hooks",)     # the recipes' layout hooks (Megatron f, g), captured
 FAMILIES += ("overwrite",)        # a value written over one with history (wb.compile's writes)
+FAMILIES += ("mode", "unfold", "distances")   # torch.mode; Tensor.unfold; renorm
 
 
 def load():

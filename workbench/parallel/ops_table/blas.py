@@ -22,6 +22,8 @@ as the library's ``F.linear`` with a bias).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["BLAS"]
@@ -133,6 +135,11 @@ def _checked(fn, product_fn, promotes=False):
         _input_fits(fn.__name__, input, torch_check(product_fn, a, b), a, b)
         if cpu is not None:
             ref = ref.to(cpu.dtype)
+        if fn is torch.addmv and math.prod(a.shape) == 0 and beta != 0:
+            # torch 2.13's CPU addmv of a matrix of no element: input * beta in input's own
+            # shape, not broadcast to (n,) (a 0-d input gives a 0-d result; its meta kernel
+            # says (n,)); was (n,) (seed 2013627 wide)
+            return (input * beta).to(ref.dtype)
         if not (ref.dtype.is_floating_point or ref.dtype.is_complex):
             beta, alpha = int(beta), int(alpha)       # torch truncates them for integers
         res = _update(input, product_fn(a, b), beta, alpha)

@@ -73,7 +73,11 @@ def _dim_is_none(args, kwargs) -> bool:
 
 
 def _var_value(input, dims, correction, keepdim, n):
-    centered = input - input.mean(dims, keepdim=True)
+    # the mean detached: torch's var_backward is (2 / (N - correction)) grad (x - mean), the
+    # mean's path left out (its gradient, -2 sum(x - mean) / N, is 0 in exact arithmetic);
+    # through it a slice holding +-inf got nan everywhere (sum(x - mean) = nan), where
+    # torch's is -+inf beside the inf's own nan (sweep14)
+    centered = input - input.mean(dims, keepdim=True).detach()
     if centered.is_complex():         # |x - mean|^2, a real variance (torch.var of complex;
         a = centered.abs()            # a complex DistTensor has no gradient)
         s = (a * a).sum(dims, keepdim=keepdim)
@@ -238,13 +242,14 @@ COMPOSITES = {torch.logsumexp: logsumexp, T.logsumexp: logsumexp, torch.dot: dot
 # more compositions, each family in its module: addmm / baddbmm / addcmul ... (blas.py),
 # vector_norm / norm / normalize (vector_norm.py), l1 / smooth_l1 / huber / bce / kl losses,
 # softmin, cosine_similarity (losses.py), std_mean, aminmax, nansum, tile, hstack... (stats.py),
-# kthvalue / median (sort.py), trace / diag (diagonal.py)
+# kthvalue / median (sort.py), trace / diag (diagonal.py), pairwise_distance (distances.py)
 from .blas import BLAS  # noqa: E402
 from .diagonal import DIAGONALS  # noqa: E402
 from .losses import LOSSES  # noqa: E402
 from .sort import SELECTIONS  # noqa: E402
 from .stats import STATS  # noqa: E402
 from .vector_norm import NORMS  # noqa: E402
+from .distances import DISTANCES  # noqa: E402
 
-for _more in (BLAS, NORMS, LOSSES, STATS, SELECTIONS, DIAGONALS):
+for _more in (BLAS, NORMS, LOSSES, STATS, SELECTIONS, DIAGONALS, DISTANCES):
     COMPOSITES.update(_more)

@@ -93,6 +93,41 @@ BINARY_MORE = {
     "float_power": ((torch.float_power, T.float_power), 1, nonlinear_rule,  # in float64
                     lambda g: [Sample(torch.float_power, (g.pos(5, 6, dtype=torch.float64),
                                                            g.rn(5, 6, dtype=torch.float64)))]),
+    # log(e^x + e^y): max, subtract, exp, log1p (4); base 2 the same with exp2 / log2.
+    # Non-decreasing in each input, but P(max) of one input is not taken: a part's +-inf
+    # (the other parts' -inf) is met as a value, and the rule stays the safe one
+    "logaddexp": ((torch.logaddexp, T.logaddexp), 4, nonlinear_rule,
+                  lambda g: [Sample(torch.logaddexp, (g.rn(5, 6), g.rn(6)))]),
+    "logaddexp2": ((torch.logaddexp2, T.logaddexp2), 4, nonlinear_rule,
+                   lambda g: [Sample(torch.logaddexp2, (g.rn(5, 6), g.rn(5, 6)))]),
+    # the next float after x towards y (torch's NextafterBackward0: grad to x, none to y)
+    "nextafter": ((torch.nextafter, T.nextafter), 1, nonlinear_rule,
+                  lambda g: [Sample(torch.nextafter, (g.rn(5, 6), g.rn(5, 6)))]),
+    "xlog1py": ((torch.special.xlog1py,), 2, nonlinear_rule,         # x log1p(y), 0 at x = 0
+                lambda g: [Sample(torch.special.xlog1py, (g.rn(5, 6), g.pos(5, 6)))]),
+    # Hurwitz zeta(x, q) = sum_k (k + q)^-x: a series; FLOPs as Cephes' zeta.c (the kernel
+    # torch ports, aten/src/ATen/native/Math.h zeta): up to 9 terms and 12 Euler-Maclaurin
+    # corrections, ~4 FLOPs each (ASSUMPTION: 21 x 4 = 84)
+    "zeta": ((torch.special.zeta,), 84, nonlinear_rule,
+             lambda g: [Sample(torch.special.zeta, (g.pos(5, 6) + 1.5, g.pos(5, 6)))]),
+    # regularized incomplete gamma P(a, x) / Q(a, x): Cephes' igam.c series or continued
+    # fraction (torch's calc_igamma, Math.h), up to 2000 iterations, ~8 FLOPs each, cut at
+    # machine epsilon; ASSUMPTION: 50 iterations typical (50 x 8 = 400)
+    "igamma": ((torch.igamma, T.igamma, torch.special.gammainc), 400, nonlinear_rule,
+               lambda g: [Sample(torch.igamma, (g.pos(5, 6), g.pos(5, 6)))]),
+    "igammac": ((torch.igammac, T.igammac, torch.special.gammaincc), 400, nonlinear_rule,
+                lambda g: [Sample(torch.igammac, (g.pos(5, 6), g.pos(6)))]),
+    # integers (Euclid's algorithm: ~log2 steps of a remainder; ASSUMPTION: 8 for
+    # small ints); lcm = |a b| / gcd: 2 more
+    "gcd": ((torch.gcd, T.gcd), 8, nonlinear_rule,
+            lambda g: [Sample(torch.gcd, (g.ints(5, 6), g.ints(5, 6)))]),
+    # x 2^e: torch's kernel locally (its backward, LdexpBackward0, is grad * pow(2, e) in
+    # e's dtype: 0 for a negative integer e, as torch's); linear in x, but a P(sum) is
+    # reduced first (2^e overflows to inf for a large e: the parts' sum would be nan)
+    "ldexp": ((torch.ldexp, T.ldexp), 2, nonlinear_rule,
+              lambda g: [Sample(torch.ldexp, (g.rn(5, 6), g.ints(6)))]),
+    "lcm": ((torch.lcm, T.lcm), 10, nonlinear_rule,
+            lambda g: [Sample(torch.lcm, (g.ints(5, 6), g.ints(6)))]),
 }
 
 for _n, (_fs, _fl, _rule, _args) in UNARY_MORE.items():
@@ -111,6 +146,12 @@ ALIASES = {
     "gt": (torch.greater, T.greater), "ge": (torch.greater_equal, T.greater_equal),
     "lt": (torch.less, T.less), "le": (torch.less_equal, T.less_equal),
     "ne": (torch.not_equal, T.not_equal),
+    "xlogy": (torch.special.xlogy,), "sigmoid": (torch.special.expit,),
+    "exp2": (torch.special.exp2,), "expm1": (torch.special.expm1,),
+    "log1p": (torch.special.log1p,), "erf": (torch.special.erf,),
+    "erfc": (torch.special.erfc,), "erfinv": (torch.special.erfinv,),
+    "logit": (torch.special.logit,), "digamma": (torch.special.digamma, torch.special.psi),
+    "sinc": (torch.special.sinc,), "round": (torch.special.round,),
 }
 
 
@@ -152,3 +193,4 @@ register("bucketize", [torch.bucketize], parse=_bucketize_parse, rule=_bucketize
 
 for _n, _fs in ALIASES.items():
     add_funcs(_n, [f for f in _fs if f not in BY_FUNC])
+

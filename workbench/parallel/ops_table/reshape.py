@@ -138,9 +138,34 @@ def _view_parse(x, *shape):
     except NotImplementedError:     # shards of one element cannot tell a dim's place
         _view_unknown(x, to)
         return out
-    m = torch.empty_strided(tuple(x.shape), stride, device="meta")
+    m = torch.empty_strided(tuple(x.shape), _expanded_stride(x, stride), device="meta")
     m.view(to)                      # torch's RuntimeError, message and fix included
     return out
+
+
+def _expanded_stride(x, stride) -> tuple:
+    """x's strides as torch's where x is an expanded view (``x.expand(2, 7)``): stride 0 on
+    the expanded dims, the others dense over the shape with those dims of size 1 (the
+    expanded tensor's own), in x's order.  A shard's stride 0 on a dim it holds more than
+    one element of tells it (the local op is torch's expand: its shards are expanded views,
+    views.py); the global strides are dense otherwise (strides.py), so view(14) of a (1, 7)
+    tensor expanded to (2, 7) returned a result where torch raises (seed 2011360 wide)."""
+    from ..dist_tensor import DistTensor
+    from ..strides import _shard
+    t = _shard(x) if isinstance(x, DistTensor) else None
+    if t is None or t.dim() != x.dim():
+        return stride
+    exp = {i for i in range(x.dim()) if t.stride(i) == 0 and t.shape[i] > 1}
+    if not exp:
+        return stride
+    out, acc = list(stride), 1
+    for i in sorted(range(x.dim()), key=lambda i: (stride[i], -i)):    # innermost first
+        if i in exp:
+            out[i] = 0
+        else:
+            out[i] = acc
+            acc *= x.shape[i]
+    return tuple(out)
 
 
 def _view_unknown(x, to) -> None:
