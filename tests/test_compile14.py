@@ -1,0 +1,55 @@
+"""Helper compile14: the wide probe's O0 collective-count differences (tests/compile_probe.py,
+wide seeds 30, 84, 116) were the probe's own program skipping its drawn ``redistribute`` /
+``wb.reshard`` on capture's meta stand-ins (``if isinstance(t, DistTensor) else t``): the
+capture saw a program without the call, eager ran it.  Capture drops no call: a user's
+explicit reshard on a traced tensor is a graph break (the program runs eagerly, eager's
+collectives), which these tests hold."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench.parallel import Partial, Replicate
+
+
+def _comm(tr):
+    return Counter(e.name for e in tr.events if e.stream == "comm" and 0 in e.ranks)
+
+
+@pytest.mark.parametrize("seed", [30, 84, 116])
+def test_probe_programs_with_a_drawn_reshard_run_eagers_collectives_at_o0(seed):
+    """Wide seeds 30 (redistribute twice: eager 2 all-reduces, compiled O0 1), 84, 116
+    (wb.reshard to another mesh and back): at O0 equal to eager, collectives too."""
+    from tests.compile_probe import probe
+    p, out = probe(seed, True, levels=("O0",))
+    assert out["O0"][0] in ("compiled", "eager"), "\n".join(p.lines) + f"\n{out}"
+
+
+@pytest.mark.parametrize("how", ["method", "reshard"])
+def test_an_explicit_reshard_in_a_compiled_program_is_not_dropped(how):
+    """``t.redistribute`` / ``wb.reshard`` inside the compiled function: never a program
+    without it (a break naming the call's line; the same values and collectives as eager)."""
+    mesh = wb.Mesh([[0, 1], [2, 3]])
+    x = wb.distribute_tensor(torch.arange(4.0, dtype=torch.float64), mesh,
+                             [Replicate(), Partial("avg")])
+
+    def f(t):
+        if how == "method":
+            u = t.redistribute(mesh, [Partial("min"), Replicate()])
+        else:
+            u = wb.reshard(t, mesh, [Partial("min"), Replicate()])
+        return (u * 1.5).redistribute(mesh, [Replicate(), Replicate()])
+
+    with wb.trace() as te:
+        want = f(x)
+    for level in ("O0", "O1"):
+        prog = wb.compile(f, x, level=level)
+        with wb.trace() as tc:
+            got = prog(x)
+        assert torch.equal(got.full(), want.full())
+        assert _comm(tc) == _comm(te) and sum(_comm(te).values()) > 0
+        assert prog.breaks and prog.breaks[0].code.startswith(
+            "u = t.redistribute" if how == "method" else "u = wb.reshard")
