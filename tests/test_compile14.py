@@ -53,3 +53,33 @@ def test_an_explicit_reshard_in_a_compiled_program_is_not_dropped(how):
         assert _comm(tc) == _comm(te) and sum(_comm(te).values()) > 0
         assert prog.breaks and prog.breaks[0].code.startswith(
             "u = t.redistribute" if how == "method" else "u = wb.reshard")
+
+
+@pytest.mark.parametrize("form", ["method", "function"])
+def test_nanmedian_without_dim_is_captured_as_eager_runs_it(form):
+    """``x.nanmedian()`` / ``torch.nanmedian(x)`` (every element) broke the graph (the
+    entry's parse wants a dim: TypeError on the meta run) where ``x.median()`` was
+    captured; now recorded as ``nanmedian_all``, the op eager dispatches: values (NaNs
+    skipped, ties) and gradients exactly eager's and one device's."""
+    mesh = wb.Mesh([[0, 1], [2, 3]])
+    v = torch.tensor([[0.5, float("nan"), 0.25, 2.0], [0.25, -1.0, float("nan"), 0.25],
+                      [3.0, 0.25, 1.5, -2.0], [0.25, float("nan"), 0.5, 1.0]],
+                     dtype=torch.float64)
+
+    def f(t):
+        u = t * 2
+        return u.nanmedian() if form == "method" else torch.nanmedian(u)
+
+    from workbench.parallel import Shard
+    g = torch.tensor(1.75, dtype=torch.float64)
+    ref = v.clone().requires_grad_()
+    (f(ref) * g).sum().backward()
+    for level in ("O0", "O1"):
+        x = wb.distribute_tensor(v, mesh, [Shard(0), Shard(1)]).requires_grad_()
+        prog = wb.compile(f, x, level=level)
+        assert not prog.breaks
+        assert "nanmedian_all" in [n.op for n in prog.graph.nodes]
+        out = prog(x)
+        assert torch.equal(out.full(), f(v))
+        (out * g).sum().backward()
+        assert torch.equal(x.grad.full(), ref.grad)

@@ -18,7 +18,7 @@ from .capture_trees import _leaves, _swap
 from .graph import Graph, GraphBreak, Node, Ref
 from .reads import TENSOR_READS, amp_state, from_library
 from .trace_calls import (T, _ALIASES, _EXTREMA, _FILL, _NO_VALUES, _RANDOM, _VALUE_FUNCS,
-                          _advanced, _like, _meta_device)
+                          _advanced, _like, _meta_device, _whole)
 from .writes import NOT_A_WRITE, Refused, write
 
 
@@ -215,6 +215,10 @@ class _Tracer(TorchFunctionMode):
                     "(workbench.parallel.ops_table) or compute it outside the compiled "
                     "function", where=(f, line, code))
             return out                     # metadata: sizes, dims, dtypes
+        whole = _whole(func, args, kwargs)
+        if whole is not None:              # x.nanmedian(): nanmedian_all (trace_calls)
+            func, args, kwargs = whole[0], whole[1], {}
+            hit = BY_FUNC[func]
         entry, parse = hit
         return self._record(func, entry, parse, args, kwargs, leaves)
 
