@@ -83,3 +83,30 @@ def test_nanmedian_without_dim_is_captured_as_eager_runs_it(form):
         assert torch.equal(out.full(), f(v))
         (out * g).sum().backward()
         assert torch.equal(x.grad.full(), ref.grad)
+
+
+def test_the_count_norm_function_refusal_keeps_eagers_requires_grad():
+    """``vector_norm(x, 0)`` applies workbench's ``_CountNonzero`` (an output that requires
+    grad, no gradient to ``x``, as torch's).  Captured, its forward would be recorded
+    without autograd and the compiled output would not require grad where eager's does
+    (``backward`` would raise): the refusal (a break, the program runs eagerly) keeps
+    eager's flag and ``x.grad`` None (wide probe seed 92 refuses it too, where only the
+    count's sort indices leave the program: harmless there, not in general)."""
+    from workbench.parallel import Shard
+    mesh = wb.Mesh([[0, 1], [2, 3]])
+    v = torch.tensor([[0.0, 1.5, -2.0], [0.0, 0.0, 3.0], [1.0, 0.0, 0.5], [2.0, 2.0, 0.0]],
+                     dtype=torch.float64)
+
+    def f(t):
+        return torch.linalg.vector_norm(t * 2, 0, dim=1)
+
+    x = wb.distribute_tensor(v, mesh, [Shard(0), Replicate()]).requires_grad_()
+    want = f(x)
+    prog = wb.compile(f, x, level="O0")
+    assert prog.breaks and "_CountNonzero" in prog.breaks[0].reason
+    got = prog(x)
+    assert torch.equal(got.full(), torch.linalg.vector_norm(v * 2, 0, dim=1))
+    assert torch.equal(got.full(), want.full())
+    assert want.requires_grad and got.requires_grad
+    got.sum().backward()
+    assert x.grad is None
