@@ -3,7 +3,9 @@ wide seeds 30, 84, 116) were the probe's own program skipping its drawn ``redist
 ``wb.reshard`` on capture's meta stand-ins (``if isinstance(t, DistTensor) else t``): the
 capture saw a program without the call, eager ran it.  Capture drops no call: a user's
 explicit reshard on a traced tensor is a graph break (the program runs eagerly, eager's
-collectives), which these tests hold."""
+collectives).  Now a ``t.redistribute`` on the program's mesh is kept in the graph (a
+``kept_copy`` pinned to its placements: seeds 30 and 84 compile at every level, O0's
+collectives eager's); ``wb.reshard`` and other meshes still break (seed 116)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -28,31 +30,65 @@ def test_probe_programs_with_a_drawn_reshard_run_eagers_collectives_at_o0(seed):
     assert out["O0"][0] in ("compiled", "eager"), "\n".join(p.lines) + f"\n{out}"
 
 
-@pytest.mark.parametrize("how", ["method", "reshard"])
-def test_an_explicit_reshard_in_a_compiled_program_is_not_dropped(how):
-    """``t.redistribute`` / ``wb.reshard`` inside the compiled function: never a program
-    without it (a break naming the call's line; the same values and collectives as eager)."""
-    mesh = wb.Mesh([[0, 1], [2, 3]])
-    x = wb.distribute_tensor(torch.arange(4.0, dtype=torch.float64), mesh,
-                             [Replicate(), Partial("avg")])
-
+def _redistributes(mesh, how):
     def f(t):
         if how == "method":
             u = t.redistribute(mesh, [Partial("min"), Replicate()])
         else:
             u = wb.reshard(t, mesh, [Partial("min"), Replicate()])
-        return (u * 1.5).redistribute(mesh, [Replicate(), Replicate()])
+        return (u * 1.5).redistribute(mesh, [Replicate(), Replicate()]) + t
+    return f
 
+
+def test_a_programs_redistribute_is_kept_in_the_graph():
+    """``t.redistribute(mesh, placements)`` inside the compiled function: captured (a
+    ``kept_copy`` of t, its output pinned to the placements), no break; at O0 the forward's
+    collectives are eager's, call for call; values and gradients exactly eager's (O1:
+    equal values)."""
+    mesh = wb.Mesh([[0, 1], [2, 3]])
+    v = torch.tensor([[1.0, -2.0, 0.5], [3.0, 0.25, -1.0], [2.0, 2.0, -0.5], [0.0, 1.5, 4.0]],
+                     dtype=torch.float64)
+    f = _redistributes(mesh, "method")
+    g = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3)
+    xe = wb.distribute_tensor(v, mesh, [Replicate(), Partial("avg")]).requires_grad_()
     with wb.trace() as te:
-        want = f(x)
+        want = f(xe)
+    (want.full() * g).sum().backward()
     for level in ("O0", "O1"):
+        x = wb.distribute_tensor(v, mesh, [Replicate(), Partial("avg")]).requires_grad_()
         prog = wb.compile(f, x, level=level)
+        assert not prog.breaks
+        assert sum(n.op == "kept_copy" for n in prog.graph.nodes) == 2
+        with wb.trace() as tc:
+            got = prog(x)
+        assert torch.equal(got.full(), want.full())
+        assert tuple(got.placements) == tuple(want.placements) or level != "O0"
+        if level == "O0":
+            assert [(e.name, e.ranks) for e in tc.events if e.stream == "comm"] == \
+                [(e.name, e.ranks) for e in te.events if e.stream == "comm"]
+        (got.full() * g).sum().backward()
+        assert torch.equal(x.grad.full(), xe.grad.full())
+
+
+def test_a_reshard_the_graph_cannot_hold_breaks_it():
+    """``wb.reshard(t, ...)`` (a plain stand-in is no DistTensor) and a redistribute to
+    another mesh: a graph break naming the call (the program runs eagerly, eager's
+    values and collectives), never a program without the call."""
+    mesh = wb.Mesh([[0, 1], [2, 3]])
+    x = wb.distribute_tensor(torch.arange(4.0, dtype=torch.float64), mesh,
+                             [Replicate(), Partial("avg")])
+    other = wb.Mesh([[4, 5], [6, 7]])
+    for f, code in [(_redistributes(mesh, "reshard"), "u = wb.reshard"),
+                    (lambda t: t.redistribute(other, [Replicate(), Replicate()]) * 2,
+                     "(lambda t: t.redistribute(other")]:
+        with wb.trace() as te:
+            want = f(x)
+        prog = wb.compile(f, x, level="O0")
         with wb.trace() as tc:
             got = prog(x)
         assert torch.equal(got.full(), want.full())
         assert _comm(tc) == _comm(te) and sum(_comm(te).values()) > 0
-        assert prog.breaks and prog.breaks[0].code.startswith(
-            "u = t.redistribute" if how == "method" else "u = wb.reshard")
+        assert prog.breaks and prog.breaks[0].code.startswith(code), prog.breaks
 
 
 @pytest.mark.parametrize("form", ["method", "function"])

@@ -69,6 +69,28 @@ class _Tracer(TorchFunctionMode):
     def track(self, t, vid):
         self.ids[id(t)] = vid
         self.keep.append(t)
+        if isinstance(t, torch.Tensor) and not isinstance(t, DistTensor):
+            # DistTensor.redistribute on the stand-in (a plain tensor has none): recorded
+            t.redistribute = lambda *a, **k: self._redistribute(t, *a, **k)
+
+    def _redistribute(self, t, device_mesh=None, placements=None, *, async_op=False,
+                      forward_dtype=None, backward_dtype=None):
+        """``t.redistribute(mesh, placements)`` in the program: kept in the graph as a
+        ``kept_copy`` of ``t`` (its own layout) whose output is pinned to ``placements``:
+        lowering reshards it there at every level, as eager's call does (the mesh is
+        checked against the program's after the run).  The forms eager refuses, or that
+        name no mesh, break the graph (eager says why)."""
+        f, line, code = _user_frame()
+        if forward_dtype is not None or backward_dtype is not None or placements is None \
+                or device_mesh is None:
+            raise CaptureError(f"redistribute at {f}:{line} ({code}) without a mesh and "
+                               "placements, or with a dtype: the program runs eagerly",
+                               where=(f, line, code))
+        from ..parallel.ops_table.pointwise import kept_copy
+        from torch.overrides import handle_torch_function
+        out = handle_torch_function(kept_copy, (t,), t)      # recorded by this mode
+        self.g.pins[self.ids[id(out)]] = (device_mesh, tuple(placements), (f, line, code))
+        return out
 
     def _const(self, t):
         vid = self.const_ids.get(id(t))
