@@ -146,3 +146,15 @@ def test_the_count_norm_function_refusal_keeps_eagers_requires_grad():
     assert want.requires_grad and got.requires_grad
     got.sum().backward()
     assert x.grad is None
+
+
+def test_a_constant_the_program_reads_is_left_as_it_is():
+    """Capture gives its meta stand-ins a ``redistribute``; a plain constant the program
+    reads (the user's object) gets none."""
+    mesh = wb.Mesh([[0, 1], [2, 3]])
+    c = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)
+    x = wb.distribute_tensor(torch.arange(4.0, dtype=torch.float64), mesh,
+                             [Replicate(), Replicate()])
+    prog = wb.compile(lambda t: t * c, x, level="O0")
+    assert not prog.breaks and torch.equal(prog(x).full(), torch.arange(4.0) * c)
+    assert "redistribute" not in c.__dict__

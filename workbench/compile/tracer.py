@@ -69,8 +69,10 @@ class _Tracer(TorchFunctionMode):
     def track(self, t, vid):
         self.ids[id(t)] = vid
         self.keep.append(t)
-        if isinstance(t, torch.Tensor) and not isinstance(t, DistTensor):
+        if isinstance(t, torch.Tensor) and not isinstance(t, DistTensor) and t.is_meta:
             # DistTensor.redistribute on the stand-in (a plain tensor has none): recorded
+            # (on capture's own meta tensors only: a constant the program reads is the
+            # user's object, left as it is)
             t.redistribute = lambda *a, **k: self._redistribute(t, *a, **k)
 
     def _redistribute(self, t, device_mesh=None, placements=None, *, async_op=False,
