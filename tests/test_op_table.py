@@ -152,6 +152,8 @@ ELSEWHERE.update(dict.fromkeys(("megatron_f", "megatron_g", "keep_layout"),
                                "tests/test_compile11.py"))
 # a value written over one with history (wb.compile's captured in-place writes)
 ELSEWHERE["overwrite"] = "tests/test_compile13.py"
+# a compiled program's t.redistribute, pinned (wb.compile's tracer)
+ELSEWHERE["kept_copy"] = "tests/test_compile14.py"
 
 
 def test_every_op_in_the_table_has_a_sample_and_everything():

@@ -98,6 +98,8 @@ class Graph:
     stats_layers: list = field(default_factory=list)  # the layers given each router_topk
                                                     # node's routing on each call, in order
                                                     # (models.moe.MoE.record_stats)
+    pins: dict = field(default_factory=dict)        # vid -> (mesh, placements, where):
+                                                    # the program's t.redistribute (tracer)
     autograd_reads: set = field(default_factory=set)  # what the code asked of autograd
                                                     # (reads.py): guarded on each call
     replica_dims: dict = field(default_factory=dict)  # param vid -> the mesh dims it is

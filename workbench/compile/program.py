@@ -187,7 +187,8 @@ class CompiledProgram(_Running, _Reading):
             self.schedule = _passes.run_schedule_passes(self, self.schedule)
 
     def _pins(self, graph, pin):
-        out = {}
+        # the program's own t.redistribute (capture: tracer.py), then the caller's pins
+        out = {vid: ps for vid, (_m, ps, _w) in graph.pins.items()}
         for k, ps in (pin or {}).items():
             if k == "output":
                 for vid in graph.output_vids():

@@ -1,10 +1,12 @@
 """The torch calls capture's tracer answers itself rather than recording them as they come:
 random draws, attribute ops (``x.T``), values asked of a traced tensor, ``max`` / ``min``
-as eager DistTensors compose them, constants made ``*_like`` a traced tensor, factories
+as eager DistTensors compose them, an op's input-alone form (``x.nanmedian()``), constants made ``*_like`` a traced tensor, factories
 on the meta device, advanced indexing."""
 from __future__ import annotations
 
 import torch
+
+from ..parallel.ops_table.sort import _nanmedian_all
 
 
 T = torch.Tensor
@@ -54,6 +56,19 @@ def _extremum(kind):
 
 
 _EXTREMA = {f: _extremum(k) for k in ("max", "min") for f in (getattr(torch, k), getattr(T, k))}
+
+# an op's form with the input alone, which eager dispatches as another entry of the table
+# (the entry's ``other_form``): ``x.nanmedian()``, the median of every element, is
+# ``nanmedian_all`` (ops_table/sort.py ``_nanmedian_alone``), recorded as that op (its
+# parse wants a dim: a graph break where ``x.median()`` was captured)
+_WHOLE = {torch.nanmedian: _nanmedian_all, T.nanmedian: _nanmedian_all}
+
+
+def _whole(func, args, kwargs):
+    """(the table's callable, its args) of a call of ``_WHOLE``'s form, else None."""
+    if func not in _WHOLE or len(args) + len(kwargs) != 1 or (kwargs and "input" not in kwargs):
+        return None
+    return _WHOLE[func], (args[0] if args else kwargs["input"],)
 
 # a new tensor shaped like a traced one (its shape and dtype are static): a constant of the
 # program, as ``torch.zeros((8, 6))`` written out is (plain tensors are replicated);

@@ -18,7 +18,7 @@ from .capture_trees import _leaves, _swap
 from .graph import Graph, GraphBreak, Node, Ref
 from .reads import TENSOR_READS, amp_state, from_library
 from .trace_calls import (T, _ALIASES, _EXTREMA, _FILL, _NO_VALUES, _RANDOM, _VALUE_FUNCS,
-                          _advanced, _like, _meta_device)
+                          _advanced, _like, _meta_device, _whole)
 from .writes import NOT_A_WRITE, Refused, write
 
 
@@ -69,6 +69,30 @@ class _Tracer(TorchFunctionMode):
     def track(self, t, vid):
         self.ids[id(t)] = vid
         self.keep.append(t)
+        if isinstance(t, torch.Tensor) and not isinstance(t, DistTensor) and t.is_meta:
+            # DistTensor.redistribute on the stand-in (a plain tensor has none): recorded
+            # (on capture's own meta tensors only: a constant the program reads is the
+            # user's object, left as it is)
+            t.redistribute = lambda *a, **k: self._redistribute(t, *a, **k)
+
+    def _redistribute(self, t, device_mesh=None, placements=None, *, async_op=False,
+                      forward_dtype=None, backward_dtype=None):
+        """``t.redistribute(mesh, placements)`` in the program: kept in the graph as a
+        ``kept_copy`` of ``t`` (its own layout) whose output is pinned to ``placements``:
+        lowering reshards it there at every level, as eager's call does (the mesh is
+        checked against the program's after the run).  The forms eager refuses, or that
+        name no mesh, break the graph (eager says why)."""
+        f, line, code = _user_frame()
+        if forward_dtype is not None or backward_dtype is not None or placements is None \
+                or device_mesh is None:
+            raise CaptureError(f"redistribute at {f}:{line} ({code}) without a mesh and "
+                               "placements, or with a dtype: the program runs eagerly",
+                               where=(f, line, code))
+        from ..parallel.ops_table.pointwise import kept_copy
+        from torch.overrides import handle_torch_function
+        out = handle_torch_function(kept_copy, (t,), t)      # recorded by this mode
+        self.g.pins[self.ids[id(out)]] = (device_mesh, tuple(placements), (f, line, code))
+        return out
 
     def _const(self, t):
         vid = self.const_ids.get(id(t))
@@ -215,6 +239,10 @@ class _Tracer(TorchFunctionMode):
                     "(workbench.parallel.ops_table) or compute it outside the compiled "
                     "function", where=(f, line, code))
             return out                     # metadata: sizes, dims, dtypes
+        whole = _whole(func, args, kwargs)
+        if whole is not None:              # x.nanmedian(): nanmedian_all (trace_calls)
+            func, args, kwargs = whole[0], whole[1], {}
+            hit = BY_FUNC[func]
         entry, parse = hit
         return self._record(func, entry, parse, args, kwargs, leaves)
 

@@ -419,6 +419,26 @@ register("detach", [torch.detach, T.detach], parse=_parse, rule=copy_rule,
          sample=lambda g: [Sample(torch.detach, (g.rn(5, 6),))])
 
 
+# kept_copy: a compiled program's ``t.redistribute(mesh, placements)`` (wb.compile's tracer,
+# compile/tracer.py): a copy of ``t`` in the layout ``t`` has (the only candidate: no
+# reshard before it, whatever the search), its output pinned to the call's placements, so
+# the program reshards there as eager's call does.  Not an op eager dispatches itself.
+def kept_copy(input):
+    """The values of ``input``, a new tensor (the table's callable for a captured
+    ``redistribute``; its layout is the input's)."""
+    return input.clone()
+
+
+def _as_it_is(x, **_):
+    return combine(x.mesh.ndim, [[((p,), (p,), "as it is: the redistribute reshards after")]
+                                 for p in x.placements], 1)
+
+
+register("kept_copy", [kept_copy], parse=_parse, rule=_as_it_is, local=_local(torch.clone),
+         cost=costs.view, op_class="view",
+         sample=lambda g: [Sample(kept_copy, (g.rn(5, 6),))])
+
+
 def _detach_as_method(args, kwargs):
     """``torch.detach(d)`` and a compiled program's ``x.detach()`` as ``d.detach()``: torch's
     detach is no view to autograd, so a write into it is allowed where a view of a leaf that
