@@ -101,22 +101,22 @@ def test_op_without_entry_says_what_a_rule_alone_does_not_do():
     mesh = wb.Mesh.grid(2)
     X = torch.arange(8.0).reshape(2, 4)
     x = wb.shard_tensor(X, mesh, [S(0)])
-    assert "renorm" not in RULES
-    with pytest.raises(NoRuleError, match=r"renorm\(\) has no SPMD rule.*not in the op table"
+    assert "trapezoid" not in RULES
+    with pytest.raises(NoRuleError, match=r"trapezoid\(\) has no SPMD rule.*not in the op table"
                        r".*ops that have rules.*allow_replicate_fallback.*register"):
-        torch.renorm(x, 2, 0, 1.0)
+        torch.trapezoid(x, dim=1)
 
-    @wb.register_rule("renorm")
-    def renorm_rule(x, p, dim, maxnorm):
+    @wb.register_rule("trapezoid")
+    def trapezoid_rule(x, dim):
         return combine(x.mesh.ndim, [[((R,), (R,), "replicated")]] * x.mesh.ndim, 1)
     try:
-        assert infer("renorm", x.spec, p=2, dim=0, maxnorm=1.0).outputs == ((R,),)
-        with pytest.raises(NoRuleError, match=r"renorm\(\) has a rule.*no op-table entry"
+        assert infer("trapezoid", x.spec, dim=1).outputs == ((R,),)
+        with pytest.raises(NoRuleError, match=r"trapezoid\(\) has a rule.*no op-table entry"
                            r".*spmd\.infer.*allow_replicate_fallback"):
-            torch.renorm(x, 2, 0, 1.0)
+            torch.trapezoid(x, dim=1)
     finally:
-        del RULES["renorm"]
-    assert "renorm" not in RULES and torch.equal(x.full(), X) and x.placements == (S(0),)
+        del RULES["trapezoid"]
+    assert "trapezoid" not in RULES and torch.equal(x.full(), X) and x.placements == (S(0),)
 
 
 def test_user_rule_with_one_decorator():

@@ -368,8 +368,8 @@ def test_inplace_errors_are_torchs_and_leave_inputs_untouched(mesh, ps):
         (IndexError, "out of bounds|out of range", lambda: xf.__setitem__(7, 1.0)),
         (RuntimeError, "shape mismatch|expand|match", lambda: xf.__setitem__(0, torch.ones(3))),
         (NotImplementedError, "resize_", lambda: xf.resize_(3)),
-        (NoRuleError, r"renorm_\(\).*\[.*\].*allow_replicate_fallback",   # (cumprod_ was
-         lambda: xf.renorm_(2, 0, 1.0)),                                # one; it has a rule)
+        (NoRuleError, r"i0_\(\).*\[.*\].*allow_replicate_fallback",   # (cumprod_, then
+         lambda: xf.i0_()),                                          # renorm_: rules now)
     ]
     for exc, msg, f in cases:
         with pytest.raises(exc, match=msg):
