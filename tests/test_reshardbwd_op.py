@@ -115,12 +115,26 @@ def _theirs(oracle, mesh_shape, shape, src, op, others):  # noqa: F811
     return placements, [(kind, buf) for kind, _, buf, _ in rec.log[n:]]
 
 
+# where ours takes another strategy than DTensor's, cheaper over forward and backward: the
+# output placements ours gives
+CHEAPER = {"S1-mul-S0": (to_dt(S(1)),)}
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_backward_collectives_as_dtensor(oracle, case):  # noqa: F811
     name, mesh_shape, shape, src, op, others = case
     t_ps, t_bwd = _theirs(oracle, mesh_shape, shape, src, op, others)
     from workbench.parallel.interop import to_dtensor_placements
     out, bwd, grad = _ours(mesh_shape, shape, src, op, others)
+    if name in CHEAPER:
+        # DTensor prices forward only: it moves x (all-to-all) and moves its gradient back
+        # (the reverse all-to-all); ours prices an input's backward where it requires grad
+        # (ops_table/strategy.backward_price) and moves the operand that does not: one
+        # all-to-all in all, none in backward
+        assert t_ps != to_dtensor_placements(out.placements) == CHEAPER[name]
+        torch.testing.assert_close(grad.full(), _reference(shape, op, others), rtol=0, atol=0)
+        assert grad.placements == tuple(src) and bwd == [] and len(t_bwd) == 1
+        return
     assert to_dtensor_placements(out.placements) == t_ps     # the same op strategy
     torch.testing.assert_close(grad.full(), _reference(shape, op, others), rtol=0, atol=0)
     assert grad.placements == tuple(src)

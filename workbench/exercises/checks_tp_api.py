@@ -209,8 +209,12 @@ def check_tp_mlp_plan(plan, tp: int = 2, batch: int = 2) -> None:
     big_f = [k for k, b in fwd if b == n]
     big_b = [k for k, b in bwd if b == n]
     if big_f != ["all_reduce"]:
+        seq = ("; w2's output is reduce-scattered onto the sequence: that is sequence "
+               "parallelism's g, and the replicated residual stream then gathers it back; "
+               "here g is an all-reduce: RowwiseParallel's default output_layouts=Replicate()"
+               if big_f[:1] == ["reduce_scatter"] else "")
         raise CheckError(f"forward sent {', '.join(big_f) or 'nothing'} of the activation; "
-                         "Megatron's g sends one all-reduce of the partial sums after w2")
+                         "Megatron's g sends one all-reduce of the partial sums after w2" + seq)
     if big_b.count("all_reduce") == 2:
         raise CheckError("right layouts and right values, but backward sends 2 all-reduces of "
                          "the input gradient where Megatron's f sends 1: w1 and w3 each "
