@@ -591,13 +591,6 @@ def _grads(inputs) -> tuple:
     for k, x in enumerate(inputs):
         if type(x) is DistTensor:
             loc = x._local
-            if type(loc) is torch.Tensor and (_rb.KEY in loc.__dict__ or
-                                              _gbd.KEY in loc.__dict__):
-                # a wb.reshard result: the gradient's way back is recorded once, to the
-                # reshard's source (reshard_backward), whatever the op does with it, so a
-                # slice of it adds nothing in backward (DTensor: one all-to-all back,
-                # tests/test_reshardbwd.py); priced as forward only
-                continue
             rg = loc.requires_grad if type(loc) is torch.Tensor and \
                 "_wb_requires_grad_of" not in loc.__dict__ else x.requires_grad
             if rg:
