@@ -3,31 +3,20 @@ phase by phase (``benchmarks/mtnlg_audit.py``, ``main_tp`` and its docstring's "
 (mtn14)"): what the planner charges a BLOOM layer pass at tp 8 against tp 4, and the gap
 per layer and micro-batch the audit prints, bounded so that a change of the clock that
 moves it fails here and the note is updated."""
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests.test_i21mtnlg import audit_mod  # noqa: F401  (the loader fixture)
 
 from workbench.sim_mesh import cost
 from workbench.sim_mesh.profiles import get_profile
 
-_BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 JZ = get_profile("a100-jeanzay")
 
 
-def _audit():
-    sys.path.insert(0, str(_BENCH))
-    spec = importlib.util.spec_from_file_location("benchmarks_mtnlg_audit_mtn14",
-                                                  _BENCH / "mtnlg_audit.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
-def audit():
-    return _audit()
+def audit(audit_mod):
+    return audit_mod        # benchmarks/mtnlg_audit.py, loaded as test_i21mtnlg loads it
 
 
 @pytest.fixture(scope="module")
