@@ -235,6 +235,33 @@ and backward with CUDA events; #445, 2023-10, a TE ``Linear``'s "cost_time", 0.5
 against PyTorch's 0.18 ms at 1,024 x 1,024 on an H100, host and device not separated;
 #761 and #836, 2024, FP8 runs, profiles shown as images).  So host time stays unpriced: the sourced part cannot pace
 these layers, the rest has no figure.
+
+Independent H100 GEMM figures against the measured file (gemm15, 2026-11-30;
+:func:`independent_gemm_checks`, ``INDEPENDENT_H100_GEMMS``).  Were the measured table
+(``sim_mesh/measurements/h100-sxm-80gb.json``, 700 W, random data, timed groups of back-
+to-back calls) faster than what others measure, or the runs' mid-2024 cuBLAS slower
+than 2026's, the small rows' GEMMs would be priced short.  Neither is what the component
+figures found say.  On the same part (H100 80GB HBM3 SXM): 8,192^3 bf16 711.5 TFLOP/s,
+median of 7 rounds, torch 2.8.0+cu128 (tusharhqq/napkin-math-gpu@668e7f6f8c
+results/h100-sxm.json, "gemm_bf16", 2026-08), against the file's 686.6 (0.965); 2,048^3 /
+4,096^3 / 8,192^3 676.6 / 788.7 / 797.5, torch 2.7.0+cu128, method not stated
+(zzc0721/torch-performance-test-data issue #79, 2025-10), against the file's 540.4 /
+584.5 / 686.6 (0.80 / 0.74 / 0.86); each card's best shape (MAMF, S. Bekman,
+ml-engineering compute/accelerator/README.md): 792.1 with CUDA 12.1 (2024) and 794.5 with
+torch 2.7.0+cu126 (2025), against the file's grid best 751.4 (0.95); NGC 24.07 (July
+2024: the rows' era) "813 TFLOP/s consistently" at the best iteration without warm-up
+(stas00/ml-engineering PR #59, 2024-08; the maintainer: a cold GPU's first matmul, "not
+sustainable").  So the file is the lowest reading at every shape compared (it holds the
+card at its power cap, the others are shorter bursts), and the libraries of 2023-2024
+reached the same best-shape rates as 2026's: no source says the small rows' GEMMs ran
+slower than priced, and the 511 / 545 TFLOP/s the 1.7B / 7.1B would need (``gemm_rates``)
+stay 25% / 19% below every figure.  The fp32 ``main_grad`` epilogue (above): searched
+again, only other GPUs' figures: fp32 accumulation through ``torch.addmm(...,
+out_dtype=torch.float32)`` added 0.7% to a fused linear-cross-entropy pass on a B200
+(M 8,192, H 4,096, V 131,072; linkedin/Liger-Kernel PR #1391, 2026-08: a whole pass, not
+the GEMM alone), FlagGems' ``wgrad_gemm_accum_fp32`` on an H20 is given only against
+Apex's (flagos-ai/FlagGems PR #5003, about 1.0x): consistent with an epilogue mostly
+hidden, no H100 figure; it stays unpriced.  No row moved.
 """
 import json
 import os
@@ -405,6 +432,37 @@ def gemm_rates(row) -> dict:
                 needed=flops / t * both / (both + gap) if gap > 0 else None)
 
 
+# gemm15: independent bf16 GEMM figures on the H100 80GB HBM3 SXM (module docstring,
+# "Independent H100 GEMM figures"): ((m, n, k) or None for each card's best shape,
+# TFLOP/s, source)
+INDEPENDENT_H100_GEMMS = (
+    ((8192, 8192, 8192), 711.5, "tusharhqq/napkin-math-gpu@668e7f6f8c results/h100-sxm.json "
+     "'gemm_bf16' 711.466, median of 7 rounds, torch 2.8.0+cu128"),
+    ((2048, 2048, 2048), 676.6, "zzc0721/torch-performance-test-data #79, torch 2.7.0+cu128"),
+    ((4096, 4096, 4096), 788.7, "zzc0721/torch-performance-test-data #79, torch 2.7.0+cu128"),
+    ((8192, 8192, 8192), 797.5, "zzc0721/torch-performance-test-data #79, torch 2.7.0+cu128"),
+    (None, 792.1, "ml-engineering MAMF table, H100 SXM, CUDA 12.1 (6144x17920x2816)"),
+    (None, 794.5, "ml-engineering MAMF table (2025), H100 SXM, torch 2.7.0+cu126"),
+    (None, 813.0, "stas00/ml-engineering PR #59, NGC 24.07, best iteration without warm-up"),
+)
+
+
+def independent_gemm_checks(measured: str = "h100-sxm-80gb.json") -> list:
+    """Each ``INDEPENDENT_H100_GEMMS`` figure beside the measured file's rate for the same
+    product (its ``gemm_grid`` entry; the grid's best where the figure is a card's best
+    shape): dicts of shape, independent and file TFLOP/s, their ratio, source."""
+    path = os.path.join(os.path.dirname(MS.__file__), "measurements", measured)
+    with open(path) as f:
+        grid = json.load(f)["gemm_grid"]
+    rate = {tuple(r[:3]): r[3] for r in grid}
+    best = max(rate.values())
+    out = []
+    for shape, tf, src in INDEPENDENT_H100_GEMMS:
+        got = best if shape is None else rate[shape]
+        out.append(dict(shape=shape, independent=tf, file=got, ratio=got / tf, source=src))
+    return out
+
+
 def wgrad_accum_bound(row) -> dict:
     """For a one-stage row: the most the weight gradients' fp32 accumulation could add a
     step beyond what is priced (module docstring, "Weight gradients into fp32").  Megatron
@@ -557,6 +615,12 @@ def main():
             need = f"{g['needed'] / 1e12:>8.1f}" if g["needed"] else f"{'-':>8}"
             print(f"  {g['name']:<9}{g['flops'] / 1e12:>8.1f}{1e3 * g['seconds']:>8.1f}"
                   f"{g['rate'] / 1e12:>9.1f}{1e3 * g['gap']:>8.1f}{need}")
+    print("  the measured file's bf16 GEMMs beside independent H100 SXM figures (TFLOP/s; "
+          "independent_gemm_checks; best: each card's best shape, the file's grid best)")
+    for c in independent_gemm_checks():
+        shape = "best" if c["shape"] is None else "x".join(map(str, c["shape"]))
+        print(f"  {shape:<16}{c['file']:>7.1f}{c['independent']:>7.1f}{c['ratio']:>7.3f}  "
+              f"{c['source']}")
     print("  one-stage rows: the most the fp32 main_grad accumulation inside the wgrad "
           "GEMMs could add, unhidden (wgrad_accum_bound; not priced: compute-bound), ms a step")
     print(f"  {'model':<9}{'layers':>8}{'head':>8}{'ratio':>7}{'if added':>9}")

@@ -232,6 +232,51 @@ Re-read on 2026-11-29 (titan14): what the 13B rows lack, and where it could be.
   was found (the MAMF table's 300 W A100 PCIe reads 0.93 .. 0.96 of the SXM's best burst:
   not 0.84), and the rows' cluster is not stated: not priced, no row moved.  A probe,
   never a figure the profile takes.
+
+GEMM rates under power limits and sustained load (gemm15, 2026-11-30).  The question: do
+component measurements put an A100's sustained GEMM rate at the 0.83-0.88 of the
+profile's (the ``GEMM x`` column: 213-228 TFLOP/s where the profile prices 258) that the
+six A100 rows would need?  Searched (pages, issues, docs corpora): power-capping and DVFS
+studies (Zeus / Perseus, ML.ENERGY, power-capping papers on H100 / H200 / GH200 with
+DGEMM), NVIDIA's HPL clock notes, MLPerf pages, GEMM sweeps (Anthony et al. 2024,
+arXiv:2401.14489, only its abstract and guidelines in the corpus, no per-shape figure),
+cuBLAS / CUTLASS issues.  What was found, each a kernel figure (``A100_GEMM_FIGURES``,
+:func:`power_reading`):
+
+- the profile's own point, 258 TFLOP/s: an 8192^3 product through PyTorch's cuBLAS on
+  a 400 W A100 SXM, random inputs (H. He, thonking.ai, 2024; 295 on zeros: the card is
+  power-limited, random data draws the most power);
+- a 500 W A100-SXM4-80GB (the higher-TDP 80GB part), 8192^3 bf16, PyTorch 2.8.0+cu128,
+  median of 7 rounds: 289.3 TFLOP/s (tusharhqq/napkin-math-gpu@9da5cf368f
+  results/a100-80gb-sxm4.json, "gemm_bf16", power_limit_w 500.0, captured 2026-08-08):
+  1.12x the 400 W figure, another library and card;
+- a 300 W A100 PCIe against a 400 W A100 SXM, the same GA100 die and 1,410 MHz boost,
+  each card's best shape (S. Bekman, ml-engineering, compute/accelerator/README.md,
+  "Maximum Achievable Matmul FLOPS comparison table"): 256.4 / 267.9 = 0.957 (CUDA 12.1
+  revision), 252.9 / 271.2 = 0.933 (2025 revision, torch 2.5.1+cu124 / 2.6.0+cu126).
+  So 100 W less power cost an A100 GEMM 4-7%; a 350 W cap (Meta's production cluster,
+  Touvron et al. 2023 sec. 2.2.1; RSC ran 400 W) lies between, bounded by
+  ``POWER_CAP_BOUND`` = 0.933, well above the 0.83-0.88 the rows need;
+- sustained load: on the H100 the measured file's 8,192^3 product held 683 TFLOP/s for
+  12 s at its 700 W cap (1,365-1,440 MHz, ``sim_mesh/measurements/h100-sxm-80gb.json``:
+  the profile already prices the sustained rate); at cluster scale Meta saw a diurnal
+  1-2% throughput variation from temperature-driven DVFS (Llama 3 paper, Dubey et al.
+  2024, sec. 3.3.4: an end-to-end variation, read for its scale only); back-to-back
+  kernels can lose 15% within 100 iterations on a B200 (flashinfer-ai/flashinfer PR
+  #2899, FlashAttention-4 forward: a benchmark-method effect on another GPU, not priced);
+- and the layer-level check NVIDIA's own A100s give: Korthikanti et al. 2022 Table 4
+  (one 22B layer, tp 8, on 400 W DGX A100s), which the clock meets within 2.1% with the
+  profile's GEMM rate (tests/test_table4.py).  At the rows' GEMM factors it would not:
+  :func:`table4_at` prices the baseline layer at 21.13-22.01 ms for the rows' x =
+  0.827-0.882 (published 19.6: +8 to +12%); at the power-cap bound 0.933, 20.39 ms (+4%).
+
+So no component figure supports an A100 GEMM at 0.69-0.73 of peak: the one GEMM factor
+that would bring the six torchtitan A100 rows within 3% is contradicted by Table 4 on
+NVIDIA's 400 W cards, and a 350 W cap, were the rows' cluster capped (not stated), is
+bounded by the 300 W PCIe card's 0.933.  Priced at that bound the rows would read 1.046
+.. 1.097 (13B 1.093 / 1.097; :func:`power_reading`, the "x bound" column): inside 15%,
+but the bound is a 300 W card's and the rows' power limit unknown, so it is a reading,
+not a figure the profile takes.  No row moved.
 """
 from __future__ import annotations
 
@@ -490,6 +535,70 @@ def recompute_reading() -> dict:
     return out
 
 
+# gemm15: A100 bf16 / fp16 GEMM rates at known power limits (module docstring, "GEMM
+# rates under power limits"): (label, TFLOP/s, board power W, source)
+A100_GEMM_FIGURES = (
+    ("A100 SXM 400 W, 8192^3, random data (the profile's efficiency.matmul)", 258.0, 400,
+     "H. He, 'Strangely, Matrix Multiplications on GPUs Run Faster When Given "
+     "\"Predictable\" Data', thonking.ai, 2024"),
+    ("A100-SXM4-80GB 500 W, 8192^3 bf16, median of 7 rounds", 289.3, 500,
+     "tusharhqq/napkin-math-gpu@9da5cf368f results/a100-80gb-sxm4.json 'gemm_bf16' "
+     "(289.297, power_limit_w 500.0, torch 2.8.0+cu128, 2026-08-08)"),
+    ("A100 SXM 400 W, best shape (MAMF, CUDA 12.1)", 267.9, 400,
+     "stas00/ml-engineering compute/accelerator/README.md, MAMF table"),
+    ("A100 PCIe 300 W, best shape (MAMF, CUDA 12.1)", 256.4, 300,
+     "stas00/ml-engineering compute/accelerator/README.md, MAMF table"),
+    ("A100 SXM 400 W, best shape (MAMF, 2025 revision, torch 2.6.0+cu126)", 271.2, 400,
+     "stas00/ml-engineering compute/accelerator/README.md, MAMF table (2025)"),
+    ("A100 PCIe 300 W, best shape (MAMF, 2025 revision, torch 2.5.1+cu124)", 252.9, 300,
+     "stas00/ml-engineering compute/accelerator/README.md, MAMF table (2025)"),
+)
+# the lower of the two 300 W / 400 W ratios of the same table: the most a power limit
+# between them (350 W) can take from a 400 W card's GEMM rate, read as a bound
+POWER_CAP_BOUND = 252.9 / 271.2
+# Korthikanti et al. 2022 Table 4, the baseline row (no SP, no recompute): forward,
+# backward, combined ms of one 22B layer (h 6144, 64 heads, s 2048, b 4, tp 8, fp16)
+TABLE4_BASELINE = (7.7, 11.9, 19.6)
+TABLE4_LAYER = dict(h=6144, a=64, s=2048, b=4, tp=8, dtype="float16")
+
+
+def table4_at(x: float) -> tuple:
+    """Korthikanti Table 4's baseline layer (``TABLE4_LAYER``) priced by the clock with
+    the a100 profile's GEMM rate times ``x`` (``_gemm_scaled``): forward, backward,
+    combined, ms.  x = 1 is the profile (tests/test_table4.py: within 2.1%)."""
+    from workbench.plan.layer_cost import layer_times
+    from workbench.sim_mesh.profiles import get_profile
+    r = layer_times(profile=_gemm_scaled(get_profile("a100"), x), **TABLE4_LAYER)
+    return r.forward * 1e3, r.backward * 1e3, r.combined * 1e3
+
+
+def step_at(row, x: float) -> float:
+    """The row's estimated step (s) with every GEMM's rate times ``x`` (a probe)."""
+    cfg, lay, cl = P.build(row)
+    c = wb.plan.Cluster(_gemm_scaled(cl.profile, x), row["devices"])
+    return wb.plan.estimate(cfg, lay, c, attention=row["attention"],
+                            **row["estimate_args"]).step_time
+
+
+def power_reading(iters: int = 12) -> list:
+    """Per A100 row (profile ``a100``): its ratio, the GEMM factor that takes the
+    published step (``gemm_scale``), Table 4's baseline layer at that factor (combined
+    ms against the published 19.6), and the row's ratio were every GEMM at
+    ``POWER_CAP_BOUND`` (a 300 W card's share of a 400 W card's rate: the most a 350 W
+    cap could take, module docstring).  A reading: nothing here is priced."""
+    out = []
+    for row in rows():
+        if row["profile"] != "a100":
+            continue
+        b = breakdown(row)
+        x = gemm_scale(row, b["published"], iters)
+        out.append(dict(name=row["name"], recompute=b["recompute"], ratio=b["ratio"],
+                        x_published=x, table4=table4_at(x)[2],
+                        ratio_at_bound=b["ratio"] * b["predicted"]
+                        / step_at(row, POWER_CAP_BOUND)))
+    return out
+
+
 def base_layers(row) -> int:
     """The row's transformer blocks."""
     cfg, _, _ = P.build(row)
@@ -572,6 +681,17 @@ def main(argv=None):
         r = rr[kind]
         print(f"  {kind:<6} {r['blocks']:>3} blocks  published {r['measured']:.3f}  priced "
               f"{r['priced']:.3f}  x{r['ratio']:.3f}")
+    print("  A100 GEMM rates at known power limits (gemm15; module docstring): TFLOP/s")
+    for label, tf, _w, src in A100_GEMM_FIGURES:
+        print(f"    {tf:6.1f}  {label}  [{src}]")
+    t4 = table4_at(1.0)[2]
+    print(f"  the GEMM factor each A100 row needs (published step), Korthikanti Table 4's "
+          f"layer at it (ms, published {TABLE4_BASELINE[2]}; at x = 1: {t4:.2f}), and the "
+          f"row's ratio at the power-cap bound x = {POWER_CAP_BOUND:.3f} (a reading)")
+    print(f"  {'model':<13}{'rc':<5}{'ratio':>6}{'x publ.':>8}{'Table 4':>8}{'x bound':>8}")
+    for r in power_reading():
+        print(f"  {r['name']:<13}{r['recompute']:<5}{r['ratio']:>6.3f}{r['x_published']:>8.3f}"
+              f"{r['table4']:>8.2f}{r['ratio_at_bound']:>8.3f}")
     print("  bus bandwidth of the FSDP group (GB/s, nccl-tests' busbw): the clock's, and "
           "the least that hides a block's backward collectives"
           + ("; gap: what would make the estimate the published step" if args.needed else ""))
