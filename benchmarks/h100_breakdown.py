@@ -255,7 +255,13 @@ sustainable").  So the file is the lowest reading at every shape compared (it ho
 card at its power cap, the others are shorter bursts), and the libraries of 2023-2024
 reached the same best-shape rates as 2026's: no source says the small rows' GEMMs ran
 slower than priced, and the 511 / 545 TFLOP/s the 1.7B / 7.1B would need (``gemm_rates``)
-stay 25% / 19% below every figure.  The fp32 ``main_grad`` epilogue (above): searched
+stay 25% / 19% below every figure.  Sustained load is in the file already
+(:func:`sustained_clock_check`): its 8,192^3 product, sampled every second for 12 s at
+the 700 W cap (throttle reason 0x4, SW power cap), ran at 679-688 TFLOP/s with the SM
+clock at 1,365-1,440 MHz, 0.88-0.93 of the tensor cores' peak at the logged clock (132
+SMs x 4,096 FLOP per clock: the datasheet's 989.4 TFLOP/s at 1,830 MHz); the clock, not
+the kernel, is what the power cap takes (1,980 MHz at most).  The fp32 ``main_grad``
+epilogue (above): searched
 again, only other GPUs' figures: fp32 accumulation through ``torch.addmm(...,
 out_dtype=torch.float32)`` added 0.7% to a fused linear-cross-entropy pass on a B200
 (M 8,192, H 4,096, V 131,072; linkedin/Liger-Kernel PR #1391, 2026-08: a whole pass, not
@@ -462,6 +468,27 @@ def independent_gemm_checks(measured: str = "h100-sxm-80gb.json") -> list:
         out.append(dict(shape=shape, independent=tf, file=got, ratio=got / tf, source=src))
     return out
 
+# an H100 SXM's tensor-core FLOP per clock (bf16 dense): 132 SMs x 4,096, the
+# datasheet's 989.4 TFLOP/s at 1,830 MHz (G. Lockwood, glennklockwood.com "peak FLOPS":
+# 512 FMA per tensor core per clock, 4 per SM)
+H100_FLOP_PER_CLOCK = 132 * 4096
+
+
+def sustained_clock_check(measured: str = "h100-sxm-80gb.json") -> list:
+    """Each second of the measured file's sustained 8,192^3 product: its TFLOP/s, the SM
+    clock nvidia-smi logged (MHz), the tensor cores' peak at that clock and the share
+    the product reached of it."""
+    path = os.path.join(os.path.dirname(MS.__file__), "measurements", measured)
+    with open(path) as f:
+        samples = json.load(f)["sustained"]["per_second"]
+    out = []
+    for x in samples:
+        mhz = float(x["clocks.sm"].split()[0])
+        peak = H100_FLOP_PER_CLOCK * mhz * 1e6 / 1e12
+        out.append(dict(tflops=x["tflops"], mhz=mhz, peak=peak, share=x["tflops"] / peak,
+                        throttle=x["clocks_throttle_reasons.active"]))
+    return out
+
 
 def wgrad_accum_bound(row) -> dict:
     """For a one-stage row: the most the weight gradients' fp32 accumulation could add a
@@ -621,6 +648,12 @@ def main():
         shape = "best" if c["shape"] is None else "x".join(map(str, c["shape"]))
         print(f"  {shape:<16}{c['file']:>7.1f}{c['independent']:>7.1f}{c['ratio']:>7.3f}  "
               f"{c['source']}")
+    sc = sustained_clock_check()
+    print(f"  the file's sustained 8192^3 product, {len(sc)} one-second samples at the power "
+          f"cap: {min(x['tflops'] for x in sc):.1f}-{max(x['tflops'] for x in sc):.1f} "
+          f"TFLOP/s at {min(x['mhz'] for x in sc):.0f}-{max(x['mhz'] for x in sc):.0f} MHz, "
+          f"{min(x['share'] for x in sc):.3f}-{max(x['share'] for x in sc):.3f} of the peak "
+          f"at the logged clock (sustained_clock_check)")
     print("  one-stage rows: the most the fp32 main_grad accumulation inside the wgrad "
           "GEMMs could add, unhidden (wgrad_accum_bound; not priced: compute-bound), ms a step")
     print(f"  {'model':<9}{'layers':>8}{'head':>8}{'ratio':>7}{'if added':>9}")

@@ -264,6 +264,15 @@ cuBLAS / CUTLASS issues.  What was found, each a kernel figure (``A100_GEMM_FIGU
   2024, sec. 3.3.4: an end-to-end variation, read for its scale only); back-to-back
   kernels can lose 15% within 100 iterations on a B200 (flashinfer-ai/flashinfer PR
   #2899, FlashAttention-4 forward: a benchmark-method effect on another GPU, not priced);
+- the clock under the power limit: FlashAttention-2 forward on an A100 (variant not
+  stated) ran with its SM clock falling from 1,410 to "~1200MHZ" from the power limit,
+  the author's peak at that clock "~265TFLOPs/s" (liangan1/GPU_travel@07d0469e8a
+  performance/flash-attn/README.md).  An A100 does 108 SMs x 2,048 FLOP per clock (the
+  datasheet's 312 TFLOP/s at 1,410 MHz; NVIDIA/cudnn-frontend PR #715), so 1,200 MHz
+  gives 265.4 and the profile's 258 is 0.972 of it (:func:`a100_clock_share`): the
+  profile's rate is already a power-limited clock's, not a boost burst.  The rows'
+  213-228 TFLOP/s at the same kernel efficiency would need 992-1,058 MHz sustained, a
+  further 12-17% off the clock, which no figure found shows for a 400 W card;
 - and the layer-level check NVIDIA's own A100s give: Korthikanti et al. 2022 Table 4
   (one 22B layer, tp 8, on 400 W DGX A100s), which the clock meets within 2.1% with the
   profile's GEMM rate (tests/test_table4.py).  At the rows' GEMM factors it would not:
@@ -560,6 +569,18 @@ POWER_CAP_BOUND = 252.9 / 271.2
 # backward, combined ms of one 22B layer (h 6144, 64 heads, s 2048, b 4, tp 8, fp16)
 TABLE4_BASELINE = (7.7, 11.9, 19.6)
 TABLE4_LAYER = dict(h=6144, a=64, s=2048, b=4, tp=8, dtype="float16")
+# an A100's tensor-core FLOP per clock (bf16 / fp16 dense): 108 SMs x 2,048, the
+# datasheet's 312 TFLOP/s at its 1,410 MHz boost (NVIDIA/cudnn-frontend PR #715)
+A100_FLOP_PER_CLOCK = 108 * 2048
+# the SM clock an A100 held under FlashAttention-2's sustained load, power-limited
+# (liangan1/GPU_travel@07d0469e8a performance/flash-attn/README.md: "~1200MHZ")
+A100_POWER_LIMITED_CLOCK = 1200e6
+
+
+def a100_clock_share(tflops: float, clock: float = A100_POWER_LIMITED_CLOCK) -> float:
+    """``tflops`` over the A100's tensor-core peak at ``clock`` (Hz): the kernel's
+    efficiency were the card at that clock."""
+    return tflops * 1e12 / (A100_FLOP_PER_CLOCK * clock)
 
 
 def table4_at(x: float) -> tuple:
@@ -684,6 +705,8 @@ def main(argv=None):
     print("  A100 GEMM rates at known power limits (gemm15; module docstring): TFLOP/s")
     for label, tf, _w, src in A100_GEMM_FIGURES:
         print(f"    {tf:6.1f}  {label}  [{src}]")
+    print(f"  He's 258 TFLOP/s is {a100_clock_share(258.0):.3f} of an A100's peak at the "
+          f"{A100_POWER_LIMITED_CLOCK / 1e6:.0f} MHz a power-limited card holds (GPU_travel)")
     t4 = table4_at(1.0)[2]
     print(f"  the GEMM factor each A100 row needs (published step), Korthikanti Table 4's "
           f"layer at it (ms, published {TABLE4_BASELINE[2]}; at x = 1: {t4:.2f}), and the "

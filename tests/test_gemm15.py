@@ -90,3 +90,23 @@ def test_h100_file_is_at_or_below_every_independent_figure():
     napkin = next(c for c in checks if c["source"].startswith("tusharhqq"))
     assert napkin["shape"] == (N, N, N)
     assert napkin["ratio"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_the_a100_profiles_rate_is_a_power_limited_clocks():
+    # 108 SMs x 2,048 FLOP a clock at 1,410 MHz is the datasheet's 312 TFLOP/s
+    assert TB.A100_FLOP_PER_CLOCK * 1410e6 / 1e12 == pytest.approx(312.0, rel=0.002)
+    # He's 258 TFLOP/s is 0.97 of the peak at the ~1,200 MHz a power-limited A100 holds
+    # (GPU_travel), above it at boost a kernel would run at only 0.83 of its clock
+    assert TB.a100_clock_share(258.0) == pytest.approx(0.972, abs=0.002)
+    assert TB.a100_clock_share(258.0, 1410e6) == pytest.approx(258.0 / 312.0, rel=0.002)
+
+
+def test_h100_sustained_samples_are_the_clocks_the_power_cap_left():
+    samples = HB.sustained_clock_check()
+    assert len(samples) >= 10
+    # 132 SMs x 4,096 FLOP a clock at 1,830 MHz is the datasheet's 989.4 TFLOP/s
+    assert HB.H100_FLOP_PER_CLOCK * 1830e6 / 1e12 == pytest.approx(989.4, rel=0.001)
+    for x in samples:
+        assert x["throttle"].endswith("4")          # SW power cap (nvidia-smi bit 0x4)
+        assert x["mhz"] < 1980                      # below the card's maximum clock
+        assert 0.85 < x["share"] < 0.95             # the kernel near its clock's peak
