@@ -267,7 +267,10 @@ out_dtype=torch.float32)`` added 0.7% to a fused linear-cross-entropy pass on a 
 (M 8,192, H 4,096, V 131,072; linkedin/Liger-Kernel PR #1391, 2026-08: a whole pass, not
 the GEMM alone), FlagGems' ``wgrad_gemm_accum_fp32`` on an H20 is given only against
 Apex's (flagos-ai/FlagGems PR #5003, about 1.0x): consistent with an epilogue mostly
-hidden, no H100 figure; it stays unpriced.  No row moved.
+hidden; the one Hopper figure of beta = 1 is CUTLASS's grouped GEMM at K = 256, 4.2x
+slower than beta = 0 (NVIDIA/cutlass #1352, 2024; the maintainers: small-K cases, its
+epilogue "not optimized for that"), where the rows' wgrad K is the micro-batch's 4,096
+tokens: no H100 figure at these shapes; it stays unpriced.  No row moved.
 """
 import json
 import os

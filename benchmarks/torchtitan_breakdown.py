@@ -279,6 +279,13 @@ cuBLAS / CUTLASS issues.  What was found, each a kernel figure (``A100_GEMM_FIGU
   :func:`table4_at` prices the baseline layer at 21.13-22.01 ms for the rows' x =
   0.827-0.882 (published 19.6: +8 to +12%); at the power-cap bound 0.933, 20.39 ms (+4%).
 
+The attention kernel (FlashAttention-2 through SDPA, ``sim_mesh.fa2_a100``: Dao 2023
+Fig. 4, causal head dimension 128 at 4k 173 TFLOP/s forward + backward): searched for
+another A100 forward + backward figure at these shapes (issues: the repository's
+``benchmark_flash_attention.py`` outputs posted for RTX A5000, H100 PCIe and other GPUs,
+none for an A100 at head dimension 128); the one A100 reading, GPU_travel's forward alone
+at ~1,200 MHz, is already read in ``fa2_a100``'s docstring.  Nothing re-prices it.
+
 So no component figure supports an A100 GEMM at 0.69-0.73 of peak: the one GEMM factor
 that would bring the six torchtitan A100 rows within 3% is contradicted by Table 4 on
 NVIDIA's 400 W cards, and a 350 W cap, were the rows' cluster capped (not stated), is
