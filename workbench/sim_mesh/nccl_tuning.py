@@ -322,7 +322,15 @@ def scale_assumption(profile: Profile, nodes: int) -> tuple:
     whose GPU, fabric and NCCL release the figure does not state and whose one-node figure
     is 0.71 of nccl-tests' NVLink ring: read, not applied to the A100 / HDR profile.  NCCL's
     maintainer's rule of thumb, ~20 GB/s per NIC (NVIDIA/nccl #320, 2023-01-03), is again a
-    few-node figure.  The line itself is unchanged (notebook 17 stores it), so its "no bus
+    few-node figure.  On A100 / HDR InfiniBand at scale the one component reading found is
+    of other jobs' traffic, not of NCCL: De Sensi et al. (SC24, arXiv 2408.14090; through
+    its published summaries) measured on Leonardo (Dragonfly+) production noise costing
+    "up to 50%" of NCCL allreduce goodput at 1,024 GPUs, partly recovered on a non-default
+    IB service level (as NVIDIA's own scripts select, ``export NCCL_IB_SL=1``,
+    NVIDIA/Megatron-LM 6df14fa6c4 examples/multimodal/llama_3p1_nemotron_nano_vl_8b_v1/
+    text_generation.sh:3); read against the rows in ``benchmarks/zero3_audit.py`` and
+    ``benchmarks/mtnlg_audit.py`` (not one figure for ZeRO-3; under 8% of MT-NLG's gap),
+    not priced: one scale, another topology, an upper figure only.  The line itself is unchanged (notebook 17 stores it), so its "no bus
     bandwidth measured at that scale on A100" stands: true of A100 still.  () for other
     libraries or at most two nodes."""
     if profile.topology.library != "nccl" or not profile.topology.protocols or nodes <= 2:
