@@ -330,7 +330,13 @@ def scale_assumption(profile: Profile, nodes: int) -> tuple:
     NVIDIA/Megatron-LM 6df14fa6c4 examples/multimodal/llama_3p1_nemotron_nano_vl_8b_v1/
     text_generation.sh:3); read against the rows in ``benchmarks/zero3_audit.py`` and
     ``benchmarks/mtnlg_audit.py`` (not one figure for ZeRO-3; under 8% of MT-NLG's gap),
-    not priced: one scale, another topology, an upper figure only.  The line itself is unchanged (notebook 17 stores it), so its "no bus
+    not priced: one scale, another topology, an upper figure only.  NCCL's own source
+    adds nothing that grows with the nodes beyond that latency for the ring all_gather /
+    reduce_scatter these rows run: 2.8.3's ``computeColl`` (NVIDIA/nccl v2.8.3-1
+    src/enqueue.cc:348-351, :377-379, :419-420) cuts a ring collective into nRanks chunks a
+    channel and loop and runs (nRanks - 1) steps a loop, the steps the tuning model's
+    latency counts; its chunk shrinking with the depth (:383-387, :404-409) is the tree's
+    and LL128 tree's, all_reduce only.  The line itself is unchanged (notebook 17 stores it), so its "no bus
     bandwidth measured at that scale on A100" stands: true of A100 still.  () for other
     libraries or at most two nodes."""
     if profile.topology.library != "nccl" or not profile.topology.protocols or nodes <= 2:
