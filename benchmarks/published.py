@@ -244,7 +244,13 @@ figure of the 2024 README (a chart, no numbers), NeMo-Megatron-Launcher's 175B t
   A100); NVIDIA's DGX SuperPOD reference architecture and the Azure NDv4 notes as
   stored here: no per-node-count table), so the network at that scale stays unpriced
   and every estimate whose data-parallel group spans three nodes or more says so
-  (``nccl_tuning.scale_assumption``).
+  (``nccl_tuning.scale_assumption``).  Searched again (branch nccl15): the one curve of
+  collective bandwidth against 1-64 nodes of 8 GPUs found (the Ultra-Scale Playbook, 256
+  MB, fabric not stated) falls 2.9-9x more than NCCL's tuning model at 8-64 nodes, and on
+  A100 / HDR InfiniBand the one reading at scale is of other jobs' traffic (De Sensi et
+  al., SC24: up to 50% of NCCL allreduce goodput at 1,024 GPUs on Leonardo): neither
+  transfers to Selene, both are read against these rows in ``benchmarks/zero3_audit.py``
+  (tests/test_nccl15.py), nothing is priced.
 
 Other ZeRO-3 (DeepSpeed or FSDP) rows at scale are missing for want of a source on a profile here:
 ZeRO++ (Wang et al. 2023) evaluated on 384 V100s (microsoft/DeepSpeed

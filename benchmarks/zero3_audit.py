@@ -229,7 +229,26 @@ above; ex = DeepSpeedExamples 44be774aad Megatron-LM-v1.1.5-ZeRO3; rows before /
   at that scale found (searched again: NVIDIA/nccl #1218 is H100 over RoCE at 32 nodes,
   all_gather of 2 GB at 200 GB/s; #1211, #1413 (NVIDIA: reduce-scatter "shows a
   noticeable decline as the cluster size increases", no figure); nccl-tests #169 is
-  all_reduce over PCIe RoCE at 2-6 nodes).  NOT changed.
+  all_reduce over PCIe RoCE at 2-6 nodes).  NOT changed.  Searched again (branch nccl15,
+  2026-11-30; ``tests/test_nccl15.py``): still no A100 / HDR all-gather or reduce-scatter
+  bus bandwidth against the node count.  Two component readings at scale were found:
+  (1) the Ultra-Scale Playbook's 256 MB curve on 1-64 nodes of 8 GPUs (GPU, fabric and
+  NCCL release not stated next to it): normalised to one node its all_gather /
+  reduce_scatter fall 2.9x to 9x more at 8-64 nodes than NCCL's tuning model gives, so a
+  fall of the size these rows would need is measured somewhere, but no figure transfers
+  to Selene's A100 / HDR fat tree; (2) De Sensi et al., "Exploring GPU-to-GPU
+  Communication" (SC24, arXiv 2408.14090; read through its published summaries, the
+  paper's figures were not reachable here): on Leonardo (A100, InfiniBand HDR,
+  Dragonfly+) production noise from other jobs costs "up to 50%" of NCCL allreduce
+  goodput at 1,024 GPUs, partly recovered on a non-default IB service level (which
+  NVIDIA's own Megatron-LM scripts select: ``export NCCL_IB_SL=1``, NVIDIA/Megatron-LM
+  6df14fa6c4 examples/multimodal/llama_3p1_nemotron_nano_vl_8b_v1/text_generation.sh:3).
+  Read against the rows (the script's last line, held-out figures read, not an input):
+  at that worst case (the NCCL seconds x 2) the 175B rows at 384 / 768 would close 76 /
+  99% of their gap, the 530B rows 38 / 56 / 66%, and the 175B / 1,536 row, already too
+  slow, would move further off: not one figure either, and no measurement says Selene's
+  fabric lost that much in 2021.  NOT changed (no bound: the noise is measured at one
+  scale on another topology, and only as an upper figure).
 
 What is left, after both (the script's last lines): 12.1 / 65.0 s at 175B / 384 and
 530B / 640 (steps 69.5 / 190.6 s predicted, 81.6 / 255.5 published).  As NCCL bus
@@ -364,6 +383,22 @@ def needs(a: dict) -> dict:
             "busbw": a["sent"] / nccl / 1e9, "busbw_needed": a["sent"] / (nccl + gap) / 1e9}
 
 
+# De Sensi et al. (SC24, arXiv 2408.14090): production noise costs "up to 50%" of NCCL
+# allreduce goodput at 1,024 A100s on Leonardo (InfiniBand HDR, Dragonfly+): the NCCL
+# seconds at most x 2 (a reading, never applied to the planner)
+NOISE_FACTOR = 2.0
+
+
+def noise_share(a: dict, factor: float = NOISE_FACTOR) -> float:
+    """The share of the row's gap (published - predicted; held out, read, not an input)
+    that its NCCL all-gather and reduce-scatter seconds scaled by ``factor`` would add,
+    were none of the added time hidden; nan where the estimate is already slower."""
+    gap = a["published"] - a["predicted"]
+    if gap <= 0:
+        return float("nan")
+    return (factor - 1.0) * (a["work"]["nccl_ag"] + a["work"]["nccl_rs"]) / gap
+
+
 def main():
     out = [audit(n, k) for pair in PAIRS for n, k in zip(("GPT 175B", "GPT 530B"), pair)]
     print("A DeepSpeed v0.3.13 ZeRO-3 step, phase by phase, as the planner prices it: "
@@ -399,6 +434,9 @@ def main():
         vals = [needs(x)[key] * (1e3 if key in ("per_wait", "per_call") else 1)
                 for x in out]
         print(f"    {label:<{w - 2}}" + "".join(fmt.format(v) for v in vals))
+    label = (f"share of the gap at NCCL x {NOISE_FACTOR:g} (De Sensi et al. SC24: production "
+             f"noise, A100 / HDR, 1,024 GPUs)")
+    print(f"    {label[:w - 2]:<{w - 2}}" + "".join(f"{noise_share(x):>17.2f}" for x in out))
     return out
 
 

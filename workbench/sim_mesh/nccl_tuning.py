@@ -309,7 +309,36 @@ def scale_assumption(profile: Profile, nodes: int) -> tuple:
     nodes at 48 to 280 nodes was found (searched: the NCCL and nccl-tests issue trackers,
     NVIDIA's DGX SuperPOD and dgxc-benchmarking material, Azure's AI-benchmarking-guide
     and NDv4 notes), so fabric contention, routing and stragglers there are not priced:
-    the line says so.  () for other libraries or at most two nodes."""
+    the line says so.  Searched again (2026-11-30: the same trackers, AWS p4d / EFA posts,
+    Selene / SuperPOD material, BigScience, Stability, llm-jp, DeepSpeed's blogs, the
+    Demystifying-NCCL and PAT papers' abstracts): the one bus-bandwidth-against-nodes curve
+    found for nodes of 8 NVLink GPUs at a training-size message is the Ultra-Scale
+    Playbook's (Hugging Face 2025, "Communication Bandwidth by Number of Nodes (size=256MB)",
+    1-64 nodes; vinjn/nanotron-ultrascale-playbook@e3bcfc5c0b
+    fragments/pp_comm_bandwidth.html), whose all_gather / reduce_scatter, normalised to
+    one node, fall 2.9x to 9x more at 8 to 64 nodes than this pricing
+    (tests/test_nccl15.py): a fall of the size the 530B ZeRO-3 rows would need (0.3-0.4 of
+    the priced rate, ``benchmarks/zero3_audit.py``) is measured there, but on a cluster
+    whose GPU, fabric and NCCL release the figure does not state and whose one-node figure
+    is 0.71 of nccl-tests' NVLink ring: read, not applied to the A100 / HDR profile.  NCCL's
+    maintainer's rule of thumb, ~20 GB/s per NIC (NVIDIA/nccl #320, 2023-01-03), is again a
+    few-node figure.  On A100 / HDR InfiniBand at scale the one component reading found is
+    of other jobs' traffic, not of NCCL: De Sensi et al. (SC24, arXiv 2408.14090; through
+    its published summaries) measured on Leonardo (Dragonfly+) production noise costing
+    "up to 50%" of NCCL allreduce goodput at 1,024 GPUs, partly recovered on a non-default
+    IB service level (as NVIDIA's own scripts select, ``export NCCL_IB_SL=1``,
+    NVIDIA/Megatron-LM 6df14fa6c4 examples/multimodal/llama_3p1_nemotron_nano_vl_8b_v1/
+    text_generation.sh:3); read against the rows in ``benchmarks/zero3_audit.py`` and
+    ``benchmarks/mtnlg_audit.py`` (not one figure for ZeRO-3; under 8% of MT-NLG's gap),
+    not priced: one scale, another topology, an upper figure only.  NCCL's own source
+    adds nothing that grows with the nodes beyond that latency for the ring all_gather /
+    reduce_scatter these rows run: 2.8.3's ``computeColl`` (NVIDIA/nccl v2.8.3-1
+    src/enqueue.cc:348-351, :377-379, :419-420) cuts a ring collective into nRanks chunks a
+    channel and loop and runs (nRanks - 1) steps a loop, the steps the tuning model's
+    latency counts; its chunk shrinking with the depth (:383-387, :404-409) is the tree's
+    and LL128 tree's, all_reduce only.  The line itself is unchanged (notebook 17 stores it), so its "no bus
+    bandwidth measured at that scale on A100" stands: true of A100 still.  () for other
+    libraries or at most two nodes."""
     if profile.topology.library != "nccl" or not profile.topology.protocols or nodes <= 2:
         return ()
     nic = profile.inter_node.effective_bandwidth / 1e9
