@@ -84,14 +84,14 @@ s, NCCL 24.5 s, host loops 20.6 s, ``_post_step`` 8.5 s, less 17.4 s run beside)
 the published one is 67 s longer.
 
 What the published steps would need, one term at a time (held-out figures read, not an
-input; the script's last lines): the NCCL seconds x 3.73 / 2.83 / 2.52 at 640 / 1,120 /
-2,240 GPUs (a bus bandwidth of 42 / 51 / 49 GB/s where NCCL 2.8.3's tuning model over
-eight HDR NICs a node gives 158 / 145 / 123), the compute x 1.46 / 1.67 / 2.32, or each
-of the 4,316 host waits 15.6 / 11.4 / 11.2 ms longer.  None is one figure across the
-530B rows and the 175B rows beside them (NCCL x 2.60 / 2.19 / 0.40, compute x 1.27 /
-1.47 / 0.40, waits 3.6 / 3.1 / -2.0 ms: the 175B / 1,536 step is already too long,
+input; the script's last lines): the NCCL seconds x 3.65 / 2.79 / 2.51 at 640 / 1,120 /
+2,240 GPUs (a bus bandwidth of 43 / 52 / 49 GB/s where NCCL 2.8.3's tuning model over
+eight HDR NICs a node gives 158 / 145 / 123), the compute x 1.44 / 1.65 / 2.29, or each
+of the 4,316 host waits 15.1 / 11.1 / 11.1 ms longer.  None is one figure across the
+530B rows and the 175B rows beside them (NCCL x 2.32 / 2.01 / 0.28, compute x 1.23 /
+1.40 / 0.28, waits 3.0 / 2.6 / -2.4 ms: the 175B / 1,536 step is already too long,
 from its host loops over 1,536 chunks).  The NCCL reading is the nearest to one figure
-for the 530B rows (42-51 GB/s, about two HDR NICs' worth a node where a ring over eight
+for the 530B rows (43-52 GB/s, about two HDR NICs' worth a node where a ring over eight
 is priced), as the published table's own note found (19-21 GB/s of bytes sent per GPU
 over the whole step); no nccl-tests measurement of A100 rings at 80-280 nodes was
 found to support it (``sim_mesh.nccl_tuning.scale_assumption``), so nothing is changed.
