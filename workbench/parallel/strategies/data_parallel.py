@@ -12,7 +12,8 @@ After backward each rank holds the gradient of its shard; then:
 * ZeRO-1 (optimizer states sharded, Rajbhandari et al. 2020, P_os): reduce-scatter
   the gradients, each rank updates its 1/N_d of the parameters with its 1/N_d of
   the Adam states, then all-gather the parameters;
-* ZeRO-2 (P_os+g): the same messages; each rank keeps only its gradient shard.
+* ZeRO-2 (P_os+g): the same bytes by the same two collectives; each rank keeps only
+  its gradient shard, each gradient reduce-scattered as backward produces it.
   Both are ``ZeroRedundancyOptimizer(partition="chunks")`` (:mod:`.zero_optimizer_dist`,
   ``overlap_comm`` for stage 2) with ``wb.ops.AdamW``;
 * ZeRO-3 (P_os+g+p): parameters stay sharded; each layer all-gathers its
@@ -21,8 +22,9 @@ After backward each rank holds the gradient of its shard; then:
   ``FullyShardedDataParallel`` over DistTensor parameters (:mod:`.fsdp_dist`).
 
 Parameters are flattened per tensor and padded to a multiple of N_d for the
-sharded stages (:mod:`.flat_shards`, the layout FSDP and ZeRO-3 use too), whose
-messages go as one buffer (ZeRO-2's reduce-scatter async during backward).  ``step``
+sharded stages (:mod:`.flat_shards`, the layout FSDP and ZeRO-3 use too); ZeRO-1
+reduce-scatters them as one buffer after backward, ZeRO-2 one gradient at a time during
+it (async), and both all-gather one buffer after the update.  ``step``
 runs AdamW (``wb.ops.AdamW``, a step count per parameter as ``torch.optim.AdamW``);
 plain DP also takes any ``torch.optim`` optimizer over :meth:`DataParallel.parameters`
 after :meth:`finish_gradient_synchronization`.
