@@ -509,18 +509,19 @@ def test_hybrid_zero_bubble_with_frozen_parameters_as_one_device(schedule, froze
 
 
 def test_compile_a_library_error_on_meta_tensors_names_the_users_call():
-    # wb.reshard inside the program raises on capture's meta tensors: the break was
-    # "at ?:0"; it names the user's call, not workbench's own raise
+    # wb.plan_reshard inside the program raises on capture's meta tensors: the break was
+    # "at ?:0"; it names the user's call, not workbench's own raise (wb.reshard was the
+    # example here; it is captured since compile15, tests/test_compile15.py)
     mesh = wb.Mesh.grid((2,))
 
     def f(a):
-        b = wb.reshard(a * 2, mesh, [R])
-        return b.relu()
+        n = wb.plan_reshard(a * 2, mesh, [R]).total_bytes
+        return a.relu() * n
 
     x = wb.shard_tensor(torch.randn(4, 6), mesh, [Sh(0)])
     prog = wb.compile(f, x)
     assert prog.eager and prog.breaks[0].line == f.__code__.co_firstlineno + 1
-    assert "wb.reshard(a * 2" in str(prog)
+    assert "wb.plan_reshard(a * 2" in str(prog)
     torch.testing.assert_close(prog(x).full(), f(x).full())
 
 

@@ -232,12 +232,7 @@ def _capture_trace(fn, args):
                 f"tensors, no data) and it raised {type(e).__name__}: "
                 f"{str(e).splitlines()[0][:200] if str(e) else ''}",
                 where=where if where[0] != "?" else None) from None
-    meshes = [v[0] for v in placements.values() if isinstance(v, tuple)]
-    for _vid, (mesh, _ps, where) in g.pins.items():
-        if any(mesh != m for m in meshes):
-            raise CaptureError(f"redistribute at {where[0]}:{where[1]} ({where[2]}) to a mesh "
-                               "other than the program inputs': the program runs eagerly",
-                               where=where)
+    # (a redistribute to another mesh: compile's mesh_trips, which knows the program's)
     missing = [t for t in _leaves(out, []) if id(t) not in tracer.ids]
     if missing:
         raise CaptureError("the program returns a tensor it did not compute from its inputs "

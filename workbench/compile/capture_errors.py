@@ -50,16 +50,17 @@ def _data_dependent(func, e):
         "size: torch.where for a mask, topk for a count)", where=(f, line, code))
 
 
-def _user_frame(tb=None):
+def _user_frame(tb=None, skip=()):
     """(file, line, code) of the innermost frame outside torch and this package (of the
-    stack now, or of the traceback ``tb`` of an exception)."""
+    stack now, or of the traceback ``tb`` of an exception), and outside the files
+    ``skip`` (``parallel/reshard.py`` for a ``wb.reshard`` the tracer is handed)."""
     frames = traceback.extract_stack() if tb is None else traceback.extract_tb(tb)
     # (an exception raised inside workbench, wb.reshard on a meta tensor, is the user's
     # call of it that raised)
     ours = _HERE if tb is None else os.path.dirname(_HERE)
     for fr in reversed(frames):
         f = os.path.abspath(fr.filename)
-        if f.startswith(_TORCH) or f.startswith(ours) or "/contextlib.py" in f:
+        if f.startswith(_TORCH) or f.startswith(ours) or "/contextlib.py" in f or f in skip:
             continue
         return f, fr.lineno or 0, (fr.line or "").strip()
     return "?", 0, ""

@@ -100,6 +100,9 @@ class Graph:
                                                     # (models.moe.MoE.record_stats)
     pins: dict = field(default_factory=dict)        # vid -> (mesh, placements, where):
                                                     # the program's t.redistribute (tracer)
+    vias: dict = field(default_factory=dict)        # pinned vid -> (other mesh, placements):
+                                                    # a round trip there and back
+                                                    # (mesh_trips.py)
     autograd_reads: set = field(default_factory=set)  # what the code asked of autograd
                                                     # (reads.py): guarded on each call
     replica_dims: dict = field(default_factory=dict)  # param vid -> the mesh dims it is

@@ -36,6 +36,8 @@ from ..parallel.reshard import execute, plan_reshard_cached, reshard
 from ..parallel.spec import TensorSpec
 from .extrema import reduced as _reduced
 from .graph import map_refs
+from .int_partials import laid_inside
+from .mesh_trips import via_plans
 
 __all__ = ["Reshard", "Run", "lower", "execute_program"]
 
@@ -47,12 +49,17 @@ class Reshard:
     dst: tuple
     plan: object
     why: str = ""            # "input of <op>" / "pinned"
+    via: tuple | None = None  # pinned: (other mesh, placements) of a round trip there
+    #                           and back (mesh_trips.py); ``plan``: its way there
 
     def __str__(self):
         colls = ", ".join(f"{s.kind} on {s.mesh_dim_name}" if s.mesh_dim_name else s.kind
                           for s in self.plan.steps) or "nothing"
         return (f"  reshard %{self.vid} {fmt_placements(self.src)} -> {fmt_placements(self.dst)}: "
                 f"{colls}, {self.plan.total_bytes:,d} B, {self.plan.total_time * 1e6:.2f} us"
+                + (f", via mesh {list(self.via[0].ranks)} {fmt_placements(self.plan.dst)} "
+                   "and back (the way back's steps run there: on the run's trace)"
+                   if self.via else "")
                 + (f"  ({self.why})" if self.why else ""))
 
 
@@ -70,26 +77,44 @@ def lower(graph, assignment) -> list:
     cur = {v.vid: assignment.placements[v.vid] for v in graph.values if v.kind != "op"}
     prog = []
     pins = assignment.pins
+    vias = getattr(graph, "vias", {})
     outs = set(graph.output_vids())
+    reduced = getattr(assignment, "reduced", {})
     for n in graph.nodes:
         st = assignment.choice[n.nid].strategy
+        src_of = {}
+        for vid in dict.fromkeys(n.inputs):
+            red = reduced.get((n.nid, vid))
+            if red is not None and cur[vid] == red[0]:
+                # greedy's partial sum reduced before the op, as the dispatcher's
+                # (propagate.greedy: int_summed); then from there to the op's layout
+                v = graph.values[vid]
+                spec = TensorSpec(v.shape, mesh, cur[vid], v.dtype, _trusted=True)
+                prog.append(Reshard(vid, cur[vid], red[1],
+                                    plan_reshard_cached(spec, red[1], prof),
+                                    f"reduced first: input of {n.name}"))
+                src_of[vid] = red[1]
         for vid, req in zip(n.inputs, st.inputs):
-            if vid is None or req is None or tuple(req) == cur[vid] or \
-                    graph.values[vid].kind == "fresh":     # the dispatcher draws it, laid out
+            src = src_of.get(vid, cur[vid] if vid is not None else None)
+            if vid is None or req is None or tuple(req) == src or \
+                    graph.values[vid].kind == "fresh" or \
+                    laid_inside(graph, n, vid, req):    # (the dispatcher's, inside)
                 continue
             v = graph.values[vid]
-            spec = TensorSpec(v.shape, mesh, cur[vid], v.dtype, _trusted=True)
-            prog.append(Reshard(vid, cur[vid], tuple(req),
+            spec = TensorSpec(v.shape, mesh, src, v.dtype, _trusted=True)
+            prog.append(Reshard(vid, src, tuple(req),
                                 plan_reshard_cached(spec, tuple(req), prof), f"input of {n.name}"))
         prog.append(Run(n.nid, st))
         for vid, ps in zip(n.outs, st.outputs):
             cur[vid] = tuple(ps)
-            if vid in pins and tuple(ps) != pins[vid]:
+            via = vias.get(vid)
+            if vid in pins and (tuple(ps) != pins[vid] or via is not None):
                 v = graph.values[vid]
                 spec = TensorSpec(v.shape, mesh, tuple(ps), v.dtype, _trusted=True)
-                prog.append(Reshard(vid, tuple(ps), pins[vid],
-                                    plan_reshard_cached(spec, pins[vid], prof),
-                                    "pinned output" if vid in outs else "pinned"))
+                plan = via_plans(spec, via, pins[vid], prof)[0] if via is not None else \
+                    plan_reshard_cached(spec, pins[vid], prof)
+                prog.append(Reshard(vid, tuple(ps), pins[vid], plan,
+                                    "pinned output" if vid in outs else "pinned", via))
                 cur[vid] = pins[vid]
     return prog
 
@@ -137,7 +162,8 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
                 reduced = tuple(Replicate() if p.is_partial() else p for p in ins.src)
                 src = have.get(reduced)
                 if src is not None:
-                    out = reshard(src, src.mesh, list(ins.dst)) if reduced != ins.dst else src
+                    out = _trip(src, ins) if ins.via is not None else \
+                        reshard(src, src.mesh, list(ins.dst)) if reduced != ins.dst else src
                     have[ins.dst] = out
                     if ins.why.startswith("pinned"):
                         cur[ins.vid] = ins.dst
@@ -158,7 +184,7 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
                     execute(ins.plan, t)
                 have[ins.dst] = again[1]
                 continue
-            out = execute(ins.plan, t)
+            out = _trip(t, ins) if ins.via is not None else execute(ins.plan, t)
             if out is not t and out.mesh is t.mesh and not ins.why.startswith("pinned"):
                 # its gradient's way back, as wb.reshard's (reshard_backward.mark): a
                 # gathered copy read per rank reduce-scatters once (grad_ways.py; a pinned
@@ -216,6 +242,12 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
             avail[vid] = {ps: t}
             cur[vid] = ps
     return map_refs(graph.output, lambda r: avail[r.vid][cur[r.vid]])
+
+
+def _trip(t, ins):
+    """A round trip's two calls, eager's (``mesh_trips.py``): to the other mesh, back."""
+    there = reshard(t, ins.via[0], list(ins.via[1]))
+    return reshard(there, t.mesh, list(ins.dst))
 
 
 def _bucketed(arg, graph, n, st, mesh, gb):

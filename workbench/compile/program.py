@@ -44,6 +44,7 @@ from .capture import Broken, CaptureError, capture
 from .graph import GraphBreak
 from .guards import Frozen, hook_keys, module_tree, tensor_attributes, training_flags
 from .lower import lower
+from .mesh_trips import mesh_trips
 from .program_args import (_fulls, _mesh_of, _named_parameters, _signature,  # noqa: F401
                            replica_dims)
 from .program_report import _Reading
@@ -137,6 +138,11 @@ class CompiledProgram(_Running, _Reading):
         except CaptureError as e:          # an op the table lacks: that program runs eagerly
             where = getattr(e, "where", None) or ("?", 0, "")
             self.breaks.append(GraphBreak(str(e), *where))
+            return
+        try:           # a redistribute to another mesh: a round trip, or a break
+            graph.vias = mesh_trips(graph, mesh)
+        except CaptureError as e:
+            self.breaks.append(GraphBreak(str(e), *(e.where or ("?", 0, ""))))
             return
         self.captured = graph
         self._placements = placements

@@ -31,6 +31,7 @@ Search (DP on live layouts, beam on DAGs, memory as the tie-break and ``memory_l
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,8 @@ from ..parallel.spec import TensorSpec
 from ..sim_mesh import cost as _cost
 from ..sim_mesh.profiles import get_profile
 from .kernels import op_kernels
+from .int_partials import reduced_first
+from .mesh_trips import via_plans
 
 __all__ = ["Assignment", "propagate", "greedy", "initial", "NodeCost", "BACKWARD_OF"]
 
@@ -79,6 +82,9 @@ class Assignment:
     pin_cost: float = 0.0
     how: str = ""               # "greedy" | "whole-graph"
     states: int = 0             # search states expanded
+    reduced: dict = field(default_factory=dict)   # (nid, vid) -> (made, reduced) layouts:
+    #   greedy's partial sums reduced before the op, as the dispatcher's int_summed
+    #   (lowered as a reshard of their own: lower.py)
 
     @property
     def time(self) -> float:
@@ -101,7 +107,11 @@ class Assignment:
                 for k, p in enumerate(c.plans)
                 if p is not None and k not in self.costs[nid].reused)
         b += sum(inner_bytes(c) for c in self.choice.values())     # (extrema.py)
-        return b + sum(_plan(self, vid, ps).total_bytes for vid, ps in self.pins.items())
+        b += sum(plan_reshard_cached(TensorSpec(self.graph.values[vid].shape, self.mesh, src,
+                                                self.graph.values[vid].dtype, _trusted=True),
+                                     red, self.profile).total_bytes
+                 for (_n, vid), (src, red) in self.reduced.items())
+        return b + sum(_pin_bytes(self, vid, ps) for vid, ps in self.pins.items())
 
     def __str__(self):
         g = self.graph
@@ -114,7 +124,18 @@ class Assignment:
         return "\n".join(lines)
 
 
-def _plan(a, vid, ps):
+def _pin_bytes(a, vid, ps) -> int:
+    via = a.graph.vias.get(vid)
+    if via is None:
+        return _plan(a, vid, ps).total_bytes
+    there = _plan(a, vid, via[1], via[0])
+    moved = TensorSpec(there.shape, via[0], there.dst, there.dtype, _trusted=True)
+    from ..parallel.reshard import plan_reshard
+    return there.total_bytes + plan_reshard(moved, a.mesh, list(ps),
+                                            profile=a.profile).total_bytes
+
+
+def _plan(a, vid, ps, mesh=None):
     """The reshard of ``vid`` from the layout its op made (pinned: resharded at once) to
     ``ps``."""
     v = a.graph.values[vid]
@@ -123,6 +144,9 @@ def _plan(a, vid, ps):
         n = a.graph.nodes[v.producer]
         src = tuple(a.choice[n.nid].strategy.outputs[n.outs.index(vid)])
     spec = TensorSpec(v.shape, a.mesh, src, v.dtype, _trusted=True)
+    if mesh is not None:                    # (a round trip's way there: mesh_trips.py)
+        from ..parallel.reshard import plan_reshard
+        return plan_reshard(spec, mesh, list(ps), profile=a.profile)
     return plan_reshard_cached(spec, tuple(ps), a.profile)
 
 
@@ -302,11 +326,19 @@ class _Pricer:
         return n
 
     def pin_cost(self, vid, src, dst) -> float:
-        if tuple(src) == tuple(dst):
+        via = self.g.vias.get(vid)
+        if tuple(src) == tuple(dst) and via is None:
             return 0.0
         spec = self.spec(vid, tuple(src))
-        p = plan_reshard_cached(spec, tuple(dst), self.pname)
-        t = p.total_time
+        if via is not None:
+            # a round trip to another mesh (mesh_trips.py): both plans forward; backward
+            # the first's transposes (on this mesh; the other's run on its own ranks)
+            p, back = via_plans(spec, via, tuple(dst), self.pname)
+            t = back.total_time
+        else:
+            p = plan_reshard_cached(spec, tuple(dst), self.pname)
+            t = 0.0
+        t += p.total_time
         if self.g.values[vid].requires_grad:
             v = self.g.values[vid]
             for s in p.steps:
@@ -394,8 +426,21 @@ def greedy(graph, placements, mesh, profile, pins=None) -> Assignment:
     pin_cost = 0.0
     seen: dict = {}              # vid -> the copies read per rank so far (shared_reads)
     gathers: set = set()         # the gathers run so far (repeated_gathers)
+    reduced = {}
     for n in graph.nodes:
         in_ps = tuple(None if v is None else pl[v] for v in n.inputs)
+        first_cost = 0.0
+        red = reduced_first(pr, n, in_ps)
+        if red is not None:
+            # an integer partial sum meets another output dtype: the dispatcher reduces
+            # every partial sum first, then decides (dispatch._int_summed /
+            # _partials_reduced; narrow probe seed 141: O0 reduce-scattered where eager
+            # all-reduces then slices)
+            for vid, a_, b_ in zip(n.inputs, in_ps, red):
+                if vid is not None and a_ != b_ and (n.nid, vid) not in reduced:
+                    reduced[(n.nid, vid)] = (a_, b_)
+                    first_cost += pr.pin_cost(vid, a_, b_)
+            in_ps = red
         specs, dec = pr.decision(n, in_ps)
         c = dec.chosen
         shared, first = pr.shared_reads(n, in_ps, c, seen)
@@ -404,12 +449,16 @@ def greedy(graph, placements, mesh, profile, pins=None) -> Assignment:
         repeated = pr.repeated_gathers(n, in_ps, c, gathers)
         choice[n.nid], costs[n.nid] = c, pr.price(n, specs, c, shared=shared,
                                                    repeated=repeated)
+        if first_cost:
+            costs[n.nid] = dataclasses.replace(costs[n.nid],
+                                               fwd_comm=costs[n.nid].fwd_comm + first_cost)
         for vid, ps in zip(n.outs, c.strategy.outputs):
             pl[vid] = tuple(ps)
             if vid in pins:          # resharded where it is made, as lowering does
                 pin_cost += pr.pin_cost(vid, ps, pins[vid])
                 pl[vid] = pins[vid]
-    return Assignment(graph, mesh, pr.pname, pl, choice, costs, pins, pin_cost, "greedy")
+    return Assignment(graph, mesh, pr.pname, pl, choice, costs, pins, pin_cost, "greedy",
+                      reduced=reduced)
 
 
 from .search import propagate  # noqa: E402,F401  (the search, beside its pricing)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..parallel.ops_table.table import TABLE
+from .int_partials import int_safe
 from .propagate import Assignment, _norm_pins, _Pricer, initial
 
 __all__ = ["propagate"]
@@ -198,7 +199,7 @@ def _candidates(n, state, pr, base, pins, outs, live_k, per_op):
     live, read = live_k
     in_ps = tuple(None if v is None else pl[v] if v in pl else base[v] for v in n.inputs)
     specs, dec = pr.decision(n, in_ps)
-    cands = _precise(n, in_ps, dec.candidates[:per_op], pr)
+    cands = _precise(n, in_ps, int_safe(n, dec, per_op, pr), pr)
     for c in cands:
         made = {}
         reused = []

@@ -12,6 +12,7 @@ from ..parallel.dist_tensor import DistTensor
 from ..parallel.habits import COMPOSED
 from ..parallel.ops_table.composites import COMPOSITES
 from ..parallel.ops_table.table import BY_FUNC
+from ..parallel.reshard import reshard as _reshard
 from .capture_errors import Broken, CaptureError, _data_dependent, _user_frame
 from .capture_meta import _meta_like
 from .capture_trees import _leaves, _swap
@@ -20,6 +21,8 @@ from .reads import TENSOR_READS, amp_state, from_library
 from .trace_calls import (T, _ALIASES, _EXTREMA, _FILL, _NO_VALUES, _RANDOM, _VALUE_FUNCS,
                           _advanced, _like, _meta_device, _whole)
 from .writes import NOT_A_WRITE, Refused, write
+
+_RESHARD_FILE = os.path.abspath(_reshard.__code__.co_filename)
 
 
 class _Tracer(TorchFunctionMode):
@@ -75,19 +78,46 @@ class _Tracer(TorchFunctionMode):
             # user's object, left as it is)
             t.redistribute = lambda *a, **k: self._redistribute(t, *a, **k)
 
+    def _reshard(self, t, mesh=None, placements=None, *, profile=None, expanded=()):
+        """``wb.reshard(t, mesh, placements)`` (``parallel/reshard.py`` hands it to this
+        mode: its stand-in is no DistTensor): what ``t.redistribute`` is eagerly
+        (``habits._redistribute`` calls it), recorded alike.  A profile of its own (the
+        trace would price that one call on it) or the dispatcher's ``expanded`` break."""
+        where = _user_frame(skip=(_RESHARD_FILE,))
+        if profile is not None or expanded:
+            f, line, code = where
+            raise CaptureError(f"wb.reshard at {f}:{line} ({code}) with profile= or "
+                               "expanded=: the program runs eagerly", where=where)
+        with self:                          # (inside this mode's call: on again)
+            return self._redistribute(t, mesh, placements, _where=where)
+
     def _redistribute(self, t, device_mesh=None, placements=None, *, async_op=False,
-                      forward_dtype=None, backward_dtype=None):
+                      forward_dtype=None, backward_dtype=None, _where=None):
         """``t.redistribute(mesh, placements)`` in the program: kept in the graph as a
         ``kept_copy`` of ``t`` (its own layout) whose output is pinned to ``placements``:
         lowering reshards it there at every level, as eager's call does (the mesh is
-        checked against the program's after the run).  The forms eager refuses, or that
-        name no mesh, break the graph (eager says why)."""
-        f, line, code = _user_frame()
-        if forward_dtype is not None or backward_dtype is not None or placements is None \
-                or device_mesh is None:
-            raise CaptureError(f"redistribute at {f}:{line} ({code}) without a mesh and "
-                               "placements, or with a dtype: the program runs eagerly",
+        held to the program's after the run: a round trip to another mesh and straight
+        back is kept, anything else there breaks, ``mesh_trips.py``; None: t's own).
+        The forms eager refuses break the graph (eager says why)."""
+        f, line, code = _where or _user_frame()
+        if forward_dtype is not None or backward_dtype is not None or placements is None:
+            raise CaptureError(f"redistribute at {f}:{line} ({code}) without placements, "
+                               "or with a dtype: the program runs eagerly",
                                where=(f, line, code))
+        if device_mesh is not None:
+            # what eager's plan_reshard refuses (another type of mesh, placements that do
+            # not fit it or the dtype) it refuses at the call: the program runs eagerly
+            from ..parallel.placement import check_partial_dtype, normalize_placements
+            from ..sim_mesh.mesh import Mesh
+            try:
+                if not isinstance(device_mesh, Mesh):
+                    raise TypeError(f"mesh={device_mesh!r:.60} is no workbench Mesh")
+                check_partial_dtype(normalize_placements(placements, device_mesh, t.ndim),
+                                    t.dtype)
+            except (TypeError, ValueError) as e:
+                raise CaptureError(f"redistribute at {f}:{line} ({code}): eager refuses it "
+                                   f"({e}); the program runs eagerly",
+                                   where=(f, line, code)) from None
         from ..parallel.ops_table.pointwise import kept_copy
         from torch.overrides import handle_torch_function
         out = handle_torch_function(kept_copy, (t,), t)      # recorded by this mode
@@ -150,6 +180,8 @@ class _Tracer(TorchFunctionMode):
                 out = func(*args, **dict(kwargs, device=torch.device("cpu")))
             self._made(out, leaves)
             return out
+        if func is _reshard:                # wb.reshard(t, mesh, placements): as t.redistribute
+            return self._reshard(*args, **kwargs)
         alias = _ALIASES.get(func)
         if alias is not None:               # x.T, x.mT: the op they are
             func, args, kwargs = alias(*args)

@@ -26,6 +26,7 @@ from functools import lru_cache
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import handle_torch_function, has_torch_function
 
 from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
@@ -258,6 +259,13 @@ def reshard(t, mesh: Mesh | None = None, placements=None, *, profile=None, expan
     On error nothing is changed: ``t`` is never modified (reshard returns a new
     DistTensor).  ``expanded`` (mesh dims) asks that replicated results along
     those dims be given per rank (used by the SPMD dispatcher)."""
+    if not isinstance(t, DistTensor) and isinstance(t, torch.Tensor) and \
+            has_torch_function((t,)):
+        # a torch function mode sees the call (wb.compile's tracer records it on its
+        # stand-ins, compile/tracer.py), as torch.overrides lets a library's own function
+        # be overridden; a mode that passes it on reaches the TypeError below
+        return handle_torch_function(reshard, (t,), t, mesh, placements, profile=profile,
+                                     expanded=expanded)
     if not isinstance(t, DistTensor):
         raise TypeError(f"reshard(t={type(t).__name__}): expected a DistTensor; "
                         "use shard_tensor() for a plain tensor")
