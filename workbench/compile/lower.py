@@ -36,6 +36,7 @@ from ..parallel.reshard import execute, plan_reshard_cached, reshard
 from ..parallel.spec import TensorSpec
 from .extrema import reduced as _reduced
 from .graph import map_refs
+from .propagate import program_pin
 
 __all__ = ["Reshard", "Run", "lower", "execute_program"]
 
@@ -47,6 +48,7 @@ class Reshard:
     dst: tuple
     plan: object
     why: str = ""            # "input of <op>" / "pinned"
+    marks: bool = False      # a program's t.redistribute: its copy gets eager's way back
 
     def __str__(self):
         colls = ", ".join(f"{s.kind} on {s.mesh_dim_name}" if s.mesh_dim_name else s.kind
@@ -89,7 +91,8 @@ def lower(graph, assignment) -> list:
                 spec = TensorSpec(v.shape, mesh, tuple(ps), v.dtype, _trusted=True)
                 prog.append(Reshard(vid, tuple(ps), pins[vid],
                                     plan_reshard_cached(spec, pins[vid], prof),
-                                    "pinned output" if vid in outs else "pinned"))
+                                    "pinned output" if vid in outs else "pinned",
+                                    program_pin(graph, mesh, vid, pins[vid])))
                 cur[vid] = pins[vid]
     return prog
 
@@ -158,8 +161,12 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
                     execute(ins.plan, t)
                 have[ins.dst] = again[1]
                 continue
-            out = execute(ins.plan, t)
-            if out is not t and out.mesh is t.mesh and not ins.why.startswith("pinned"):
+            out = _rb.execute_marked(ins.plan, t)     # (t marked: as eager's op reads it)
+            if out is not t and out.mesh is t.mesh and ins.marks:
+                # a program's t.redistribute: its way back, as eager's wb.reshard result's
+                # (reshard_backward.mark; priced so: propagate.pinned_way)
+                _rb.mark(out, ins.plan.src, t)
+            elif out is not t and out.mesh is t.mesh and not ins.why.startswith("pinned"):
                 # its gradient's way back, as wb.reshard's (reshard_backward.mark): a
                 # gathered copy read per rank reduce-scatters once (grad_ways.py; a pinned
                 # copy is the value's layout from then on: reduced as such)
