@@ -71,6 +71,17 @@ behind one ``copy_to_tensor_model_parallel_region``; before, one all-reduce per 
 compiled program (``workbench.compile``) marks its reshards as ``wb.reshard`` does and
 prices these reductions once per input copy (``compile/grad_ways.py``).
 
+The chooser prices a marked input by its way (slice15): :func:`way_key` is what
+:func:`mark` records and what the dispatcher hands the decision (``dispatch._grads``);
+``ops_table/strategy.backward_price`` prices an op's slice of the gathered copy as the
+plan :func:`way_use`'s gradient takes back to the source (one all-to-all, or nothing back
+to the source's dim; DTensor's), where it priced the slice's own all-gather and the
+chooser gathered the other operand instead (tests/test_reshardbwd.py).  A compiled
+program's ``t.redistribute`` (a pinned ``kept_copy``) gets the same key at O0
+(``compile/propagate.pinned_way``), its copy is marked when the program runs, and its
+consumers' input reshards note their use on the way (:func:`execute_marked`): eager and
+O0 the same strategy and collectives (tests/test_slice15.py).
+
 Two more (eager13, ``benchmarks/eager_comm_probe.py``): an uneven source held as cells
 (6 rows over 4 ranks) that its readers gather takes the same one node (over all its cells)
 and one reduce-scatter, where each reader all-reduced; and a mesh dim the op's plan takes

@@ -419,6 +419,7 @@ def _infer_cached(op, specs, frozen_attrs, profile, grads=()) -> Decision:
                          f"{[fmt_placements(s.placements) if s is not None else '-' for s in specs]}")
     cands = []
     seen = set()
+    ways = any(type(g) is tuple for g in grads)
     for order, st in enumerate(strategies):
         key = (st.inputs, st.outputs)
         if key in seen or not _bool_ok(specs, st):
@@ -426,11 +427,14 @@ def _infer_cached(op, specs, frozen_attrs, profile, grads=()) -> Decision:
         seen.add(key)
         plans, t, b, dt, db = strategy_cost(specs, st, profile)
         bt, bb = backward_price(specs, plans, grads, profile) if grads else (0.0, 0)
-        # (a tie over forward and backward goes to the cheaper forward, DTensor's ranking:
-        # a slice of a reshard's gathered result, moved back by one all-to-all in
-        # backward, against gathering the other operand now and half that back,
-        # tests/test_reshardbwd.py S0S1-RR-mul-S1S0; forward only, the same as the total)
-        cands.append((t + dt + bt, b + db + bb, t + dt, b + db, order,
+        # (where a reshard's result is read (its way back priced), a tie over forward and
+        # backward goes to the cheaper forward, DTensor's ranking: a slice of the gathered
+        # copy, its gradient sent back to the source in backward, against gathering the
+        # other operand now and less back, tests/test_reshardbwd.py S0S1-RR-mul-S1S0.
+        # Not elsewhere: the rule's order, as before (on every tie it moved a choice where
+        # O0 and eager then record other gradient reductions: test_compile11's MoE + SP)
+        fw = (t + dt, b + db) if ways else (0.0, 0)
+        cands.append((t + dt + bt, b + db + bb) + fw + (order,
                       Candidate(st, tuple(plans), t, b, dt, db, bt, bb)))
     cands.sort(key=lambda c: c[:5])
     ranked = tuple(c[5] for c in cands)
