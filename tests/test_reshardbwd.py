@@ -122,27 +122,9 @@ def _theirs(oracle, mesh_shape, src, dst, op, others):  # noqa: F811
     return placements, [(kind, buf) for kind, _, buf, _ in rec.log[n:]]
 
 
-# KNOWN GAP (since eager14 prices an input's reshard in backward where it requires grad):
-# a slice of a wb.reshard result is priced an all-gather in backward, where the reshard's
-# recorded way back makes it one all-to-all to the source (DTensor's); so the chooser
-# gathers the other operand in forward instead (more bytes than DTensor's way, same values).
-# A fix must price it alike in eager and compiled O0 (a program's t.redistribute is marked
-# only where it gathered a mesh dim: reshard_backward.mark); not done
-SLICED_RESHARD = {"S1-R-mul-S0", "S0S1-RR-mul-S1S0", "S1-R-mul-S1"}
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_backward_collectives_as_dtensor(oracle, case):  # noqa: F811
     name, mesh_shape, src, dst, op, others = case
-    if name in SLICED_RESHARD:
-        from workbench.parallel.interop import to_dtensor_placements
-        t_ps, _ = _theirs(oracle, mesh_shape, src, dst, op, others)
-        out, _, grad = _ours(mesh_shape, src, dst, op, others)
-        torch.testing.assert_close(grad.full(), _reference(op, others))
-        # once it takes DTensor's strategy again: take the case out of SLICED_RESHARD
-        assert to_dtensor_placements(out.placements) != t_ps
-        pytest.xfail("a slice of a wb.reshard result priced an all-gather in backward "
-                     "(SLICED_RESHARD): another strategy than DTensor's")
     t_ps, t_bwd = _theirs(oracle, mesh_shape, src, dst, op, others)
     from workbench.parallel.interop import to_dtensor_placements
     out, bwd, grad = _ours(mesh_shape, src, dst, op, others)

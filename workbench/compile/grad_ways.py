@@ -44,8 +44,9 @@ class GradWays:
         instead and runs this one's collectives without autograd (O0's gather repeated for
         another reader, lower.execute_program): it has no backward of its own, its
         readers' gradients go back through the first copy's."""
-        pinned = ins.why.startswith("pinned")
-        # (a pinned copy is the value's own layout from then on: lower.py marks it not)
+        pinned = ins.why.startswith("pinned") and not ins.marks
+        # (a pinned copy is the value's own layout from then on: lower.py marks it not;
+        # but a program's t.redistribute, marked as eager's wb.reshard result)
         self.made_by[(ins.vid, tuple(ins.dst))] = None if pinned else ins
         src, dst = tuple(ins.src), tuple(ins.dst)
         key = (ins.vid, src, dst)

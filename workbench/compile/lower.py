@@ -38,6 +38,7 @@ from .extrema import reduced as _reduced
 from .graph import map_refs
 from .int_partials import laid_inside
 from .mesh_trips import via_plans
+from .propagate import program_pin
 
 __all__ = ["Reshard", "Run", "lower", "execute_program"]
 
@@ -51,6 +52,8 @@ class Reshard:
     why: str = ""            # "input of <op>" / "pinned"
     via: tuple | None = None  # pinned: (other mesh, placements) of a round trip there
     #                           and back (mesh_trips.py); ``plan``: its way there
+    marks: bool = False      # a program's t.redistribute: its copy gets eager's way back
+    #                          (a round trip's copy: marked by eager's own reshard calls)
 
     def __str__(self):
         colls = ", ".join(f"{s.kind} on {s.mesh_dim_name}" if s.mesh_dim_name else s.kind
@@ -114,7 +117,8 @@ def lower(graph, assignment) -> list:
                 plan = via_plans(spec, via, pins[vid], prof)[0] if via is not None else \
                     plan_reshard_cached(spec, pins[vid], prof)
                 prog.append(Reshard(vid, tuple(ps), pins[vid], plan,
-                                    "pinned output" if vid in outs else "pinned", via))
+                                    "pinned output" if vid in outs else "pinned", via,
+                                    via is None and program_pin(graph, mesh, vid, pins[vid])))
                 cur[vid] = pins[vid]
     return prog
 
@@ -184,8 +188,13 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
                     execute(ins.plan, t)
                 have[ins.dst] = again[1]
                 continue
-            out = _trip(t, ins) if ins.via is not None else execute(ins.plan, t)
-            if out is not t and out.mesh is t.mesh and not ins.why.startswith("pinned"):
+            out = _trip(t, ins) if ins.via is not None else \
+                _rb.execute_marked(ins.plan, t)     # (t marked: as eager's op reads it)
+            if out is not t and out.mesh is t.mesh and ins.marks:
+                # a program's t.redistribute: its way back, as eager's wb.reshard result's
+                # (reshard_backward.mark; priced so: propagate.pinned_way)
+                _rb.mark(out, ins.plan.src, t)
+            elif out is not t and out.mesh is t.mesh and not ins.why.startswith("pinned"):
                 # its gradient's way back, as wb.reshard's (reshard_backward.mark): a
                 # gathered copy read per rank reduce-scatters once (grad_ways.py; a pinned
                 # copy is the value's layout from then on: reduced as such)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..parallel.ops_table.strategy import BACKWARD_OF, infer_on
+from ..parallel.ops_table.strategy import BACKWARD_OF, _way_price, infer_on
 from ..parallel.ops_table.table import TABLE
 from ..parallel.placement import Partial, Replicate, normalize_placements
 from ..parallel.reshard import plan_reshard_cached
@@ -158,6 +158,11 @@ class _Pricer:
         # decide as the dispatcher does with the inputs' requires_grad (greedy: O0, eager's
         # choice, which prices those inputs' reshards in backward too)
         self.grads = grads
+        # vid -> the way back of a program's ``t.redistribute`` result, as eager's
+        # ``wb.reshard`` marks it (``reshard_backward.way_key``; :func:`greedy` sets them
+        # where it reshards a pin, lowering marks the copy so): its readers' decisions price
+        # it as the dispatcher prices a marked input (``strategy.backward_price``)
+        self.ways = {}
         self.pname = self.profile.name
         self._compute, self._dec = {}, {}
         self.backward = backward_nodes(graph)
@@ -190,8 +195,9 @@ class _Pricer:
                 self.g.values[vid].shape, self.mesh, ps,
                 self.run_dtype(vid) if run else self.g.values[vid].dtype, _trusted=True)
                 for vid, ps in zip(node.inputs, in_ps))
-            grads = tuple(vid is not None and self.g.values[vid].requires_grad
-                          for vid in node.inputs) if self.grads else ()
+            grads = tuple(vid is not None and self.g.values[vid].requires_grad and
+                          self.ways.get(vid, True) for vid in node.inputs) \
+                if self.grads else ()
             dec = infer_on(self.pname, node.op, *specs, _grads=grads, **node.attrs)
             if runs_even(self.g, node, in_ps):    # its Partial reduced inside (extrema.py)
                 dec = as_run(self.g, node, dec, self.mesh, self.pname)
@@ -230,9 +236,16 @@ class _Pricer:
             if vid is None or not self.g.values[vid].requires_grad:
                 continue
             if plan is not None and pos not in reused and pos not in repeated:
+                skip = ()
+                if vid in self.ways:
+                    # a program's t.redistribute result sliced: its way back to the
+                    # source, not the slice's all-gather (strategy.backward_price)
+                    t_, _b, skip = _way_price(spec, plan, self.ways[vid], self.pname,
+                                              self.profile)
+                    t += t_
                 for s in plan.steps:
                     kind = BACKWARD_OF.get(s.kind)
-                    if kind is None or s.mesh_dim is None:
+                    if kind is None or s.mesh_dim is None or s.mesh_dim in skip:
                         continue
                     nb = s.buffer_bytes or _local_bytes(spec.shape, self.mesh, s.src, spec.dtype)
                     t += max(_cost.price(kind, nb, g, self.profile)
@@ -401,6 +414,32 @@ def initial(graph, placements, mesh):
     return out
 
 
+def program_pin(graph, mesh, vid, ps) -> bool:
+    """Whether pin ``ps`` of ``vid`` is the program's own ``t.redistribute`` (capture's
+    ``Graph.pins``; not the caller's ``pin=`` over it): its copy is marked as eager's
+    ``wb.reshard`` result is (``lower.execute_program``)."""
+    own = graph.pins.get(vid)
+    return own is not None and \
+        tuple(normalize_placements(own[1], mesh, len(graph.values[vid].shape))) == tuple(ps)
+
+
+def pinned_way(graph, mesh, pname, vid, src, dst):
+    """The way back eager's ``wb.reshard`` gives a program's ``t.redistribute`` of value
+    ``vid`` from ``src`` to ``dst`` (``reshard_backward.way_key`` of the planner's plan,
+    the copy held once: a fresh reshard's), or None (no such pin, no gradient, nothing
+    gathered)."""
+    if tuple(src) == tuple(dst) or not graph.values[vid].requires_grad or \
+            vid in getattr(graph, "vias", {}) or not program_pin(graph, mesh, vid, dst):
+        return None                      # (a round trip's way back: its own reshards')
+    from ..parallel.reshard_backward import way_key
+    v = graph.values[vid]
+    plan = plan_reshard_cached(TensorSpec(v.shape, mesh, tuple(src), v.dtype, _trusted=True),
+                               tuple(dst), pname)
+    if not plan.steps:
+        return None
+    return way_key(plan.src, tuple(dst), tuple(range(mesh.ndim)))
+
+
 def _norm_pins(graph, mesh, pins):
     out = {}
     for key, ps in (pins or {}).items():
@@ -456,6 +495,9 @@ def greedy(graph, placements, mesh, profile, pins=None) -> Assignment:
             pl[vid] = tuple(ps)
             if vid in pins:          # resharded where it is made, as lowering does
                 pin_cost += pr.pin_cost(vid, ps, pins[vid])
+                way = pinned_way(graph, mesh, pr.pname, vid, ps, pins[vid])
+                if way is not None and pr.grads:
+                    pr.ways[vid] = way
                 pl[vid] = pins[vid]
     return Assignment(graph, mesh, pr.pname, pl, choice, costs, pins, pin_cost, "greedy",
                       reduced=reduced)

@@ -586,17 +586,23 @@ def _int_summed(specs, out_dtypes) -> bool:
 def _grads(inputs) -> tuple:
     """Per input, whether it requires grad (grad mode on): the decision prices those
     inputs' reshards in backward too (``ops_table/strategy.backward_price``); () where
-    none does."""
+    none does.  A ``wb.reshard`` result with its way back (``reshard_backward.mark``,
+    simulated) gives that way's key instead of True: its gradient goes back to the
+    reshard's source once, whatever slice the op takes of it, and is priced so (a slice
+    priced as an all-gather in backward made the chooser gather the other operand where
+    DTensor slices it: tests/test_reshardbwd.py)."""
     out = None
     for k, x in enumerate(inputs):
         if type(x) is DistTensor:
             loc = x._local
-            rg = loc.requires_grad if type(loc) is torch.Tensor and \
+            plain = type(loc) is torch.Tensor
+            rg = loc.requires_grad if plain and \
                 "_wb_requires_grad_of" not in loc.__dict__ else x.requires_grad
             if rg:
                 if out is None:
                     out = [False] * len(inputs)
-                out[k] = True
+                way = loc.__dict__.get(_rb.KEY) if plain else None
+                out[k] = way.key if way is not None and way.shape == tuple(x.shape) else True
     return () if out is None else tuple(out)
 
 

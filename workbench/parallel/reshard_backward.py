@@ -71,6 +71,17 @@ behind one ``copy_to_tensor_model_parallel_region``; before, one all-reduce per 
 compiled program (``workbench.compile``) marks its reshards as ``wb.reshard`` does and
 prices these reductions once per input copy (``compile/grad_ways.py``).
 
+The chooser prices a marked input by its way (slice15): :func:`way_key` is what
+:func:`mark` records and what the dispatcher hands the decision (``dispatch._grads``);
+``ops_table/strategy.backward_price`` prices an op's slice of the gathered copy as the
+plan :func:`way_use`'s gradient takes back to the source (one all-to-all, or nothing back
+to the source's dim; DTensor's), where it priced the slice's own all-gather and the
+chooser gathered the other operand instead (tests/test_reshardbwd.py).  A compiled
+program's ``t.redistribute`` (a pinned ``kept_copy``) gets the same key at O0
+(``compile/propagate.pinned_way``), its copy is marked when the program runs, and its
+consumers' input reshards note their use on the way (:func:`execute_marked`): eager and
+O0 the same strategy and collectives (tests/test_slice15.py).
+
 Two more (eager13, ``benchmarks/eager_comm_probe.py``): an uneven source held as cells
 (6 rows over 4 ranks) that its readers gather takes the same one node (over all its cells)
 and one reduce-scatter, where each reader all-reduced; and a mesh dim the op's plan takes
@@ -92,7 +103,8 @@ from .dist_tensor import DistTensor
 from .placement import Partial, Replicate
 from .spec import TensorSpec
 
-__all__ = ["mark", "marked", "convert", "gather", "KEY"]
+__all__ = ["mark", "marked", "convert", "gather", "KEY", "way_key", "way_use",
+           "execute_marked"]
 
 KEY = "_wb_reshard_bwd"       # on the marked local tensor: its _Way
 
@@ -107,6 +119,11 @@ class _Way:
         self.dst, self.back, self.axes = dst, back, axes
         self.uses: list = []
         self.label = label
+
+    @property
+    def key(self) -> tuple:
+        """(dst, back, axes): :func:`way_key`'s, what the chooser prices it by."""
+        return self.dst, self.back, self.axes
 
     def steps(self):
         """The collectives that bring the gradient back (when it passes)."""
@@ -149,19 +166,52 @@ def mark(out: DistTensor, src, source: DistTensor | None = None) -> DistTensor:
         return gather_backward_dist.mark(out, source, src)
     if type(loc) is not torch.Tensor or not loc.requires_grad or not torch.is_grad_enabled():
         return out
-    dst = tuple(out.placements)
-    if not any(a.is_shard() and b.is_replicate() for a, b in zip(src, dst)):
+    key = way_key(src, tuple(out.placements),
+                  tuple(i for i in range(out.mesh.ndim) if loc.shape[i] == 1))
+    if key is None:
         return out
-    # the mesh dims it holds one copy of: gathered ones go back to the source's shard, the
-    # others (replicated, or all-reduced from Partial) stay replicated
-    axes = tuple(i for i, b in enumerate(dst) if b.is_replicate() and loc.shape[i] == 1)
-    back = tuple(a if i in axes and a.is_shard() else b
-                 for i, (a, b) in enumerate(zip(src, dst)))
+    dst, back, axes = key
     way = _Way(out.mesh, tuple(out.shape), out.dtype, dst, back, axes)
     y = C.on_backward_steps(loc, way.steps)
     y.__dict__[KEY] = way
     out._local = y
     return out
+
+
+def way_key(src, dst, once) -> tuple | None:
+    """``(dst, back, axes)``: the way back :func:`mark` records for a reshard from
+    placements ``src`` (the plan's) to ``dst`` whose result is held once along mesh dims
+    ``once``, or None where it records none (no mesh dim gathered, ``S(d) -> R``).
+    ``axes``: the replicated dims held once; ``back``: the layout the gradient goes back
+    to (the source's shard on the gathered dims, ``dst`` elsewhere: replicated, or
+    all-reduced from Partial, stays replicated).  The one rule of eager's mark and of the
+    chooser's price of it (``ops_table/strategy.backward_price``; ``wb.compile``'s O0 for
+    a program's ``t.redistribute``, ``compile/propagate.greedy``)."""
+    src, dst = tuple(src), tuple(dst)
+    if not any(a.is_shard() and b.is_replicate() for a, b in zip(src, dst)):
+        return None
+    axes = tuple(i for i, b in enumerate(dst) if b.is_replicate() and i in once)
+    back = tuple(a if i in axes and a.is_shard() else b
+                 for i, (a, b) in enumerate(zip(src, dst)))
+    return dst, back, axes
+
+
+def way_use(dst, axes, final, expand) -> tuple:
+    """``(grad, moved)``: the gradient layout an op gives a marked input (way ``dst``,
+    ``axes``) that it reads laid out ``final`` (its plan's target, or ``dst``), expanded
+    per rank along ``expand``, and the marked dims whose collectives' own backward is
+    muted for it (:func:`convert`; () where the op uses the one copy: the ordinary path)."""
+    grad, moved = list(dst), []
+    for i in axes:
+        p = final[i]
+        if p.is_shard():
+            grad[i] = p                            # the op sliced it: its gradient S(k)
+        elif p.is_replicate() and i in expand:
+            grad[i] = Partial()                    # every rank its own view: partial sums
+        else:
+            continue       # one copy used (or R -> P, whose other ranks hold zeros): R
+        moved.append(i)
+    return tuple(grad), tuple(moved)
 
 
 def marked(t: DistTensor) -> bool:
@@ -178,30 +228,43 @@ def convert(t: DistTensor, plan, expand, mesh, even: bool, label: str):
     ``expand``, its gradient's way back noted on ``t``'s mark.  None where the op uses the
     one copy on every marked dim, or ``t`` is not laid out as marked any more (the caller
     runs the ordinary path)."""
-    from .reshard import execute
-    loc = t._local
-    way = loc.__dict__[KEY]
+    moved = _note_use(t, plan, expand)
+    if moved is None:
+        return None
+    with C.mute_backward(mesh, moved):
+        return local_for_op(t, plan, mesh, even, expand, label)
+
+
+def _note_use(t, plan, expand):
+    """The marked dims an op reading ``t`` (marked) by ``plan`` then ``expand`` takes
+    over, its gradient layout noted on the way; None where the ordinary path runs
+    (:func:`convert`)."""
+    way = t._local.__dict__[KEY]
     if tuple(t.placements) != way.dst or tuple(t.shape) != way.shape or \
             not (way.mesh is t.mesh or way.mesh == t.mesh) or not torch.is_grad_enabled():
         return None
     final = plan.dst if plan is not None and plan.steps else way.dst
-    grad, moved = list(way.dst), []
-    for i in way.axes:
-        p = final[i]
-        if p.is_shard():
-            grad[i] = p                            # the op sliced it: its gradient S(k)
-        elif p.is_replicate() and i in expand:
-            grad[i] = Partial()                    # every rank its own view: partial sums
-        else:
-            continue       # one copy used (or R -> P, whose other ranks hold zeros): R
-        moved.append(i)
+    grad, moved = way_use(way.dst, way.axes, final, expand)
     if not moved:
         return None
-    grad = tuple(grad)
     if grad not in way.uses:
         way.uses.append(grad)
-    with C.mute_backward(mesh, moved):
-        return local_for_op(t, plan, mesh, even, expand, label)
+    return moved
+
+
+def execute_marked(plan, t: DistTensor) -> DistTensor:
+    """``reshard.execute(plan, t)`` for a consumer of ``t``, a marked reshard result
+    (compiled lowering's input reshard, ``compile/lower.execute_program``): as
+    :func:`convert` does it for the dispatcher, a slice along a gathered dim has no
+    backward of its own and the gradient's layout is noted on the way (one
+    redistribution back to the source: an all-to-all, or nothing back to the source's
+    dim, where the slice's own backward all-gathered it)."""
+    from .reshard import execute
+    moved = _note_use(t, plan, ()) if KEY in getattr(t._local, "__dict__", ()) else None
+    if moved is None:
+        return execute(plan, t)
+    with C.mute_backward(t.mesh, moved):
+        return execute(plan, t)
 
 
 def local_for_op(t, plan, mesh, even, expand, label):

@@ -190,8 +190,9 @@ def infer(op: str, *specs, _grads: tuple = (), **attrs) -> Decision:
     torch names them (``dim=-1``, ``keepdim=True``); a name the op does not take is a
     TypeError (a rule would ignore it: ``dims=-1`` on sum would reduce every dim).
     ``_grads``: per input, whether its gradient is wanted (the dispatcher's: the input
-    requires grad under grad mode); those inputs' plans are also priced in backward
-    (:func:`backward_price`).  () prices the forward alone."""
+    requires grad under grad mode), or, for a ``wb.reshard`` result with its way back,
+    that way's ``reshard_backward.way_key``; those inputs' plans are also priced in
+    backward (:func:`backward_price`).  () prices the forward alone."""
     attrs = _check_attr_names(op, specs, attrs)
     frozen = tuple(sorted((k, _freeze(v)) for k, v in attrs.items()))
     return _infer_cached(op, tuple(specs), frozen, _profile_name(), grads_key(_grads))
@@ -209,7 +210,7 @@ def infer_on(profile: str, op: str, *specs, _grads: tuple = (), **attrs) -> Deci
 def grads_key(grads) -> tuple:
     """``grads`` as the decision's cache key holds it: () where no input wants a gradient
     (the forward-only decision, shared by every such call)."""
-    grads = tuple(bool(g) for g in grads)
+    grads = tuple(g if type(g) is tuple else bool(g) for g in grads)
     return grads if any(grads) else ()
 
 
@@ -418,6 +419,7 @@ def _infer_cached(op, specs, frozen_attrs, profile, grads=()) -> Decision:
                          f"{[fmt_placements(s.placements) if s is not None else '-' for s in specs]}")
     cands = []
     seen = set()
+    ways = any(type(g) is tuple for g in grads)
     for order, st in enumerate(strategies):
         key = (st.inputs, st.outputs)
         if key in seen or not _bool_ok(specs, st):
@@ -425,10 +427,17 @@ def _infer_cached(op, specs, frozen_attrs, profile, grads=()) -> Decision:
         seen.add(key)
         plans, t, b, dt, db = strategy_cost(specs, st, profile)
         bt, bb = backward_price(specs, plans, grads, profile) if grads else (0.0, 0)
-        cands.append((t + dt + bt, b + db + bb, order,
+        # (where a reshard's result is read (its way back priced), a tie over forward and
+        # backward goes to the cheaper forward, DTensor's ranking: a slice of the gathered
+        # copy, its gradient sent back to the source in backward, against gathering the
+        # other operand now and less back, tests/test_reshardbwd.py S0S1-RR-mul-S1S0.
+        # Not elsewhere: the rule's order, as before (on every tie it moved a choice where
+        # O0 and eager then record other gradient reductions: test_compile11's MoE + SP)
+        fw = (t + dt, b + db) if ways else (0.0, 0)
+        cands.append((t + dt + bt, b + db + bb) + fw + (order,
                       Candidate(st, tuple(plans), t, b, dt, db, bt, bb)))
-    cands.sort(key=lambda c: c[:3])
-    ranked = tuple(c[3] for c in cands)
+    cands.sort(key=lambda c: c[:5])
+    ranked = tuple(c[5] for c in cands)
     return Decision(op, specs, ranked, _reason(op, specs, ranked))
 
 
@@ -509,17 +518,36 @@ def backward_price(specs, plans, grads, profile: str):
     row-sharded x by an all-to-all (forward 512 B) and paid 4,608 B in backward where
     DTensor's all-gather pays 2,048 + 0 (``benchmarks/eager_comm_probe.py``).  Not priced
     here: the reduction of a replicated input's gradient read per rank (its
-    all-reduce), which DTensor's sharding propagation does not price either."""
+    all-reduce), which DTensor's sharding propagation does not price either.
+
+    A ``wb.reshard`` result with its way back (``grads[k]`` its
+    ``reshard_backward.way_key``, a tuple: the dispatcher's ``_grads``, and O0's for a
+    program's ``t.redistribute``, ``compile/propagate.greedy``): where the op slices it
+    along a dim the reshard gathered, that slice's own backward is muted and the way
+    brings the gradient back to the reshard's source once (``reshard_backward.convert``):
+    priced as that plan (an all-to-all where the op slices it to another dim than the
+    source's, nothing back to the source's; DTensor's ``Redistribute.backward``), the
+    plan's other dims as above, the way's reductions of a Partial gradient not priced
+    (as above).  Priced as a plain input, a slice of it cost an all-gather in backward
+    and the chooser gathered the other operand instead (tests/test_reshardbwd.py)."""
     from ...sim_mesh import cost as _cost
     from .. import layout
     prof = get_profile(profile)
     t, b = 0.0, 0
     for spec, plan, g in zip(specs, plans, grads):
-        if not g or spec is None or plan is None:
+        if not g or spec is None:
+            continue
+        skip = ()
+        if type(g) is tuple:
+            t_, b_, skip = _way_price(spec, plan, g, profile, prof)
+            t += t_
+            b += b_
+        if plan is None:
             continue
         for s_ in plan.steps:
             kind = BACKWARD_OF.get(s_.kind)
-            if kind is None or s_.kind not in BACKWARD_PRICED or s_.mesh_dim is None:
+            if kind is None or s_.kind not in BACKWARD_PRICED or s_.mesh_dim is None or \
+                    s_.mesh_dim in skip:
                 continue
             nb = s_.buffer_bytes
             if not nb:
@@ -529,6 +557,41 @@ def backward_price(specs, plans, grads, profile: str):
             t += max(_cost.price(kind, nb, grp, prof) for grp in groups)
             b += _cost.wire_bytes(kind, nb, len(groups[0]))
     return t, b
+
+
+_NOT_PRICED_BACK = frozenset({"all_reduce", "reduce_scatter"})   # a Partial's reductions
+
+
+def _way_price(spec, plan, way, profile, prof):
+    """(seconds, wire bytes, the marked dims the way takes over) of an op's read of a
+    reshard's result with way ``way`` (``reshard_backward.way_key``): the plan from the
+    gradient the op gives it (``reshard_backward.way_use``, as ``convert`` notes it) back
+    to the source, as the way records it (``_Way.steps``).  ((0, 0, ()) where the input
+    is not laid out as marked any more or the op uses the one copy: the ordinary path.)
+    The gradient of one read; several reads meet on the way and go back once (autograd's
+    sum), each priced here as if alone."""
+    from ...sim_mesh import cost as _cost
+    from ..reshard import plan_reshard_cached
+    from ..reshard_backward import way_use
+    from ..spec import TensorSpec
+    dst, back, axes = way
+    if tuple(spec.placements) != dst:
+        return 0.0, 0, ()
+    final = plan.dst if plan is not None and plan.steps else dst
+    # (a dim given per rank, Partial, adds only a reduction, not priced: expand ())
+    grad, moved = way_use(dst, axes, final, ())
+    if not moved:
+        return 0.0, 0, ()
+    p = plan_reshard_cached(TensorSpec(spec.shape, spec.mesh, grad, spec.dtype,
+                                       _trusted=True), back, profile)
+    t, b = 0.0, 0
+    for s_ in p.steps:
+        if not s_.bytes or s_.kind in _NOT_PRICED_BACK or s_.mesh_dim is None:
+            continue
+        groups = spec.mesh.groups(s_.mesh_dim)
+        t += max(_cost.price(s_.kind, s_.buffer_bytes, grp, prof) for grp in groups)
+        b += _cost.wire_bytes(s_.kind, s_.buffer_bytes, len(groups[0]))
+    return t, b, moved
 
 
 _DEFERRED: dict = {}
