@@ -71,17 +71,20 @@ run of the course's Llama in tests/test_plan_llama.py.  ``dry_run`` runs this li
 recipe: hold it to ``layout.replace(framework="workbench")``, not to the default
 framework, which keeps more (Megatron-LM's fp32 gradient buffer) or less (its in-place
 cross-entropy) by design (``plan.agree``, tests/test_plan_dryrun_agree.py).
+
+The parts live beside this module, which keeps :class:`Estimate` and :func:`estimate`
+and their import path: each pipeline rank's row, crossings and memory
+(:mod:`.estimate_ranks`), the schedule and its bubble (:mod:`.estimate_schedule`), this
+library's loss (:mod:`.estimate_loss`), the data-parallel sync (:mod:`.estimate_dp_sync`)
+and the layer priced with its checks (:mod:`.estimate_layer`).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field, replace
 
-from ..sim_mesh.cost import overlap_rate, wire_bytes
 from ..sim_mesh import nccl_tuning as NT
 from . import costs as C
 from . import frameworks as F
-from . import stage_sync as S
 from . import zero_cost as Z
 from . import fsdp2_cost as FS
 from . import fsdp2_root as FR
@@ -98,13 +101,20 @@ from . import megatron_buckets as MB
 from . import titan_eager as TE
 from . import optimizer_step as OS
 from . import fp8 as _fp8
-from . import in_flight_peak as _peak
 from . import layer_cost as LC
 from .layout import Cluster, Layout, attention_for, check_layout
 from .text_width import wrap
 from .edge_cost import edge_times
-from .memory import (_regather, memory_margin, stage_memory, stage_params,
-                     stage_workspace_terms, workspace_assumptions)
+from .memory import (memory_margin, stage_memory, stage_params, stage_workspace_terms,
+                     workspace_assumptions)
+from .estimate_ranks import (_crossings, _p2p, _rank_memory, _rows, _stage_kinds,  # noqa: F401
+                             _stage_name, _tie_order)
+from .estimate_schedule import (_makespan, pipeline_bubble, _recipe_chunks, _schedule,  # noqa: F401
+                                _simulate)
+from .estimate_loss import _loss_count, _loss_lead, _loss_queues  # noqa: F401
+from .estimate_dp_sync import _dp_nodes, _dp_sync, _hide_in_pipeline  # noqa: F401
+from .estimate_layer import _check_ep_cp_async, check_runs, layer_for  # noqa: F401
+
 
 __all__ = ["Estimate", "estimate", "pipeline_bubble"]
 
@@ -208,422 +218,6 @@ class Estimate:
                     f"memory {self.memory['total'] / 1e9:.1f} GB"
                     f"{'' if self.fits else ' (does NOT fit)'}; compute {b['compute']:.3f} s, "
                     f"communication {b['communication']:.3f} s, bubble {b['bubble']:.3f} s")
-
-
-def pipeline_bubble(stage_times, v: int = 1) -> float:
-    """Idle time of a 1F1B / GPipe pipeline (interleaved: ``v`` chunks per device) whose
-    stage s takes ``stage_times[s]`` per micro-batch (forward + backward):
-    (sum - max) / v (Zheng et al. 2022, Alpa's pipeline latency; equal stages give the published
-    (p - 1)(t_f + t_b) / v).  The step is m max(stage_times) + this."""
-    times = list(stage_times)
-    return (sum(times) - max(times)) / v
-
-
-def _simulate(lay: Layout, stages: dict, m: int, links, rows=None):
-    """``parallel.schedules.simulate`` of ``lay``'s schedule over ``m`` micro-batches,
-    each pipeline rank's forward and backward taken from ``stages`` (estimate's
-    ``details["stages"]``) with its own crossings on ``links`` (``details["p2p_links"]``),
-    or from ``rows`` (``details["per_rank"]``: each rank's own, DeepSpeed's engine's as it
-    prices them); this library's recipe (:func:`_recipe_chunks`): per layer-stage, as the
-    dry run composes it."""
-    from ..parallel.schedules import simulate
-    rows = _rows(lay, stages, links) if rows is None else rows
-    sched = _schedule(lay.schedule, lay.pp, m, lay.v)
-    if lay.engine == "workbench" and lay.pp > 1:
-        f, b = _recipe_chunks(lay, rows, links)
-        return simulate(sched, f=f, b=b)
-    return simulate(sched, f=[d["forward"] / lay.v for d in rows],
-                    b=[(d["time"] - d["forward"]) / lay.v for d in rows])
-
-
-def _crossings(lay: Layout, stage: int, links) -> tuple[float, float]:
-    """(forward, backward) seconds of the stage crossings pipeline rank ``stage`` is
-    charged per micro-batch, each on its own link (``links[r]``: one crossing of rank r ->
-    r + 1, ``_p2p``): v forward on the link to the next rank, v backward on the link from
-    the previous one (a blocking receive waits on the link: the last rank's forward waits
-    on pp - 2 -> pp - 1, the first's backward on 0 -> 1); interleaved chunks cross pp - 1
-    -> 0 too; this library's recipe as its dry run composes it: one fewer on the first
-    rank's backward and the last's forward (``_recipe_chunks``)."""
-    pp, v = lay.pp, lay.v
-    if pp == 1:
-        return 0.0, 0.0
-    if v > 1:
-        lf, lb = links[stage], links[(stage - 1) % pp]
-    else:
-        lf, lb = links[min(stage, pp - 2)], links[max(stage - 1, 0)]
-    recipe = lay.engine == "workbench"
-    return (v - (recipe and stage == pp - 1)) * lf, (v - (recipe and stage == 0)) * lb
-
-
-def _rows(lay: Layout, stages: dict, links, ds=None) -> list:
-    """Per pipeline rank r, its stage dict (``stage`` r) with its own crossings
-    (``_crossings``): the middle stages share one dict, stage 1's, whose crossings are
-    swapped for each rank's own.  ``ds``: DeepSpeed's pipeline engine
-    (``deepspeed_step.pipeline_step``), whose rows are per stage already (each with its
-    own transfers): taken as they are."""
-    out = []
-    for r in range(lay.pp):
-        d = stages[_stage_name(r, lay.pp, lay.stages is not None)]
-        if ds is not None:
-            out.append(dict(d, stage=r, crossings=ds["stages"][r]["transfers"],
-                            **{k: ds["stages"][r][k] for k in DS.STAGE_KEYS}))
-            continue
-        (f0, b0), (f1, b1) = d["crossings"], _crossings(lay, r, links)
-        out.append(dict(d, stage=r, forward=d["forward"] - f0 + f1,
-                        time=d["time"] - f0 - b0 + f1 + b1, comm=d["comm"] - f0 - b0 + f1 + b1,
-                        crossings=(f1, b1)))
-    return out
-
-
-def _tie_order(lay: Layout, stages: dict) -> list:
-    """The pipeline ranks in the order of their entries in ``stages`` (first, last, the
-    middle ones), then by rank: the slowest or busiest of equals is the first so met."""
-    names = list(stages)
-    return sorted(range(lay.pp),
-                  key=lambda r: (names.index(_stage_name(r, lay.pp, lay.stages is not None)),
-                                 r))
-
-
-def _rank_memory(cfg, lay: Layout, row: dict, r: int, attention: str, prof,
-                 fusion) -> None:
-    """Rank r's own memory in its row (``_rows``), where its entry is another rank's (a
-    middle stage's: the communication library's buffers are per rank, each with its own
-    neighbours' links, ``comm_memory``; the schedule's in-flight micro-batches too)."""
-    psi, n_layers = row["psi"], lay.stage_layers(cfg.n_layer)[r]
-    mem = stage_memory(cfg, lay, r, attention, prof, fusion)
-    row.update(memory=mem, workspace_terms=stage_workspace_terms(cfg, lay, r, attention, prof,
-                                                                 fusion),
-               allocator_cache=AL.cached_bytes(cfg, lay, r, psi, n_layers),
-               reserved_memory=AL.reserved_bytes(cfg, lay, r, psi, n_layers, mem, attention))
-
-
-# the (frozen) parallel.schedules Schedule of a shape, built once (in_flight_peak.schedule,
-# which the memory's walk of an interleaved rank reads too)
-_schedule = _peak.schedule
-
-
-def _makespan(lay: Layout, stages: dict, m: int, links) -> float:
-    """``_simulate(...).makespan``, from the schedules' event-driven core alone (the
-    timeline ``simulate`` also builds is not read here; a search prices many layouts)."""
-    from ..parallel.schedules._engine import run
-    rows = _rows(lay, stages, links)
-    sched = _schedule(lay.schedule, lay.pp, m, lay.v)
-    if lay.engine == "workbench" and lay.pp > 1:
-        f, b = _recipe_chunks(lay, rows, links)
-    else:
-        f = [d["forward"] / lay.v for d in rows]
-        b = [(d["time"] - d["forward"]) / lay.v for d in rows]
-        f, b = [f[s % lay.pp] for s in range(sched.stages)], [b[s % lay.pp]
-                                                             for s in range(sched.stages)]
-    stage = [[sched.stage(r, c) for c in range(sched.v)] for r in range(sched.p)]
-    cost = {"F": f, "B": b}
-    durations = [[cost[a.kind][stage[r][a.chunk]] for a in row]
-                 for r, row in enumerate(sched.actions)]
-    out = run(sched, durations, 0.0)
-    if out.blocked:          # a library schedule never deadlocks: a bug, say so
-        raise RuntimeError(f"estimate: the {lay.schedule} schedule of pp={lay.pp}, m={m}, "
-                           f"v={lay.v} deadlocked in parallel.schedules' engine")
-    return max(row[-1] for row in out.ends if row)
-
-
-def _recipe_chunks(lay: Layout, rows: list, links) -> tuple[list, list]:
-    """(forward, backward) seconds of each of the pp x v layer-stages of this library's
-    recipe as ``plan.dryrun`` composes its pipeline: layer-stage k's forward with the send
-    of its output (none from the last), its backward with the send of its input's
-    gradient (none from the first), each send priced once, on the sender, on its own link
-    (``links[r]``: a crossing of pipeline rank r -> r + 1; layer-stage k sits on rank
-    k mod pp); the embedding on the first layer-stage and the head and loss on the last,
-    not spread over a rank's v chunks.  ``rows``: per pipeline rank, its stage dict
-    (``edge``: the (forward, total) seconds of the embedding or the head it holds;
-    ``crossings``: the (forward, backward) seconds of sends inside it, taken out here)."""
-    pp, v = lay.pp, lay.v
-    n = pp * v
-    f, b = [0.0] * n, [0.0] * n
-    for r, d in enumerate(rows):
-        ef, et = d["edge"]
-        sf, sb = d["crossings"]
-        cf = (d["forward"] - ef - sf) / v
-        cb = (d["time"] - d["forward"] - (et - ef) - sb) / v
-        for c in range(v):
-            k = c * pp + r                 # parallel.schedules' layer-stage of chunk c
-            edge = (r == 0 and c == 0) or (r == pp - 1 and c == v - 1)
-            f[k] = max(0.0, cf + (ef if edge else 0.0) + (links[r] if k < n - 1 else 0.0))
-            b[k] = max(0.0, cb + (et - ef if edge else 0.0)
-                       + (links[(r - 1) % pp] if k > 0 else 0.0))
-    return f, b
-
-
-def _dp_nodes(lay: Layout, prof) -> int:
-    """Nodes the first stage's data-parallel group spans (``Layout.grad_ranks``): the
-    widest collective group of a layout (tensor parallelism stays inside a node)."""
-    return len({r // prof.devices_per_node for r in lay.grad_ranks(0, 0)})
-
-
-def _stage_name(s: int, pp: int, uneven: bool) -> str:
-    """The key of stage ``s`` in ``details["stages"]``."""
-    if pp == 1:
-        return "only"
-    if s in (0, pp - 1):
-        return "first" if s == 0 else "last"
-    return f"stage {s}" if uneven else "middle"
-
-
-def _stage_kinds(pp: int, uneven: bool = False) -> list[tuple[str, int, int]]:
-    """(name, a representative stage, how many stages are like it): uneven stages each
-    their own."""
-    if uneven:
-        return [(_stage_name(s, pp, True), s, 1) for s in range(pp)]
-    if pp == 1:
-        return [("only", 0, 1)]
-    out = [("first", 0, 1), ("last", pp - 1, 1)]
-    return out + ([("middle", 1, pp - 2)] if pp > 2 else [])
-
-
-def _p2p(cfg, lay: Layout, prof) -> tuple[list, float]:
-    """(seconds of one activation (or gradient) crossing on each link, bytes of one
-    crossing): ``links[r]`` is pipeline rank r -> r + 1 (and, interleaved, pp - 1 -> 0:
-    chunks cross it too), each priced on its own ranks, so that with fewer than a node's
-    devices per stage (tp x dp x cp below it) a crossing inside a node is NVLink's and one
-    leaving it the network's (was: every crossing at the slowest link's price, one
-    inter-node crossing of 15 charged on all of them; plan_random_layouts.py).
-    Megatron-LM's scatter/gather (module docstring) where tp > 1 without sequence
-    parallelism; this library's recipe (framework "workbench") has none: each TP rank
-    sends its whole replicated activation to its peer (``Hybrid``'s stage send,
-    ``sim_mesh.collectives.send_recv`` of the stage output's local tensor), measured on
-    the dry run's trace (Llama 2 7B, tp 8, pp 2 across two 910B nodes: 1.352 ms a crossing
-    against 0.331 ms priced as scatter/gather)."""
-    n = 2 * cfg.seq_len * lay.micro_batch * cfg.d_model
-    ends = [(s, s + 1) for s in range(lay.pp - 1)] + ([(lay.pp - 1, 0)] if lay.v > 1 else [])
-    # every TP / CP / DP rank sends to its peer at once: the crossing is its slowest pair's
-    # (C.crossing_price; was the t = d = c = 0 pair's, NVLink's where a stage straddling
-    # two nodes sends some of its pairs across: tp 2, dp 3, pp 2 on 8-GPU nodes)
-    pairs = [lay.crossing_pairs(a, b) for a, b in ends]
-    if lay.tp > 1 and not lay.sp and lay.engine == "workbench":
-        return [C.crossing_price(n, ps, prof) for ps in pairs], n
-    gather = sent = 0.0
-    if lay.tp > 1 and not lay.sp:
-        gather = C.group_price("all_gather", n, tuple(lay.tp_ranks()), prof)
-        sent = wire_bytes("all_gather", n, lay.tp)
-    return [C.crossing_price(n / lay.tp, ps, prof) + gather
-            for ps in pairs], n / lay.tp + sent
-
-
-def _loss_count(lay: Layout, prof) -> tuple[float, float]:
-    """(seconds, bytes sent) per micro-batch of this library's cross-entropy's global
-    target count on the last stage: an all-reduce of one int64 over each mesh dim the
-    targets are sharded on, dp then cp, one after the other (each sums the last's),
-    before the loss divides by it (``parallel/ops_table/cross_entropy.py``,
-    ``_cross_entropy_local``), so exposed; on the dry run's trace a "small" Llama of one
-    layer at dp 16 on two A100 nodes: 27.5 us a micro-batch, the estimate 1.21x below it
-    without (``benchmarks/plan_random_layouts.py`` seed 13).  Other frameworks: none here
-    (Megatron-LM's loss is local to the rank; its logging average over dp is not priced)."""
-    if lay.engine != "workbench":
-        return 0.0, 0.0
-    last = lay.pp - 1
-    t = sent = 0.0
-    for n, ranks in ((lay.dp, [lay.rank(0, d, last, 0) for d in range(lay.dp)]),
-                     (lay.cp, [lay.rank(0, 0, last, c) for c in range(lay.cp)])):
-        if n > 1:
-            t += C.group_price("all_reduce", 8, tuple(ranks), prof)
-            sent += wire_bytes("all_reduce", 8, n)
-    return t, sent
-
-
-def _loss_lead(cfg, lay: Layout, head, edge) -> tuple:
-    """(forward, backward) seconds of the last stage that run beside ZeRO-3's backward
-    prefetch, which this library's recipe issues as the forward's last module ends
-    (``zero_cost.zero_exposed``'s ``lead``): the loss (the logits' cast and the
-    cross-entropy, forward and backward); where ZeRO's group is the cp group
-    (``ep_cp.shares_zero_stream``) the cross-entropy's count all-reduce on that group
-    (``parallel/ops_table/cross_entropy.py`` ``_cross_entropy_local``) queues behind the
-    prefetch, so only what runs before it beside it: the cast, and a tied head's GEMM (its
-    weight is the embedding module's: the last module is the final norm, the prefetch
-    starts as it ends); the cross-entropy and the cast's backward then run before the
-    head's backward (its pre-backward hook prefetches on), measured on the dry run's
-    trace (tests/test_zerocp3.py).  Returns (lead, beside) for ``zero_exposed``."""
-    # a tied head's GEMM beside the prefetch wherever the loss runs beside it too (dp >= 2
-    # with cp >= 2: the count's groups are not ZeRO's dp x cp one); was left before the
-    # prefetch, measured on the dry run's trace (GPT dp 2 cp 4 ZeRO-3: the final norm ends
-    # and the prefetch starts at 968 us, the head's 133 us GEMM beside it; the estimate
-    # started it 146 us later, dry run / estimate 0.948, tests/test_zerocp5.py)
-    head_f = head.fwd_compute if cfg.tie_embeddings and lay.pp == 1 else 0.0
-    if _loss_queues(lay, cfg.tie_embeddings):
-        return (edge["loss"][0] + head_f, edge["loss"][1]), edge["cast"][0] + head_f
-    return (edge["loss"][0] + head_f, edge["loss"][1]), None
-
-
-def _loss_queues(lay: Layout, tied: bool) -> bool:
-    """Whether this library's loss splits around ZeRO's backward prefetch (``_loss_lead``'s
-    ``beside``): its count all-reduce queues behind the prefetch on ZeRO's stream while
-    the ops before it run beside.  Where ZeRO's group is the cp group
-    (``ep_cp.shares_zero_stream``); and with a tied head on one stage at ZeRO-3 where the
-    count's group is ZeRO's (``ep_cp.loss_waits``: dp alone): the head's GEMM belongs to
-    the embedding module, so the last module to end is the final norm and the prefetch is
-    issued then (``parallel/strategies/zero3_clock.py``), before the cross-entropy's
-    all-reduce (dry run's trace, GPT dp 2 ZeRO-3: the prefetch from 674 us, the
-    all-reduce at 1350 us behind it; tests/test_zerocp4.py)."""
-    if lay.engine != "workbench":
-        return False
-    return EC.shares_zero_stream(lay) or (tied and lay.pp == 1 and lay.zero == 3
-                                          and EC.loss_waits(lay))
-
-
-def _dp_sync(psi, lay: Layout, prof, stage: int, blocks, overlap: bool = True,
-             overlap_grad_reduce: bool = False, grad_bytes: int = 2,
-             head_live: bool = True, side=None, lead=((0.0, 0.0), None)):
-    """(exposed seconds, bytes sent) of the data-parallel synchronisation of a stage
-    (module docstring); ZeRO-2/3: per micro-batch on one comm stream against the
-    ``blocks`` of the stage (``zero_cost``); ``overlap=False`` exposes them whole.
-    ``overlap_grad_reduce`` (ZeRO-0/1, Megatron-LM's --overlap-grad-reduce and
-    --overlap-param-gather): the gradients reduced module by module during the last
-    micro-batch's backward, ZeRO-1's updated weights gathered beside the next step's
-    first forward (all gathers issued at once), on the same stream model.
-    ``grad_bytes``: bytes per gradient element reduced (``frameworks.grad_reduce_bytes``:
-    Megatron-LM reduces bf16 models' gradients in fp32); gathered weights are 16-bit.
-    ``head_live``: the head's weight is still gathered when the loss is computed (tied
-    to the embedding); if not, this library's recipe re-gathers it before the loss and
-    the loss waits behind the backward's prefetch (``zero_cost``'s ``loss_waits``).
-    ``side``: (seconds added to a gather of n elements, to a reduce-scatter of n: the
-    copies FSDP2 runs in series with them; the indices of the blocks kept gathered from
-    forward to backward), ``fsdp2_cost.stage_copies``.  ``lead``: ((the loss's forward,
-    backward) seconds, run beside ZeRO-3's backward prefetch where it does not wait for it
-    (this library's recipe: ``zero_cost.zero_exposed``'s ``lead``; ``ep_cp.loss_waits``
-    says when the loss waits), the seconds of it before the loss's collective where that
-    waits and ZeRO's group is the cp group, else None) (``_loss_lead``)."""
-    if lay.dp * lay.cp == 1:
-        return 0.0, 0.0
-    ranks = tuple(lay.grad_ranks(0, stage))      # dp x cp ranks (``plan.ep_cp``)
-    g, dp, m = grad_bytes * psi, len(ranks), lay.m
-    priced = {}     # group_price's cache key hashes all the ranks: ask it once per size
-
-    def p(kind, nbytes=g):
-        t = priced.get((kind, nbytes))
-        if t is None:
-            t = priced[kind, nbytes] = C.group_price(kind, nbytes, ranks, prof)
-        return t
-
-    ag_x, rs_x, stay = side if side else (lambda n: 0.0, lambda n: 0.0, ())
-
-    def gather(n):
-        return p("all_gather", 2 * n) + ag_x(n)
-
-    w = 2 * psi                                   # the 16-bit weights
-    rs, ag = wire_bytes("reduce_scatter", g, dp), wire_bytes("all_gather", w, dp)
-    if lay.zero <= 1 and overlap_grad_reduce:
-        kind = "all_reduce" if lay.zero == 0 else "reduce_scatter"
-        r = overlap_rate(prof, ranks)    # the SMs NCCL holds for this group
-        _, bwd = Z.zero_exposed(blocks, 2, gather, lambda n: p(kind, grad_bytes * n), rate=r)
-        if lay.zero == 0:
-            return bwd, wire_bytes("all_reduce", g, dp)
-        # Megatron-core gathers one bucket ahead (``_finish_param_sync_helper``: "We
-        # can't pre-launch all-gathers for all buckets at once", f2e5db402c), the first
-        # from zero_grad, just before the forward; a block is one of its buckets on the
-        # first stage with ZeRO-1 (plan.megatron_buckets), else a layer
-        ahead = 1 if lay.engine == "megatron" else float("inf")
-        fwd, _ = Z.zero_exposed(blocks, 3, gather, lambda n: 0.0,
-                                prefetch_numel=ahead, rate=r)
-        return bwd + fwd, rs + ag
-    if lay.zero == 0:
-        return p("all_reduce"), wire_bytes("all_reduce", g, dp)
-    if lay.zero == 1:
-        return p("reduce_scatter") + p("all_gather", w), rs + ag
-    if not overlap:
-        blocks = [dataclasses.replace(b, fwd=0.0, bwd=0.0, remat=0.0, wait_fwd=0.0,
-                                      wait_bwd=0.0, after_fwd=(), after_bwd=(),
-                                      after_remat=(), shared=(0.0, 0.0)) for b in blocks]
-    bucket = Z.REDUCE_BUCKET_NUMEL if lay.engine == "deepspeed" else None
-    # FSDP2: one block ahead (a budget of one element: ``_prefetch`` issues one block)
-    ahead = F.FSDP_PREFETCH_UNITS if lay.engine == "fsdp" else Z.PREFETCH_NUMEL
-    # the recipe's loss waits for the backward's prefetch where its count's all-reduce is
-    # on ZeRO's group (ep_cp.loss_waits), else runs beside it (lead)
-    # (with a tied head too where ZeRO's group is the cp group: the backward's prefetch is
-    # issued as the head's forward ends, before the loss's count all-reduce on that group,
-    # ep_cp.shares_zero_stream; measured on the dry run's trace, tests/test_zerocp3.py;
-    # and at ZeRO-3 with dp alone, the prefetch issued as the final norm ends:
-    # _loss_queues, tests/test_zerocp4.py)
-    shared = _loss_queues(lay, head_live)
-    waits = lay.engine == "workbench" and (not head_live or shared) and EC.loss_waits(lay)
-    recipe3 = lay.engine == "workbench" and lay.zero == 3 and (not waits or shared) \
-        and overlap
-    fwd, bwd = Z.zero_exposed(blocks, lay.zero, gather,
-                              lambda n: p("reduce_scatter", grad_bytes * n) + rs_x(n),
-                              rate=overlap_rate(prof, ranks) if overlap else 1.0, bucket=bucket,
-                              prefetch_numel=ahead, loss_waits=waits,
-                              stay=stay, regather=lay.engine == "workbench"
-                              and lay.recompute in ("full", "op"),
-                              lead=lead[0] if recipe3 else (0.0, 0.0),
-                              beside=lead[1] if recipe3 and waits else None)
-    if lay.zero == 2:       # then the updated 16-bit weights, gathered once per step
-        # (fwd: the cp exchange's waits where it shares ZeRO's stream, else 0)
-        return m * (fwd + bwd) + p("all_gather", w), m * rs + ag
-    again = wire_bytes("all_gather", w - 2 * sum(blocks[i].numel for i in stay), dp)
-    return m * (fwd + bwd), m * (ag + again + rs)
-
-
-def _hide_in_pipeline(stages, lay: Layout, prof, grad_bytes: int,
-                      overlap_grad_reduce: bool, links) -> None:
-    """Megatron-LM's (and DeepSpeed's pipeline engine's) sync on stages after the first,
-    less the pipeline's slack (``stage_sync``), the stages before it each with its own
-    crossings on ``links`` (``_rows``): each such stage's ``dp`` replaced."""
-    rows = _rows(lay, stages, links)   # each stage's own crossings (was: every middle
-    fwd = [d["forward"] for d in rows]     # stage's slack summed with the slowest middle
-    bwd = [d["time"] - d["forward"] for d in rows]      # stage's)
-    for d in stages.values():
-        if d["stage"] > 0:
-            sf, sb = S.slacks(d["stage"], fwd, bwd)
-            d["dp"] = S.after_flush(d["psi"], lay, prof, d["stage"], grad_bytes, sf, sb,
-                                    overlap_grad_reduce) + d["expert_dp"]   # MoE: whole
-
-
-def layer_for(cfg, lay: Layout, prof, attention: str, fp8: bool = False,
-              tp_comm_overlap: bool = False, async_allreduce: bool = True,
-              transformer_engine: bool = False):
-    """One layer's ``costs.LayerCost`` for one micro-batch on a rank of ``lay``, as
-    :func:`estimate` prices it (``prof``: the profile it prices on), with EP and CP
-    (``plan.ep_cp``) or without; ``async_allreduce=False``: ``plan.megatron_2021``;
-    ``transformer_engine``: Megatron-LM's TE spec (``layer_cost.TE_SOURCES``)."""
-    if EC.applies(cfg, lay):
-        if transformer_engine:
-            raise ValueError(f"layout {lay.short()}: transformer_engine=True is modeled "
-                             f"for Megatron-LM's dense GPT layer (layer_cost.TE_SOURCES), "
-                             f"not with expert / context parallelism: give "
-                             f"transformer_engine=False")
-        _check_ep_cp_async(lay, async_allreduce)
-        return EC.layer_cost(cfg, lay, prof, attention, fp8)
-    return C.layer_cost(cfg, lay.micro_batch, lay.tp, lay.sp, lay.recompute, prof, attention,
-                        fp8, tp_comm_overlap and lay.tp > 1, async_allreduce or lay.tp == 1,
-                        lay.engine != "workbench",   # the recipe: 16-bit param.grad,
-                        # torch.utils.checkpoint's early stop: the recipe's and torchtitan's
-                        # (non-reentrant; torchtitan_breakdown's "relative errors")
-                        lay.engine in ("workbench", "fsdp"),
-                        split_qkv=lay.engine == "workbench",    # the GPT's wq, wk, wv;
-                        # torchtitan's DTensor TP keeps the gathered input: no re-gather
-                        regather=_regather(cfg, lay), transformer_engine=transformer_engine)
-
-
-def check_runs(model, layout, cluster, attention: str, fp8: bool = False,
-               overlap_grad_reduce: bool = False, tp_comm_overlap: bool = False) -> None:
-    """Raise ValueError naming the fix where the layout's framework does not run it with
-    these options (beyond ``check_layout``): expert / context parallelism's
-    (``ep_cp.check_estimate``), Megatron-LM's TP overlap's (``tp_overlap``), DeepSpeed's
-    pipeline engine's (``deepspeed_step.check``)."""
-    EC.check_estimate(model, layout, attention, fp8, overlap_grad_reduce)
-    TPO.check_estimate(model, layout, cluster.profile, fp8, tp_comm_overlap,
-                       EC.applies(model, layout))
-    if layout.engine == "deepspeed" and layout.pp > 1:
-        DS.check(model, layout, overlap_grad_reduce)    # its pipeline engine: deepspeed_step
-    if EC.applies(model, layout):
-        # DeepSpeed's layers run no async TP all-reduce (megatron_2021.resolve)
-        _check_ep_cp_async(layout, M21.resolve(layout, None, None)[0])
-
-
-def _check_ep_cp_async(lay: Layout, async_allreduce: bool) -> None:
-    """Expert / context parallelism is priced with the asynchronous TP all-reduce only."""
-    if not async_allreduce and lay.tp > 1:
-        raise ValueError(f"layout {lay.short()}: expert / context parallelism is priced "
-                         f"with Megatron-LM's asynchronous TP all-reduce (2021-09 on); "
-                         f"async_tensor_model_parallel_allreduce=False is not modeled there: "
-                         f"leave it None, or use tp=1")
 
 
 def estimate(model, layout: Layout, cluster: Cluster, attention: "str | None" = None,
