@@ -7,9 +7,13 @@ bit-identity check is benchmarks/sim_bits.py).
   dispatch's fast path: run_prepared's own per-input call (``dispatch._moved_input``) runs
   for it, so values, gradients, local tensors and a traced backward are the general
   path's, bit for bit.
+* the toy step's per-call trims keep their behaviour: F.linear's dtype check (skipped
+  only where the operands have one dtype), dispatch._summed (remembered per placements
+  tuple), versions.explained (a class now: the in-place write's message, once).
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -170,3 +174,57 @@ def test_row_parallel_bias_write_after_forward_raises_as_general_path():
             w.grad = b.grad = None
         return res
     assert run(False) == run(True)
+
+
+# ---- the toy step's per-call trims: same behaviour -------------------------------------
+
+def test_linear_dtype_mismatch_still_raises_as_torch():
+    """_linear_parse skips same_dtype only where every operand has one dtype: a float64
+    weight or bias beside a float32 input still raises torch's RuntimeError."""
+    mesh = wb.Mesh.grid((2,), ["tp"])
+    x = wb.shard_tensor(torch.randn(3, 4), mesh, [wb.Replicate()])
+    w32 = wb.shard_tensor(torch.randn(5, 4), mesh, [wb.Shard(0)])
+    w64 = wb.shard_tensor(torch.randn(5, 4, dtype=torch.float64), mesh, [wb.Shard(0)])
+    b64 = wb.shard_tensor(torch.randn(5, dtype=torch.float64), mesh, [wb.Shard(0)])
+    for w, b in ((w64, None), (w32, b64)):
+        with pytest.raises(RuntimeError) as ours:
+            F.linear(x, w, b)
+        with pytest.raises(RuntimeError):
+            F.linear(x.full(), w.full(), None if b is None else b.full())
+        assert "same dtype" in str(ours.value)
+    torch.testing.assert_close(F.linear(x, w32).full(), F.linear(x.full(), w32.full()))
+
+
+def test_summed_remembered_per_placements():
+    """dispatch._summed's answer per placements tuple: P(sum) / P(avg) yes, P(max) and
+    Shard / Replicate no, the same answer asked twice, plain tensors no."""
+    mesh = wb.Mesh.grid((2,), ["tp"])
+    t = torch.randn(4, 3)
+    cases = [([wb.Partial("sum")], True), ([wb.Partial("avg")], True),
+             ([wb.Partial("max")], False), ([wb.Shard(0)], False), ([wb.Replicate()], False)]
+    for ps, want in cases:
+        d = wb.DistTensor(torch.stack([t, t]), mesh, ps, (4, 3))
+        assert D._summed(d) is want and D._summed(d) is want
+    assert D._summed(t) is False
+
+
+def test_inplace_write_before_backward_message_unchanged():
+    """versions.explained (now a class): torch's in-place error gets the DistTensor write
+    and the fix appended once; other errors pass through as they are."""
+    mesh = wb.Mesh.grid((2,), ["tp"])
+    w = wb.shard_tensor(torch.randn(4, 4), mesh, [wb.Replicate()]).requires_grad_()
+    y = w * 1.0
+    z = (y * y).sum()
+    with torch.no_grad():
+        y.add_(1.0)
+    with pytest.raises(RuntimeError) as e:
+        z.backward()
+    msg = str(e.value)
+    assert "modified by an inplace operation" in msg and msg.count("On DistTensors") == 1
+    from workbench.parallel.versions import explained
+    with pytest.raises(ValueError, match="^other$"):
+        with explained():
+            raise ValueError("other")
+    with pytest.raises(RuntimeError, match="^plain$"):
+        with explained():
+            raise RuntimeError("plain")

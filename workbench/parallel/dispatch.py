@@ -263,7 +263,8 @@ def dispatch(func, args, kwargs):
     if kwargs and (kwargs.get("out") is not None or kwargs.get("inplace") is True):
         return _writes(func, args, kwargs)
     hit = BY_FUNC.get(func)
-    if (hit[0].name if hit is not None else getattr(func, "__name__", "")) in _AUTOCAST:
+    if (hit[0].name if hit is not None else getattr(func, "__name__", "")) in _AUTOCAST \
+            and _autocast._any_enabled():           # (policy_for's None where none is on)
         kind = _autocast.policy_for(hit[0].name if hit is not None else func.__name__,
                                     args, kwargs or {})
         if kind == "off":                         # torch.autocast's policy (autocast.py)
@@ -489,9 +490,23 @@ def _unsafe_scale(name, inputs) -> bool:
 
 
 def _summed(x) -> bool:
-    """A DistTensor partial on some mesh dim by sum or average."""
-    return isinstance(x, DistTensor) and any(p.is_partial() and p.reduce_op in ("sum", "avg")
-                                             for p in x.placements)
+    """A DistTensor partial on some mesh dim by sum or average (remembered per placements
+    tuple: every matmul-class call asks it of each input, toy TP step)."""
+    if not isinstance(x, DistTensor):
+        return False
+    ps = x.placements
+    hit = _SUMMED.get(id(ps))
+    if hit is not None and hit[0] is ps:
+        return hit[1]
+    got = any(p.is_partial() and p.reduce_op in ("sum", "avg") for p in ps)
+    if type(ps) is tuple:               # (immutable: its answer stays its own)
+        if len(_SUMMED) > 4096:
+            _SUMMED.clear()
+        _SUMMED[id(ps)] = (ps, got)     # holds ps: its id stays its own
+    return got
+
+
+_SUMMED: dict = {}     # id(placements) -> (placements, _summed's answer)
 
 
 # the matmul-class ops (op_class "matmul") whose third input is a bias, not a factor
@@ -518,7 +533,10 @@ def _unsafe_factor(name, inputs) -> bool:
     0: print(p.grad.norm())``), where an all-reduce paired with the peers' next collective
     (2e408050, reverted); through the store that read ends in agree's error naming the
     fix."""
-    if not any(_summed(x) for x in inputs):
+    for x in inputs:
+        if _summed(x):
+            break
+    else:
         return False
     # mul / div of a floating partial sum: a factor holding 0 (mul) or a divisor holding
     # inf gives zeros whose sign is the sum's, lost part by part (+0 + -0 = +0; seed 2005232
