@@ -36,6 +36,23 @@ back through; base = perf14's parent, both measured here, N=20): gpt 72.77M -> 7
 gives expand ints); gpt1 (the same step on one device) 40.38M.  Toy step (wb 200): 1,580.0K
 -> 1,581.4K (the fast path's one more check per input; one device 1,128K).  Results checked
 bit for bit with ``benchmarks/sim_bits.py``.
+perf15 (the fast path takes an input its plan moves: the row-parallel bias's R -> P,
+general-path calls 4 -> 0 a step; the toy step's per-call trims: F.linear's dtype check,
+dispatch._summed per placements tuple, versions.explained a class, no autocast policy
+call while none is on; base = perf15's parent, both measured here at load 13-32): gpt
+73.32M -> 73.05M (N=20); toy step (wb 200) 1,663.3K -> 1,619.7K, one device (one 200)
+1,127.6K (1.475x -> 1.436x of one device's instructions).  Of the gpt step, torch's bmm
+(baddbmm_with_gemm_, the 2-d mesh's linears through ``_linear_plain``'s batched
+``torch.matmul``) is 22.2M (30%): mostly the sgemm kernels' arithmetic, which folding
+the ranks into one GEMM would not remove; matmul's broadcast copies (clone 3.3M) and
+``sum_to`` of the broadcast backward (5.3M) would go.  The folded forward (one F.linear
+over dp*B*T rows and tp*n columns) gave the same bits here on the GPT shapes, but its
+autograd backward sums the weight's gradient over B*T rows in one GEMM where the batched
+path sums each sequence then over B, and the input's over tp inside the GEMM where the
+batched path sums per rank then across tp: bits change, not done (it needs a backward of
+its own that keeps those sums).  sim_overhead.py --only step --timer
+cpu --rounds 5, base then perf15, twice (load 18-37): toy 2.34x -> 2.22x, 2.44x -> 2.22x
+(still above the 2.0x target at this load).
 """
 from __future__ import annotations
 

@@ -263,7 +263,8 @@ def dispatch(func, args, kwargs):
     if kwargs and (kwargs.get("out") is not None or kwargs.get("inplace") is True):
         return _writes(func, args, kwargs)
     hit = BY_FUNC.get(func)
-    if (hit[0].name if hit is not None else getattr(func, "__name__", "")) in _AUTOCAST:
+    if (hit[0].name if hit is not None else getattr(func, "__name__", "")) in _AUTOCAST \
+            and _autocast._any_enabled():           # (policy_for's None where none is on)
         kind = _autocast.policy_for(hit[0].name if hit is not None else func.__name__,
                                     args, kwargs or {})
         if kind == "off":                         # torch.autocast's policy (autocast.py)
@@ -365,7 +366,7 @@ def dispatch(func, args, kwargs):
         # key does not hold: each input a DistTensor held as one tensor, with no global
         # strides kept and no ring order)
         locs = []
-        grads = None
+        grads = moved = None
         for x, d in zip(inputs, fast):
             if d is False:
                 locs.append(x)                       # a constant (spec None)
@@ -375,6 +376,15 @@ def dispatch(func, args, kwargs):
                     not getattr(x, "_ring_also", ()):          # (slots unset: unpickled)
                 loc = x._local
                 if d is not True:
+                    if type(d) is _Moved:
+                        # its plan moves it (the row-parallel linear's bias, R -> P):
+                        # run_prepared's own call for it (_moved_input), made below once
+                        # every input has passed these checks
+                        if moved is None:
+                            moved = []
+                        moved.append(len(locs))
+                        locs.append(x)
+                        continue
                     # replicated along mesh dims ``d`` (dim, ranks), every rank given a
                     # view (collectives.expand_replicas)
                     if _rb.KEY in loc.__dict__:
@@ -410,6 +420,17 @@ def dispatch(func, args, kwargs):
                     if loc is None:
                         loc = _rb.local_for_op(x, plans[k], mesh, True, expand[k], label)
                     locs[k] = loc
+            if moved is not None:
+                plans, expand = prep.cand.plans, prep.expand
+                memos = prep.memos or (None,) * len(expand)
+                label = prep.label or f"{entry.name} input"
+                grad = torch.is_grad_enabled()
+                for k in moved:
+                    x = locs[k]
+                    locs[k] = loc = _moved_input(x, plans[k], expand[k], mesh, True, label,
+                                                 memos[k])
+                    if grad and loc is not x._local:
+                        _versions.derive(x._local, loc)        # as run_prepared
             o = entry.local(prep.nd, prep.ctx, *locs, **attrs)
             if prep.keep:
                 # run_prepared's keep: even shards, stacked, on simulated ranks
@@ -469,9 +490,23 @@ def _unsafe_scale(name, inputs) -> bool:
 
 
 def _summed(x) -> bool:
-    """A DistTensor partial on some mesh dim by sum or average."""
-    return isinstance(x, DistTensor) and any(p.is_partial() and p.reduce_op in ("sum", "avg")
-                                             for p in x.placements)
+    """A DistTensor partial on some mesh dim by sum or average (remembered per placements
+    tuple: every matmul-class call asks it of each input, toy TP step)."""
+    if not isinstance(x, DistTensor):
+        return False
+    ps = x.placements
+    hit = _SUMMED.get(id(ps))
+    if hit is not None and hit[0] is ps:
+        return hit[1]
+    got = any(p.is_partial() and p.reduce_op in ("sum", "avg") for p in ps)
+    if type(ps) is tuple:               # (immutable: its answer stays its own)
+        if len(_SUMMED) > 4096:
+            _SUMMED.clear()
+        _SUMMED[id(ps)] = (ps, got)     # holds ps: its id stays its own
+    return got
+
+
+_SUMMED: dict = {}     # id(placements) -> (placements, _summed's answer)
 
 
 # the matmul-class ops (op_class "matmul") whose third input is a bias, not a factor
@@ -498,7 +533,10 @@ def _unsafe_factor(name, inputs) -> bool:
     0: print(p.grad.norm())``), where an all-reduce paired with the peers' next collective
     (2e408050, reverted); through the store that read ends in agree's error naming the
     fix."""
-    if not any(_summed(x) for x in inputs):
+    for x in inputs:
+        if _summed(x):
+            break
+    else:
         return False
     # mul / div of a floating partial sum: a factor holding 0 (mul) or a divisor holding
     # inf gives zeros whose sign is the sum's, lost part by part (+0 + -0 = +0; seed 2005232
@@ -736,11 +774,12 @@ def _moves(cand, expand):
 
 def _fast_facts(opdef, prep, specs, mesh, many):
     """``prep.fast``: per input, True (a DistTensor run as it is), False (a constant, spec
-    None) or ((mesh dim, ranks), ...) (a DistTensor expanded to one view per rank along
-    those dims, no reshard), where a call of this prepared op, untraced and unhooked, has
-    nothing for run_prepared to do but run the local op on the inputs' local tensors and
-    wrap its one output (dispatch's fast path): even shards on simulated ranks, no input
-    resharded, the output's strides told by its shards, no integer partial sum to reduce
+    None), ((mesh dim, ranks), ...) (a DistTensor expanded to one view per rank along
+    those dims, no reshard) or a ``_Moved`` (a DistTensor its plan moves: run_prepared's
+    own :func:`_moved_input` runs for it), where a call of this prepared op, untraced and
+    unhooked, has nothing for run_prepared to do but lay out the inputs, run the local op
+    on their local tensors and wrap its one output (dispatch's fast path): even shards on
+    simulated ranks, the output's strides told by its shards, no integer partial sum to reduce
     (a view op's one output is noted as run_prepared notes it: views.note_views); else
     False.  Every fact read here is a fact of the layout (the cache
     key's specs and the mesh), the same on every call of ``prep``."""
@@ -754,7 +793,8 @@ def _fast_facts(opdef, prep, specs, mesh, many):
         if s is None:
             kinds.append(False)
         elif plan is not None and plan.steps:
-            return False
+            # moved by its plan (the row-parallel linear's bias, R -> P over tp)
+            kinds.append(_Moved(axes))
         elif axes:
             if not all(type(a) is int and 0 <= a < mesh.ndim for a in axes):
                 return False
@@ -762,6 +802,39 @@ def _fast_facts(opdef, prep, specs, mesh, many):
         else:
             kinds.append(True)
     return tuple(kinds)
+
+
+def _moved_input(t, plan, axes, mesh, even, label, memo):
+    """The local tensor an op runs on for DistTensor input ``t``, which its ``plan``
+    moves or which is expanded per rank along mesh dims ``axes`` (run_prepared's, and
+    dispatch's fast path's for an input its plan moves: one code for both)."""
+    if _rb.KEY in getattr(t._local, "__dict__", ()):
+        # a reshard's gathered result: its gradient's way back recorded as one
+        # redistribution (reshard_backward.py)
+        loc = _rb.convert(t, plan, axes, mesh, even, label)
+        if loc is not None:
+            return loc
+    elif axes:
+        # the op gives every rank a view of one copy (gathered by its own reshard, or
+        # replicated): the gradient's way back recorded once per input, as DTensor's
+        # (reshard_backward.gather; on torch.distributed gather_backward_dist.gather, and
+        # .use_marked for a wb.reshard result, as _rb.convert above)
+        loc = None
+        own = storage.holds_own(mesh)
+        if own and _gbd.KEY in getattr(t._local, "__dict__", ()):
+            loc = _gbd.use_marked(t, plan, axes, mesh, even, label)
+        if loc is None:
+            loc = _gbd.gather(t, plan, axes, mesh, even, label) if own else \
+                _rb.gather(t, plan, axes, mesh, even, label, memo)
+        if loc is not None:
+            return loc
+    return _rb.local_for_op(t, plan, mesh, even, axes, label)
+
+
+class _Moved(tuple):
+    """``prep.fast``'s kind of an input its plan moves: the mesh dims it is expanded
+    along after (dispatch's fast path runs :func:`_moved_input` for it)."""
+    __slots__ = ()
 
 
 def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
@@ -792,30 +865,8 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
                 locs.append(loc)
                 continue
         else:
-            t = x
-            if _rb.KEY in getattr(t._local, "__dict__", ()):
-                # a reshard's gathered result: its gradient's way back recorded as one
-                # redistribution (reshard_backward.py)
-                loc = _rb.convert(t, plan, axes, mesh, even, label)
-                if loc is not None:
-                    locs.append(loc)
-                    continue
-            elif axes:
-                # the op gives every rank a view of one copy (gathered by its own reshard,
-                # or replicated): the gradient's way back recorded once per input, as
-                # DTensor's (reshard_backward.gather; on torch.distributed
-                # gather_backward_dist.gather, and .use_marked for a wb.reshard result, as
-                # _rb.convert above)
-                loc = None
-                own = storage.holds_own(mesh)
-                if own and _gbd.KEY in getattr(t._local, "__dict__", ()):
-                    loc = _gbd.use_marked(t, plan, axes, mesh, even, label)
-                if loc is None:
-                    loc = _gbd.gather(t, plan, axes, mesh, even, label) if own else \
-                        _rb.gather(t, plan, axes, mesh, even, label, memo)
-                if loc is not None:
-                    locs.append(loc)
-                    continue
+            locs.append(_moved_input(x, plan, axes, mesh, even, label, memo))
+            continue
         locs.append(_rb.local_for_op(t, plan, mesh, even, axes, label))
     if torch.is_grad_enabled():
         # an input read through a copy (moved by its plan): a later write into the input

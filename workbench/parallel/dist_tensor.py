@@ -35,6 +35,7 @@ from ..sim_mesh.mesh import Mesh
 from . import layout, replicas, storage, strides
 from .placement import Partial, Replicate, check_partial_dtype, normalize_placements
 from .spec import TensorSpec, notation
+from .versions import explained as _explained
 
 __all__ = ["DistTensor", "TensorSpec", "shard_tensor", "distribute_tensor", "from_local"]
 
@@ -281,11 +282,12 @@ class DistTensor:
                 "p.grad = value on a DistTensor: set .grad to None (zero_grad), assign "
                 "gradients through backward(), or change the gradient in place "
                 "(p.grad.mul_(c), p.grad.copy_(value), p.grad *= c)")
-        of = _grad_source(storage.tensors(self._local))
+        ts = storage.tensors(self._local)
+        of = _grad_source(ts)
         if of is not None:
             of.clear()
             return
-        for t in storage.tensors(self._local):
+        for t in ts:
             t.grad = None
 
     def _holds_grad(self, value) -> bool:
@@ -365,8 +367,7 @@ class DistTensor:
                 ins = [inputs] if isinstance(inputs, (DistTensor, torch.Tensor)) else inputs
                 kw["inputs"] = [u for x in ins for u in (
                     storage.tensors(x._local) if isinstance(x, DistTensor) else [x])]
-        from .versions import explained
-        with explained():       # (a saved value written in place: the DistTensor write)
+        with _explained():      # (a saved value written in place: the DistTensor write)
             if not kw and gradient is None and storage.backward_scalar(
                     self._local, self.mesh, self.placements):
                 return
