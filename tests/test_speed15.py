@@ -58,3 +58,34 @@ def test_the_layer_records_and_returns_as_before_after_a_measured_routing(monkey
     assert out.shape == (2, MOE.seq_len, MOE.vocab_size)
     assert len(layer._last) == 1 and not torch.equal(layer._last[0][0], first[0])
     assert got == _whole_forward(MOE, 1, 2)
+
+
+def test_the_suite_cputime_report_sums_own_and_childrens_cpu(tmp_path):
+    """benchmarks/suite_cputime.py (the per-test CPU measurement of speed15): a test's cost
+    is its own CPU plus its waited children's; an empty directory is an error naming the
+    fix, never an empty report."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    import pytest
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "suite_cputime.py"
+    spec = importlib.util.spec_from_file_location("suite_cputime", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(ValueError, match="SUITE_CPUTIME_DIR"):
+        mod.report(str(tmp_path))
+    rows = [("tests/test_a.py::t1", "gw0", 0.5, 4.0), ("tests/test_a.py::t2", "gw1", 2.0, 0.0),
+            ("tests/test_b.py::t3", "gw0", 0.25, 0.0)]
+    for nid, w, cpu, child in rows:
+        with open(tmp_path / f"cpu_{w}.jsonl", "a") as f:
+            f.write(json.dumps({"id": nid, "w": w, "t0": 0.0, "t1": 1.0, "cpu": cpu,
+                                "child": child}) + "\n")
+    text = mod.report(str(tmp_path), 2).splitlines()
+    assert text[0] == "3 tests, 7 s of CPU (own + waited children)"     # 4.5 + 2 + 0.25
+    top = text[text.index("the 2 costliest tests (CPU s: own + children; wall s; worker):") + 1:]
+    assert top[0].split()[0] == "4.5" and top[0].endswith("tests/test_a.py::t1")
+    assert top[1].split()[0] == "2.0" and "t3" not in "\n".join(top[:2])
+    files = text[text.index("the 2 costliest files:") + 1:]
+    assert files[0].split() == ["6.5", "tests/test_a.py"]
+    assert files[1].split() == ["0.2", "tests/test_b.py"]
