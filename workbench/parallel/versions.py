@@ -14,7 +14,10 @@ replicated copies held as stride-0 views, share the counter, as torch's views do
 op's own out-of-place computation reads ``x`` under a counter of its own
 (:func:`unversioned`), as torch saves an in-place op's original ``self`` apart (``y.mul_(w)``
 and ``F.leaky_relu(y, inplace=True)`` keep working).  :func:`explained` adds to torch's
-error which DistTensor write it was and the fix.
+error which DistTensor write it was and the fix.  inplace15: a local kernel that saved a copy
+of an operand where one device saves the operand (torch.matmul's broadcast of stacked
+operands) saves the operand beside (:func:`keep_saved`); in-place view ops bump too
+(``inplace._view_inplace``).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import torch
 
 from . import storage
 
-__all__ = ["bump", "derive", "unversioned", "explained"]
+__all__ = ["bump", "derive", "unversioned", "explained", "keep_saved"]
 
 _WRITES: dict = {}      # (node name, output nr, local shape) -> "y.add_() on R[4, 4]"
 _KEEP = 256             # the most recent writes remembered for the message
@@ -62,12 +65,25 @@ def bump(ts, what: str) -> None:
                 del _WRITES[next(iter(_WRITES))]
 
 
-def derive(src_loc, loc) -> None:
+def derive(src_loc, loc, outs) -> None:
     """``loc`` (an op's input laid out anew by the dispatcher: an all-reduced or all-to-all
-    copy) is ``src_loc``'s value for that op: a later write into the source bumps the copy
-    too, so that what the op saved of it raises as torch's saved input does (``z = a @ x;
-    a.mul_(2)`` with ``a`` moved by an all_to_all)."""
-    outs = [weakref.ref(t) for t in storage.tensors(loc)]
+    copy) is ``src_loc``'s value for that op, whose local results are ``outs``: a later
+    write into the source bumps the copy too, so that what the op saved of it raises as
+    torch's saved input does (``z = a @ x; a.mul_(2)`` with ``a`` moved by an all_to_all).
+
+    The copy is reached through a handle sharing its version counter and none of its
+    memory (``detach()`` shares the counter; ``.data =`` an empty tensor drops the
+    memory and keeps the counter), held by the results' autograd node for as long as
+    the graph that may have saved the copy lives.  (A weak reference to the copy itself
+    was lost where the op kept only a view of it: ``z = (x * 1.5) @ x`` over P(sum)-S(1)
+    answered the old values' gradient.)  Nothing is kept where no result has a node:
+    then nothing was saved."""
+    node = _node(outs)
+    if node is None:
+        return
+    hs = [_handle(t) for t in storage.tensors(loc) if not t.is_inference()]
+    node.metadata.setdefault("wb_versions", []).extend(hs)
+    outs = [weakref.ref(h) for h in hs]
     for s in storage.tensors(src_loc):
         got = _DERIVED.get(id(s))
         if got is None or got[0]() is not s:
@@ -75,11 +91,35 @@ def derive(src_loc, loc) -> None:
         got[1][:] = [r for r in got[1] if r() is not None] + outs
 
 
+def _node(outs):
+    """The autograd node of the first local result that has one."""
+    if isinstance(outs, torch.Tensor):
+        return outs.grad_fn
+    for o in (outs.items if isinstance(outs, storage.Cells) else
+              outs if isinstance(outs, (list, tuple)) else ()):
+        fn = _node(o)
+        if fn is not None:
+            return fn
+    return None
+
+
+_EMPTY: dict = {}
+
+
+def _handle(t):
+    h = t.detach()
+    e = _EMPTY.get(t.dtype)
+    if e is None or e.device != t.device:
+        e = _EMPTY[t.dtype] = torch.empty(0, dtype=t.dtype, device=t.device)
+    h.data = e
+    return h
+
+
 def _forget(k):
     return lambda _: _DERIVED.pop(k, None)
 
 
-_DERIVED: dict = {}     # id(local tensor) -> (weakref to it, [weakrefs to copies read])
+_DERIVED: dict = {}     # id(local tensor) -> (weakref to it, [weakrefs to copies' handles])
 
 
 class _Unversioned(torch.autograd.Function):
@@ -93,6 +133,12 @@ class _Unversioned(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g
+
+
+def unversioned_local(t):
+    """A local tensor ``t`` (requiring grad) under a version counter of its own: its
+    values (the same memory) and its gradient path; a tensor not requiring grad as it is."""
+    return _Unversioned.apply(t) if t.requires_grad else t
 
 
 def unversioned(x):
@@ -111,13 +157,43 @@ def unversioned(x):
     return out
 
 
+class _Kept(torch.autograd.Function):
+    """``y`` unchanged, with ``ts`` saved beside it: backward unpacks them first, which is
+    torch's version check (SavedVariable::unpack) of what the op saved on one device."""
+
+    @staticmethod
+    def forward(ctx, y, *ts):
+        ctx.save_for_backward(*ts)
+        return y.data               # (not a view of y: a later write into it is plain)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.saved_tensors           # raises torch's error where one was written since
+        return (g,) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+def keep_saved(y, *ts):
+    """``y`` (an op's local result) with ``ts`` (its local operands) saved beside it, for
+    an op whose local kernel saved copies of them where torch on one device saves the
+    operands themselves (torch.matmul broadcasting stacked operands: expand, then a
+    reshape that cannot be a view, ``ops_table/matmul.py``).  A later write into an
+    operand bumps its version counter, not the copy's: backward then unpacks ``ts`` first
+    and raises torch's "modified by an inplace operation" as one device's does, where it
+    gave the old values' gradient, silently.  (Saved detached: the same version counter,
+    and torch's plain message at unpack, where a view made in a custom Function gives
+    "Output 0 of ... is a view and its base ... has been modified inplace".)"""
+    return _Kept.apply(y, *[t.detach() for t in ts])
+
+
 _PAT = re.compile(r"\[torch\.\w+ \[([\d, ]*)\]\](?:, which is output (\d+) of (\w+))?")
 
 
 @contextlib.contextmanager
 def explained():
     """Runs a backward; torch's "modified by an inplace operation" error gets the DistTensor
-    write it was (where remembered) and the fix appended (same type, RuntimeError)."""
+    write it was (where remembered) and the fix appended (same type, RuntimeError).  Where
+    torch met the write at a view made in a custom Function ("Output 0 of Expand is a view
+    and its base ... has been modified inplace"), one device's sentence comes first."""
     try:
         yield
     except RuntimeError as e:
@@ -125,6 +201,14 @@ def explained():
         if not ("modified by an inplace operation" in msg or "been modified inplace" in msg) \
                 or "On DistTensors" in msg:
             raise
+        if "modified by an inplace operation" not in msg and "custom Function" in msg:
+            # the saved value is a view that one of the simulator's identity Functions
+            # (grad_record, reshard_backward: ``x.view_as(x)``) made of a local tensor the
+            # write bumped; torch's error there names that view, where one device's names
+            # the saved variable: one device's words first, torch's own kept after
+            msg = ("one of the variables needed for gradient computation has been modified "
+                   f"by an inplace operation (as one device's torch says; autograd met it at "
+                   f"a view the simulator made: {msg})")
         m = _PAT.search(msg)
         what = None
         if m:

@@ -23,6 +23,7 @@ import string
 import torch
 import torch.nn.functional as F
 
+from .. import versions
 from ..placement import Partial, Replicate, Shard
 from . import costs, linear_regather
 from ._util import align
@@ -214,7 +215,57 @@ def _batched(a, b):
     (8 ranks, toy TP step: ~14 us less per product, forward and backward)."""
     if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
         return torch.bmm(a, b)
-    return torch.matmul(a, b)
+    y = torch.matmul(a, b)
+    if y.grad_fn is not None:
+        # matmul may lay a stacked operand out by a copy and save that copy; the operand
+        # is then saved beside, as one device's matmul saves it (derivatives.yaml: each
+        # operand for the other's gradient), so that a write into it raises there too
+        ca, cb = _copies(a, b)
+        keep = [t for t, copied, other in ((a, ca, b), (b, cb, a))
+                if copied and other.requires_grad]
+        if keep:
+            y = versions.keep_saved(y, *keep)
+    return y
+
+
+def _merge(sizes, strides) -> bool:
+    """True if dims of these sizes and strides can be viewed as one dim (torch's
+    reshape then returns a view, not a copy): each stride is the next one's times its
+    size, size-1 dims aside (ATen's computeStride)."""
+    if 0 in sizes:
+        return True
+    want = None
+    for n, s in zip(reversed(sizes), reversed(strides)):
+        if n == 1:
+            continue
+        if want is not None and s != want:
+            return False
+        want = s * n
+    return True
+
+
+def _copies(a, b):
+    """(a copied, b copied): whether torch.matmul of these two operands of one number of
+    dims (>= 3, not bmm's one batch size) may save a copy of each instead of a view
+    (pytorch/pytorch aten/src/ATen/native/LinearAlgebra.cpp, ``_matmul_impl``: the batched
+    case expands the batch dims and reshapes them into one, a copy where they do not
+    merge; two 3-d operands whose batch sizes differ, the size-1 one requiring grad, fold
+    the other into a matrix instead, by ``reshape(-1, k)`` of it or of its ``mT``).  Errs
+    towards True: an operand kept needlessly is checked twice, never missed
+    (tests/test_inplace15.py holds it to the saved tensors of torch's graph)."""
+    sa, sb = a.shape, b.shape
+    if a.dim() == 3 and sa[0] != sb[0] and (sa[0] == 1 and a.requires_grad or
+                                             sb[0] == 1 and b.requires_grad):
+        big = b if sa[0] == 1 and a.requires_grad else a
+        n, st = big.shape, big.stride()
+        folds = _merge((n[0], n[1]), (st[0], st[1])) and _merge((n[0], n[2]), (st[0], st[2]))
+        return (big is a and not folds, big is b and not folds)
+    batch = tuple(max(x, y) for x, y in zip(sa[:-2], sb[:-2]))
+    out = []
+    for t in (a, b):
+        st = tuple(0 if n == 1 else s for n, s in zip(t.shape[:-2], t.stride()[:-2]))
+        out.append(not _merge(batch, st))
+    return tuple(out)
 
 
 def _matmul_local(nd, ctx, a, b):
