@@ -209,23 +209,68 @@ def _contiguous(g):
     return None if g is None else g.contiguous()
 
 
-def _batched(a, b):
+def _batched(a, b, nd=0, a0=None, b0=None):
     """torch.matmul; two 3-d operands with one batch size go straight to bmm, which is what
     matmul runs for them, without matmul's expand and reshape nodes in the autograd graph
-    (8 ranks, toy TP step: ~14 us less per product, forward and backward)."""
+    (8 ranks, toy TP step: ~14 us less per product, forward and backward).  ``a0``, ``b0``:
+    the operands before ``align`` (``nd`` lead dims), whose one rank's matrices one device
+    multiplies."""
     if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
         return torch.bmm(a, b)
     y = torch.matmul(a, b)
     if y.grad_fn is not None:
-        # matmul may lay a stacked operand out by a copy and save that copy; the operand
-        # is then saved beside, as one device's matmul saves it (derivatives.yaml: each
-        # operand for the other's gradient), so that a write into it raises there too
-        ca, cb = _copies(a, b)
-        keep = [t for t, copied, other in ((a, ca, b), (b, cb, a))
-                if copied and other.requires_grad]
-        if keep:
-            y = versions.keep_saved(y, *keep)
+        # matmul may lay a stacked operand out by a copy and save that copy, where one
+        # device's matmul saves the operand itself (derivatives.yaml: each operand for the
+        # other's gradient): the operand is then saved beside, so that a write into it
+        # raises as one device's does
+        a0 = a if a0 is None else a0
+        b0 = b if b0 is None else b0
+        key = (a.shape, a.stride(), b.shape, b.stride(), a.requires_grad, b.requires_grad,
+               a0.dim(), b0.dim(), nd)
+        keep = _KEEP.get(key)
+        if keep is None:
+            ca, cb = _copies(a, b)
+            oa, ob = _one_device_copies(a0, b0, nd) if ca or cb else (True, True)
+            keep = _KEEP[key] = (ca and not oa and b.requires_grad,
+                                 cb and not ob and a.requires_grad)
+            if len(_KEEP) > 4096:
+                _KEEP.clear()
+        if keep[0] or keep[1]:
+            y = versions.keep_saved(y, *[t for t, k in zip((a, b), keep) if k])
     return y
+
+
+# (operands' sizes, strides, requires_grad, dims before align, nd) -> (keep a, keep b): a
+# pure function of the layouts, read once per layout (~27 us a product otherwise)
+_KEEP: dict = {}
+
+
+def _one_device_copies(a, b, nd):
+    """(a copied, b copied) by one device's torch.matmul of one rank's operands (``nd``
+    lead dims dropped): there torch saves its own copy too, and a write into the operand
+    does not raise (``a.expand(2, 4, 4) @ x`` folds the expanded a by a copy).  Read from
+    one rank's local matrices, whose strides are the global tensor's where no dim is
+    split (an approximation for a split dim of a 3-d or larger operand).  A 1-d or 2-d
+    operand is never copied (mm, mv); a larger one folded against a 2-d one is copied
+    where its dims but the last do not merge (its ``mT``'s for the right operand);
+    between two larger ones, as :func:`_copies`."""
+    if nd:
+        a, b = a[(0,) * nd], b[(0,) * nd]
+    da, db = a.dim(), b.dim()
+    if da <= 2 and db <= 2:
+        return False, False
+    if db <= 2:
+        return not _merge(tuple(a.shape[:-1]), a.stride()[:-1]), False
+    if da <= 2:
+        n, st = b.shape, b.stride()
+        return False, not _merge(tuple(n[:-2]) + (n[-1],), st[:-2] + (st[-1],))
+    from ._util import align as _align
+    ra, rb = (a, b) if da == db else _align(1, a.unsqueeze(0), b.unsqueeze(0))
+    if da != db:
+        ra, rb = ra[0], rb[0]
+    if ra.dim() == 3 and ra.shape[0] == rb.shape[0]:
+        return False, False                 # bmm of the operands as they are
+    return _copies(ra, rb)
 
 
 def _merge(sizes, strides) -> bool:
@@ -276,7 +321,7 @@ def _matmul_local(nd, ctx, a, b):
         a = a.unsqueeze(nd)                       # (lead, 1, k)
     if lb == 1:
         b = b.unsqueeze(-1)                       # (lead, k, 1)
-    y = _dense_grad(_batched(*align(nd, a, b)), nd)
+    y = _dense_grad(_batched(*align(nd, a, b), nd, a, b), nd)
     if lb == 1:
         y = y.squeeze(-1)
     if la == 1:
@@ -495,8 +540,9 @@ def _linear_plain(nd, ctx, x, w, b=None):
     vec = nd and x.dim() - nd == 1        # a 1-d input: torch's linear gives (n,), not (1, n)
     if vec:
         x = x.unsqueeze(nd)                                                 # (lead, 1, k)
-    x, w2 = align(nd, x, w.transpose(-1, -2))
-    y = _dense_grad(_batched(x, w2), nd)
+    w2 = w.transpose(-1, -2)
+    x2, w2a = align(nd, x, w2)
+    y = _dense_grad(_batched(x2, w2a, nd, x, w2), nd)
     if vec:
         y = y.squeeze(-2)                                                   # (lead, n)
     if b is not None:
