@@ -92,7 +92,7 @@ RAISES = {
     "exp.init_zeros_": lambda x: _then(x.exp(), lambda y: torch.nn.init.zeros_(y)),
 }
 # (matmul's own broadcast copy of a stacked operand, xfailed here over S(0)-R@2d,
-# S(0)-S(1)@2d and P(sum)-S(1)@2d, raises as torch since inplace15: versions.keep_saved)
+# S(0)-S(1)@2d and P(sum)-S(1)@2d, raises as torch since inplace15: versions.saved_check)
 KNOWN_GAPS: dict = {}
 # torch computes: the written value was saved by no op (or by the write's own op)
 WORKS = {

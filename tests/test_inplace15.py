@@ -5,8 +5,8 @@ types and words) over test_inplace14's layouts.
 1. ``z = a @ x; a.mul_(2)`` where matmul laid a stacked operand out by a copy (expand,
    then a reshape that cannot be a view) and saved the copy: the write bumped ``a``'s
    counter, not the copy's, and backward gave the old values' gradient (S(0)-R@2d,
-   S(0)-S(1)@2d, P(sum)-S(1)@2d xfailed in test_inplace14).  Now the operand is saved
-   beside the product (versions.keep_saved, decided by ops_table/matmul._copies, held
+   S(0)-S(1)@2d, P(sum)-S(1)@2d xfailed in test_inplace14).  Now the operand is checked
+   at the product's backward (versions.saved_check, decided by ops_table/matmul._copies, held
    below to the saved tensors of torch's own graph), and the dispatcher's copies of a
    moved input are reached through a handle the graph keeps (versions.derive: a weak
    reference to the copy was lost where the op kept only a view of it).  Where torch met

@@ -16,7 +16,7 @@ op's own out-of-place computation reads ``x`` under a counter of its own
 and ``F.leaky_relu(y, inplace=True)`` keep working).  :func:`explained` adds to torch's
 error which DistTensor write it was and the fix.  inplace15: a local kernel that saved a copy
 of an operand where one device saves the operand (torch.matmul's broadcast of stacked
-operands) saves the operand beside (:func:`keep_saved`); in-place view ops bump too
+operands) checks the operand at backward (:func:`saved_check`); in-place view ops bump too
 (``inplace._view_inplace``).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from . import storage
 
-__all__ = ["bump", "derive", "unversioned", "explained", "keep_saved"]
+__all__ = ["bump", "derive", "unversioned", "explained", "saved_check"]
 
 _WRITES: dict = {}      # (node name, output nr, local shape) -> "y.add_() on R[4, 4]"
 _KEEP = 256             # the most recent writes remembered for the message
@@ -157,24 +157,20 @@ def unversioned(x):
     return out
 
 
-def keep_saved(y, *ts):
-    """``y`` (an op's local result, with a grad_fn) checks at backward that ``ts`` (its
-    local operands) were not written since, for an op whose local kernel saved copies of
-    them where torch on one device saves the operands themselves (torch.matmul
-    broadcasting stacked operands: expand, then a reshape that cannot be a view,
-    ``ops_table/matmul.py``).  A later write into an operand bumps its version counter,
-    not the copy's: before, backward gave the old values' gradient, silently.  Now the
-    node that made ``y`` reads the operands' counters (detached aliases share them) when
-    the gradient reaches it, as torch's SavedVariable::unpack does, and raises torch's
-    RuntimeError in torch's words where one moved.  (A pre-hook on the existing node: a
-    custom Function saving them cost ~12 us a product, 1% of a gpt-tiny step.)"""
-    fn = y.grad_fn
-    if fn is None:
-        return y
-    # (handles: the operands' counters without their memory, which the copies stand for)
+def saved_check(ts):
+    """A check of ``ts`` (an op's local operands) for the op's backward, for an op whose
+    local kernel saved copies of them where torch on one device saves the operands
+    themselves (torch.matmul broadcasting stacked operands: expand, then a reshape that
+    cannot be a view, ``ops_table/matmul.py``).  A later write into an operand bumps its
+    version counter, not the copy's: before, backward gave the old values' gradient,
+    silently.  The check reads the operands' counters (handles share them) when the
+    gradient reaches the op, as torch's SavedVariable::unpack does, and raises torch's
+    RuntimeError in torch's words where one moved.  (Run by the hook the product already
+    has, ``matmul._dense_grad``: a custom Function saving the operands cost ~12 us a
+    product, 1% of a gpt-tiny step; a hook of its own about half that.)"""
     kept = [(_handle(t), t._version, t.shape) for t in ts]
 
-    def check(grad_outputs):
+    def check():
         for h, v, shape in kept:
             if h._version != v:
                 raise RuntimeError(
@@ -183,8 +179,7 @@ def keep_saved(y, *ts):
                     f"{h._version}; expected version {v} instead. Hint: enable anomaly "
                     "detection to find the operation that failed to compute its gradient, "
                     "with torch.autograd.set_detect_anomaly(True).")
-    fn.register_prehook(check)
-    return y
+    return check
 
 
 _PAT = re.compile(r"\[torch\.\w+ \[([\d, ]*)\]\](?:, which is output (\d+) of (\w+))?")

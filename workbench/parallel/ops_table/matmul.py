@@ -192,13 +192,15 @@ def _mm_parse(name, ndim):
     return parse
 
 
-def _dense_grad(y, nd):
+def _dense_grad(y, nd, check=None):
     """A product batched over the ranks (``nd`` lead dims) gets its gradient contiguous: a
     gradient that arrives expanded (stride 0, e.g. from ``sum``) makes torch's CPU bmm
     copy it one matrix at a time (8 ranks, toy TP step: 24 us against 12 us per bmm,
     benchmarks/sim_overhead.py); one copy of the whole gradient is cheaper.  Values are
-    unchanged."""
-    if nd and y.requires_grad:
+    unchanged.  ``check`` (:func:`_batched`'s): run first, by the same hook."""
+    if check is not None:
+        y.register_hook(lambda g: (check(), _contiguous(g) if nd else g)[1])
+    elif nd and y.requires_grad:
         y.register_hook(_contiguous)
     return y
 
@@ -214,15 +216,16 @@ def _batched(a, b, nd=0, a0=None, b0=None):
     matmul runs for them, without matmul's expand and reshape nodes in the autograd graph
     (8 ranks, toy TP step: ~14 us less per product, forward and backward).  ``a0``, ``b0``:
     the operands before ``align`` (``nd`` lead dims), whose one rank's matrices one device
-    multiplies."""
+    multiplies.  Returns the product and a check for its backward (None: nothing kept),
+    which :func:`_dense_grad` runs."""
     if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
-        return torch.bmm(a, b)
+        return torch.bmm(a, b), None
     y = torch.matmul(a, b)
     if y.grad_fn is not None:
         # matmul may lay a stacked operand out by a copy and save that copy, where one
         # device's matmul saves the operand itself (derivatives.yaml: each operand for the
-        # other's gradient): the operand is then saved beside, so that a write into it
-        # raises as one device's does
+        # other's gradient): the operand is then checked by the product's hook, so that a
+        # write into it raises as one device's does
         a0 = a if a0 is None else a0
         b0 = b if b0 is None else b0
         key = (a.shape, a.stride(), b.shape, b.stride(), a.requires_grad, b.requires_grad,
@@ -236,8 +239,8 @@ def _batched(a, b, nd=0, a0=None, b0=None):
             if len(_KEEP) > 4096:
                 _KEEP.clear()
         if keep[0] or keep[1]:
-            y = versions.keep_saved(y, *[t for t, k in zip((a, b), keep) if k])
-    return y
+            return y, versions.saved_check([t for t, k in zip((a, b), keep) if k])
+    return y, None
 
 
 # (operands' sizes, strides, requires_grad, dims before align, nd) -> (keep a, keep b): a
@@ -321,7 +324,8 @@ def _matmul_local(nd, ctx, a, b):
         a = a.unsqueeze(nd)                       # (lead, 1, k)
     if lb == 1:
         b = b.unsqueeze(-1)                       # (lead, k, 1)
-    y = _dense_grad(_batched(*align(nd, a, b), nd, a, b), nd)
+    y, check = _batched(*align(nd, a, b), nd, a, b)
+    y = _dense_grad(y, nd, check)
     if lb == 1:
         y = y.squeeze(-1)
     if la == 1:
@@ -542,7 +546,8 @@ def _linear_plain(nd, ctx, x, w, b=None):
         x = x.unsqueeze(nd)                                                 # (lead, 1, k)
     w2 = w.transpose(-1, -2)
     x2, w2a = align(nd, x, w2)
-    y = _dense_grad(_batched(x2, w2a, nd, x, w2), nd)
+    y, check = _batched(x2, w2a, nd, x, w2)
+    y = _dense_grad(y, nd, check)
     if vec:
         y = y.squeeze(-2)                                                   # (lead, n)
     if b is not None:
