@@ -137,15 +137,24 @@ def test_copy_of_a_tracked_value_over_a_tracked_result_gives_zero_grads(whole, p
 @pytest.mark.parametrize("ps", [[Shard(0)], [Replicate()], [Partial("sum")]], ids=str)
 def test_setitem_of_a_tracked_float_into_an_int_tensor_is_torchs(ps):
     # seed 941145: x_int[4:5] = y (float64, requires grad) raised a raw RuntimeError
-    # ("Autograd not support dtype: Long"); torch writes the truncated value
+    # ("Autograd not support dtype: Long"); torch writes the truncated value, and records
+    # the write (inplace15, sweep lead 2012384): the int tensor gets a grad_fn and its next
+    # differentiable op raises that error.  A DistTensor refuses the write itself, saying
+    # so, before writing; the fix it names (the value detached) writes torch's values
     x = torch.arange(12).reshape(6, 2)
     y = torch.tensor(2.75, dtype=torch.float64, requires_grad=True)
     want = x.clone()
     want[4:5] = y
+    assert want.requires_grad and want.grad_fn is not None
+    with pytest.raises(RuntimeError, match="Autograd not support dtype: Long"):
+        want + 1
     d = distribute(x, MESH, ps, seed=5)
-    d[4:5] = wb.shard_tensor(y.detach(), MESH, [Replicate()]).requires_grad_()
+    with pytest.raises(RuntimeError, match=r"(?s)Autograd not support dtype: Long.*detach"):
+        d[4:5] = wb.shard_tensor(y.detach(), MESH, [Replicate()]).requires_grad_()
+    assert torch.equal(d.full(), x)                 # nothing written
+    d[4:5] = wb.shard_tensor(y.detach(), MESH, [Replicate()]).requires_grad_().detach()
     assert d.dtype == torch.int64 and not d.requires_grad
-    assert torch.equal(d.full(), want)
+    assert torch.equal(d.full(), want.detach())
 
 
 def test_inplace_add_of_a_partial_into_a_slice_of_a_sharded_copy():

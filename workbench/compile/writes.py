@@ -101,6 +101,9 @@ def write(tracer, func, name, args, kwargs):
                       "keeps the history (the gradient passes the write), which a captured "
                       "op would cut; the program runs eagerly")
     if op in _VIEWS:
+        # torch's in-place view ops bump the version counter too: a value an op of the
+        # program saved raises at backward (eager's, parallel/inplace._view_inplace)
+        check_saved(tracer, x, op)
         return _view_op(tracer, x, op, args[1:], kwargs)
     if x._base is not None or any(t is not x and _storage(t) == _storage(x)
                                   for t in tracer.keep if isinstance(t, torch.Tensor)

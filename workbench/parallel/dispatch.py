@@ -868,12 +868,6 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
             locs.append(_moved_input(x, plan, axes, mesh, even, label, memo))
             continue
         locs.append(_rb.local_for_op(t, plan, mesh, even, axes, label))
-    if torch.is_grad_enabled():
-        # an input read through a copy (moved by its plan): a later write into the input
-        # bumps the copy's version too, as torch's saved input would be (versions.py)
-        for x, loc in zip(inputs, locs):
-            if type(x) is DistTensor and loc is not x._local:
-                _versions.derive(x._local, loc)
     out_shapes = prep.out_shapes
     ctx = prep.ctx
     if ctx is None:
@@ -894,6 +888,12 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
     except _StopRecomputation:
         _stopped_after_kernel(opdef, prep, inputs, specs, attrs, mesh, tr)
         raise
+    if torch.is_grad_enabled():
+        # an input read through a copy (moved by its plan): a later write into the input
+        # bumps the copy's version too, as torch's saved input would be (versions.py)
+        for x, loc in zip(inputs, locs):
+            if type(x) is DistTensor and loc is not x._local:
+                _versions.derive(x._local, loc, out)
     many = opdef.multi or opdef.n_out > 1
     outs = out if many else (out,)
     if tr is False:                # (dispatch passes the trace it read)

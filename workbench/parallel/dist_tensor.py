@@ -41,6 +41,17 @@ __all__ = ["DistTensor", "TensorSpec", "shard_tensor", "distribute_tensor", "fro
 
 _SUM = Partial("sum")
 
+_RETAINS: dict = {}     # id(DistTensor) -> weakref: retain_grad() was called on it
+
+
+def retains(x) -> bool:
+    """Did :meth:`DistTensor.retain_grad` keep ``x``'s gradient (read without touching
+    its local tensors: ``retains_grad`` of a view written through its base regenerates
+    the view's grad_fn, a write of its own)?"""
+    r = _RETAINS.get(id(x))
+    return r is not None and r() is x
+
+
 class DistTensor:
     """A global tensor of ``shape`` laid out on ``mesh`` by ``placements``.
 
@@ -243,6 +254,29 @@ class DistTensor:
             return out
         self._local = storage.map_tensors(self._local, leaf)
         return self
+
+    def retain_grad(self) -> None:
+        """torch's ``retain_grad``: a non-leaf keeps its gradient in ``.grad`` after
+        backward, a DistTensor in the gradient's placements (:meth:`_grad_placements`:
+        a Partial(sum) value's gradient Replicate); on a leaf it does nothing, as torch
+        (a leaf keeps its gradient anyway); torch's RuntimeError for a value that does not
+        require grad.  Kept through an in-place write into it (``inplace._assign``), as
+        torch's (``y.retain_grad(); y.add_(1)``: y.grad is the new value's gradient)."""
+        if not self.requires_grad:
+            raise RuntimeError("can't retain_grad on Tensor that has requires_grad=False")
+        kept = False
+        for t in storage.tensors(self._local):
+            if t.requires_grad and not t.is_leaf:
+                t.retain_grad()
+                kept = True
+        if kept:
+            k = id(self)
+            _RETAINS[k] = weakref.ref(self, lambda _: _RETAINS.pop(k, None))
+
+    @property
+    def retains_grad(self) -> bool:
+        """True after :meth:`retain_grad` on a non-leaf (False for a leaf, as torch)."""
+        return retains(self)
 
     @property
     def grad(self) -> "DistTensor | None":

@@ -36,7 +36,7 @@ import torch
 
 from . import inplace_overlap as overlap
 from . import storage, versions
-from .dist_tensor import DistTensor, shard_tensor
+from .dist_tensor import DistTensor, retains, shard_tensor
 from .ops_table.checks import _to_meta
 from .seq_order import check_write, orders_of, same_order
 from .views import copy_link, push_link, refresh, through_view
@@ -315,6 +315,8 @@ def _assign(x: DistTensor, y, op: str, *, sources=()) -> DistTensor:
             # a tracked z, x's history was dropped and its leaf's grad was None, not zeros)
             y = over_old(y, x)
         x._local = y._local
+        if retains(x):                  # y.retain_grad(); y.add_(1): the new value's grad
+            x.retain_grad()
         # the old values stay in their memory: torch's version counter says they were
         # written (a value saved for backward then raises there, as torch: versions.py)
         versions.bump(olds, f"{op}() on {x.notation()}")
@@ -374,14 +376,56 @@ def _view_inplace(x, op, args, kwargs):
     placements, as DTensor re-labels self)."""
     from .dispatch import dispatch
     _judge(lambda: getattr(_meta_self(x), op)(*args, **kwargs))
-    # (torch's in-place view ops bump the version too; not here: x's local tensors are
-    # often views made in the dispatcher's custom Function, unusable once bumped)
+    if x.requires_grad and not torch.is_grad_enabled() and not _moves(x, op, args, kwargs):
+        # (squeeze_() without a size-1 dim: nothing moves; x keeps its history or stays a
+        # leaf, its counter bumped as torch's)
+        if x.is_leaf:
+            versions.bump(storage.tensors(x._local), f"{op}() on {x.notation()}")
+            return x
+        with torch.enable_grad():
+            return _view_inplace(x, op, args, kwargs)
+    if x.requires_grad and not torch.is_grad_enabled():
+        # torch keeps x's history as it was: a non-leaf's grad_fn of the old shape then
+        # gets the new shape's gradient, summed to the old shape where it broadcasts (so
+        # unsqueeze_'s is the recorded unsqueeze's gradient: recorded so here), else as it
+        # is (a square t_(): unpermuted) or torch raises at backward; a leaf stays a leaf of
+        # the new shape.  Here x lost requires_grad, silently (its optimizer skipped it)
+        if op == "unsqueeze_" and not x.is_leaf:
+            with torch.enable_grad():
+                return _view_inplace(x, op, args, kwargs)
+        raise NotImplementedError(
+            f"{op}() under torch.no_grad() on a DistTensor {x.notation()} that requires "
+            "grad: torch keeps its autograd history of the old shape, which a DistTensor "
+            f"does not; call {op}() outside no_grad, or use the out-of-place view "
+            f"(x = x.{op[:-1]}(...)), or detach() first")
+    olds = storage.tensors(x._local)
     y = dispatch(getattr(T, op[:-1]), (x,) + tuple(args), kwargs)
-    x._local, x.placements, x.shape, x._spec, x.names = y._local, y.placements, y.shape, None, None
+    loc = y._local
+    if storage.requires_grad(loc):
+        # x's new local tensors (views of the old ones) under a version counter of their
+        # own: the bump below then reaches what ops saved of x's old values, not x (a
+        # view of x's memory made in the dispatcher's custom Functions is unusable once
+        # its counter moves: "Output 0 of ... is a view and its base ... modified inplace")
+        loc = storage.map_tensors(loc, lambda t: versions.unversioned_local(t))
+    x._local, x.placements, x.shape, x._spec, x.names = loc, y.placements, y.shape, None, None
+    if retains(x):
+        x.retain_grad()
+    # torch's in-place view ops bump the version counter: a value an op saved of x (exp's
+    # output, mul's input) then raises at backward, as torch's (versions.py)
+    versions.bump(olds, f"{op}() on {x.notation()}")
     x._gstride = y._gstride
     if x._view is not None:            # a view of a view: base[index] no longer matches x
         x._view = (x._view[0], None, x._view[2])
     return x
+
+
+def _moves(x: DistTensor, op: str, args, kwargs) -> bool:
+    """Does the in-place view op change ``x``'s shape or the order of its elements (not
+    ``squeeze_()`` without a size-1 dim, ``transpose_(0, 0)``, ``t_()`` of a vector)?"""
+    m = torch.empty(tuple(x.shape), device="meta")
+    v = getattr(m, op)(*args, **kwargs)
+    return v.shape != torch.Size(tuple(x.shape)) or v.stride() != \
+        torch.empty(tuple(x.shape), device="meta").stride()
 
 
 def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
@@ -505,15 +549,18 @@ def setitem(x: DistTensor, index, value) -> None:
     # list of lists as a tuple (``x[[[0, 1], [1, 2]]]``), not as one 2-d index
     idx = _full_args(index)
     val = value.full() if isinstance(value, DistTensor) else value
-    if isinstance(val, torch.Tensor) and val.requires_grad and \
-            not (x.dtype.is_floating_point or x.dtype.is_complex):
-        val = val.detach()      # an integer x holds no gradient: torch writes the values
-        # (seed 941145: int_x[i] = tracked float raised "Autograd not support dtype: Long")
 
     # torch's checks, in torch's order (a number's conversion to x's dtype, the value's
     # dtype, the index, the value's shape): the same setitem on zeros of x's shape and dtype
     vals = torch.zeros(tuple(x.shape), dtype=x.dtype, device=x.device)
     vals[idx] = val
+    if isinstance(val, torch.Tensor) and val.requires_grad and \
+            not (x.dtype.is_floating_point or x.dtype.is_complex):
+        if vals.requires_grad:
+            _tracked_into_int(x, val)
+        vals = vals.detach()
+        val = val.detach()      # an integer x holds no gradient: torch writes the values
+        # (seed 941145: int_x[i] = tracked float raised "Autograd not support dtype: Long")
     _partial_overlap(x, idx, value)
     mask = torch.zeros(tuple(x.shape), dtype=torch.bool, device=x.device)
     mask[_bool_masks(idx)] = True       # (a uint8 mask is a bool one, as torch reads it:
@@ -533,6 +580,22 @@ def setitem(x: DistTensor, index, value) -> None:
         same_order(v, x)
     y = dispatch(torch.where, (m, v, x), None)
     assign(x, y, "__setitem__", sources=(x,))
+
+
+def _tracked_into_int(x: DistTensor, val) -> None:
+    """``int_x[i] = v`` with ``v`` requiring grad where torch records the write (a 0-d
+    ``v`` written by fill_, a bool mask's index_put_; a value copied by ``copy_`` is not
+    recorded): torch 2.13 gives the integer x a ``grad_fn`` (``x.requires_grad`` True) and
+    x's next differentiable op raises "Autograd not support dtype: Long" (sweep lead
+    2012384; measured in tests/test_inplace15.py).  A DistTensor cannot hold that state:
+    refused here, before anything is written, with torch's words and the fix."""
+    name = torch.empty(0, dtype=x.dtype).type().split(".")[-1].replace("Tensor", "")
+    raise RuntimeError(
+        f"x[index] = value with a value of {val.dtype} that requires grad, into a "
+        f"DistTensor {x.notation()} of {x.dtype}: torch records the write and x's next "
+        f"differentiable op raises \"Autograd not support dtype: {name}\" (an integer "
+        "tensor with a grad_fn), a state a DistTensor does not hold. Fix: write the values "
+        "torch writes, x[index] = value.detach(), or make x floating (x = x.double())")
 
 
 def _partial_overlap(x: DistTensor, idx, value) -> None:

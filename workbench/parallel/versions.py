@@ -14,7 +14,10 @@ replicated copies held as stride-0 views, share the counter, as torch's views do
 op's own out-of-place computation reads ``x`` under a counter of its own
 (:func:`unversioned`), as torch saves an in-place op's original ``self`` apart (``y.mul_(w)``
 and ``F.leaky_relu(y, inplace=True)`` keep working).  :func:`explained` adds to torch's
-error which DistTensor write it was and the fix.
+error which DistTensor write it was and the fix.  inplace15: a local kernel that saved a copy
+of an operand where one device saves the operand (torch.matmul's broadcast of stacked
+operands) checks the operand at backward (:func:`saved_check`); in-place view ops bump too
+(``inplace._view_inplace``).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import torch
 
 from . import storage
 
-__all__ = ["bump", "derive", "unversioned", "explained"]
+__all__ = ["bump", "derive", "unversioned", "explained", "saved_check"]
 
 _WRITES: dict = {}      # (node name, output nr, local shape) -> "y.add_() on R[4, 4]"
 _KEEP = 256             # the most recent writes remembered for the message
@@ -61,12 +64,25 @@ def bump(ts, what: str) -> None:
                 del _WRITES[next(iter(_WRITES))]
 
 
-def derive(src_loc, loc) -> None:
+def derive(src_loc, loc, outs) -> None:
     """``loc`` (an op's input laid out anew by the dispatcher: an all-reduced or all-to-all
-    copy) is ``src_loc``'s value for that op: a later write into the source bumps the copy
-    too, so that what the op saved of it raises as torch's saved input does (``z = a @ x;
-    a.mul_(2)`` with ``a`` moved by an all_to_all)."""
-    outs = [weakref.ref(t) for t in storage.tensors(loc)]
+    copy) is ``src_loc``'s value for that op, whose local results are ``outs``: a later
+    write into the source bumps the copy too, so that what the op saved of it raises as
+    torch's saved input does (``z = a @ x; a.mul_(2)`` with ``a`` moved by an all_to_all).
+
+    The copy is reached through a handle sharing its version counter and none of its
+    memory (``detach()`` shares the counter; ``.data =`` an empty tensor drops the
+    memory and keeps the counter), held by the results' autograd node for as long as
+    the graph that may have saved the copy lives.  (A weak reference to the copy itself
+    was lost where the op kept only a view of it: ``z = (x * 1.5) @ x`` over P(sum)-S(1)
+    answered the old values' gradient.)  Nothing is kept where no result has a node:
+    then nothing was saved."""
+    node = _node(outs)
+    if node is None:
+        return
+    hs = [_handle(t) for t in storage.tensors(loc) if not t.is_inference()]
+    node.metadata.setdefault("wb_versions", []).extend(hs)
+    outs = [weakref.ref(h) for h in hs]
     for s in storage.tensors(src_loc):
         got = _DERIVED.get(id(s))
         if got is None or got[0]() is not s:
@@ -74,11 +90,35 @@ def derive(src_loc, loc) -> None:
         got[1][:] = [r for r in got[1] if r() is not None] + outs
 
 
+def _node(outs):
+    """The autograd node of the first local result that has one."""
+    if isinstance(outs, torch.Tensor):
+        return outs.grad_fn
+    for o in (outs.items if isinstance(outs, storage.Cells) else
+              outs if isinstance(outs, (list, tuple)) else ()):
+        fn = _node(o)
+        if fn is not None:
+            return fn
+    return None
+
+
+_EMPTY: dict = {}
+
+
+def _handle(t):
+    h = t.detach()
+    e = _EMPTY.get(t.dtype)
+    if e is None or e.device != t.device:
+        e = _EMPTY[t.dtype] = torch.empty(0, dtype=t.dtype, device=t.device)
+    h.data = e
+    return h
+
+
 def _forget(k):
     return lambda _: _DERIVED.pop(k, None)
 
 
-_DERIVED: dict = {}     # id(local tensor) -> (weakref to it, [weakrefs to copies read])
+_DERIVED: dict = {}     # id(local tensor) -> (weakref to it, [weakrefs to copies' handles])
 
 
 class _Unversioned(torch.autograd.Function):
@@ -92,6 +132,12 @@ class _Unversioned(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g
+
+
+def unversioned_local(t):
+    """A local tensor ``t`` (requiring grad) under a version counter of its own: its
+    values (the same memory) and its gradient path; a tensor not requiring grad as it is."""
+    return _Unversioned.apply(t) if t.requires_grad else t
 
 
 def unversioned(x):
@@ -110,14 +156,45 @@ def unversioned(x):
     return out
 
 
+def saved_check(ts):
+    """A check of ``ts`` (an op's local operands) for the op's backward, for an op whose
+    local kernel saved copies of them where torch on one device saves the operands
+    themselves (torch.matmul broadcasting stacked operands: expand, then a reshape that
+    cannot be a view, ``ops_table/matmul.py``).  A later write into an operand bumps its
+    version counter, not the copy's: before, backward gave the old values' gradient,
+    silently.  The check reads the operands' counters (handles share them) when the
+    gradient reaches the op, as torch's SavedVariable::unpack does, and raises torch's
+    RuntimeError in torch's words where one moved.  (Run by the hook the product already
+    has, ``matmul._dense_grad``: a custom Function saving the operands cost ~12 us a
+    product, 1% of a gpt-tiny step; a hook of its own about half that.  Measured with
+    derive's handles, ``valgrind --tool=callgrind benchmarks/sim_instr.py gpt 3``: 73.62M
+    instructions a step before inplace15, 75.50M with the custom Function, 74.42M with a
+    pre-hook, 74.15M now (+0.7%: 12 of gpt-tiny Hybrid(dp2, tp2)'s 13 products a step
+    read an operand through matmul's copy); the toy TP step calls neither.)"""
+    kept = [(_handle(t), t._version, t.shape) for t in ts]
+
+    def check():
+        for h, v, shape in kept:
+            if h._version != v:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified "
+                    f"by an inplace operation: [{h.type()} {list(shape)}] is at version "
+                    f"{h._version}; expected version {v} instead. Hint: enable anomaly "
+                    "detection to find the operation that failed to compute its gradient, "
+                    "with torch.autograd.set_detect_anomaly(True).")
+    return check
+
+
 _PAT = re.compile(r"\[torch\.\w+ \[([\d, ]*)\]\](?:, which is output (\d+) of (\w+))?")
 
 
 class explained:
     """Runs a backward (``with explained():``); torch's "modified by an inplace operation"
     error gets the DistTensor write it was (where remembered) and the fix appended (same
-    type, RuntimeError).  A class, not a generator context manager: entered on every
-    ``backward()`` (toy TP step, benchmarks/sim_instr.py)."""
+    type, RuntimeError).  Where torch met the write at a view made in a custom Function
+    ("Output 0 of Expand is a view and its base ... has been modified inplace"), one
+    device's sentence comes first.  A class, not a generator context manager: entered on
+    every ``backward()`` (toy TP step, benchmarks/sim_instr.py)."""
     __slots__ = ()
 
     def __enter__(self):
@@ -130,6 +207,14 @@ class explained:
         if not ("modified by an inplace operation" in msg or "been modified inplace" in msg) \
                 or "On DistTensors" in msg:
             return False
+        if "modified by an inplace operation" not in msg and "custom Function" in msg:
+            # the saved value is a view that one of the simulator's identity Functions
+            # (grad_record, reshard_backward: ``x.view_as(x)``) made of a local tensor the
+            # write bumped; torch's error there names that view, where one device's names
+            # the saved variable: one device's words first, torch's own kept after
+            msg = ("one of the variables needed for gradient computation has been modified "
+                   f"by an inplace operation (as one device's torch says; autograd met it at "
+                   f"a view the simulator made: {msg})")
         m = _PAT.search(msg)
         what = None
         if m:

@@ -23,6 +23,14 @@ Per mesh dim (x, mask -> y), with the mask fixed, dropout is x * mask:
     P(max), R    -> not valid, reduced first: m >= 0 keeps the order, but a rank that
                              holds max's identity -inf gives -inf * 0 = nan where dropped
 
+Known, not matched (inplace15): a dropped element of a P(sum) value is the sum of its
+parts times 0, +0 where the parts' signs differ, where one device's is v * 0, -0 for
+v < 0 (signbit differs there; == holds).  Matching it needs the sum before the mask (an
+all-reduce DTensor would need too: its native_dropout refuses a Partial input,
+torch/distributed/tensor/_ops/_random_ops.py ``random_op_strategy``); the partial passes
+instead (tests/test_inplace15.py pins where the signs may differ).  The same holds of any
+Partial(sum) whose value is -0 (parts that cancel: r + (-r) is +0).
+
 Keyed masks (:func:`workbench.sim_mesh.rng.keyed`): inside ``with keyed(seed)`` and ``with site(k)``, a
 call draws its mask from its own generator, seeded by (seed, k), for the *whole*
 batch, and keeps the rows it holds (``with rows(offset, total)``: a pipeline

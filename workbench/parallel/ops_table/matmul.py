@@ -23,6 +23,7 @@ import string
 import torch
 import torch.nn.functional as F
 
+from .. import versions
 from ..placement import Partial, Replicate, Shard
 from . import costs, linear_regather
 from ._util import align
@@ -191,13 +192,15 @@ def _mm_parse(name, ndim):
     return parse
 
 
-def _dense_grad(y, nd):
+def _dense_grad(y, nd, check=None):
     """A product batched over the ranks (``nd`` lead dims) gets its gradient contiguous: a
     gradient that arrives expanded (stride 0, e.g. from ``sum``) makes torch's CPU bmm
     copy it one matrix at a time (8 ranks, toy TP step: 24 us against 12 us per bmm,
     benchmarks/sim_overhead.py); one copy of the whole gradient is cheaper.  Values are
-    unchanged."""
-    if nd and y.requires_grad:
+    unchanged.  ``check`` (:func:`_batched`'s): run first, by the same hook."""
+    if check is not None:
+        y.register_hook(lambda g: (check(), _contiguous(g) if nd else g)[1])
+    elif nd and y.requires_grad:
         y.register_hook(_contiguous)
     return y
 
@@ -208,13 +211,109 @@ def _contiguous(g):
     return None if g is None else g.contiguous()
 
 
-def _batched(a, b):
+def _batched(a, b, nd=0, a0=None, b0=None):
     """torch.matmul; two 3-d operands with one batch size go straight to bmm, which is what
     matmul runs for them, without matmul's expand and reshape nodes in the autograd graph
-    (8 ranks, toy TP step: ~14 us less per product, forward and backward)."""
+    (8 ranks, toy TP step: ~14 us less per product, forward and backward).  ``a0``, ``b0``:
+    the operands before ``align`` (``nd`` lead dims), whose one rank's matrices one device
+    multiplies.  Returns the product and a check for its backward (None: nothing kept),
+    which :func:`_dense_grad` runs."""
     if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
-        return torch.bmm(a, b)
-    return torch.matmul(a, b)
+        return torch.bmm(a, b), None
+    y = torch.matmul(a, b)
+    if y.grad_fn is not None:
+        # matmul may lay a stacked operand out by a copy and save that copy, where one
+        # device's matmul saves the operand itself (derivatives.yaml: each operand for the
+        # other's gradient): the operand is then checked by the product's hook, so that a
+        # write into it raises as one device's does
+        a0 = a if a0 is None else a0
+        b0 = b if b0 is None else b0
+        key = (a.shape, a.stride(), b.shape, b.stride(), a.requires_grad, b.requires_grad,
+               a0.dim(), b0.dim(), nd)
+        keep = _KEEP.get(key)
+        if keep is None:
+            ca, cb = _copies(a, b)
+            oa, ob = _one_device_copies(a0, b0, nd) if ca or cb else (True, True)
+            keep = _KEEP[key] = (ca and not oa and b.requires_grad,
+                                 cb and not ob and a.requires_grad)
+            if len(_KEEP) > 4096:
+                _KEEP.clear()
+        if keep[0] or keep[1]:
+            return y, versions.saved_check([t for t, k in zip((a, b), keep) if k])
+    return y, None
+
+
+# (operands' sizes, strides, requires_grad, dims before align, nd) -> (keep a, keep b): a
+# pure function of the layouts, read once per layout (~27 us a product otherwise)
+_KEEP: dict = {}
+
+
+def _one_device_copies(a, b, nd):
+    """(a copied, b copied) by one device's torch.matmul of one rank's operands (``nd``
+    lead dims dropped): there torch saves its own copy too, and a write into the operand
+    does not raise (``a.expand(2, 4, 4) @ x`` folds the expanded a by a copy).  Read from
+    one rank's local matrices, whose strides are the global tensor's where no dim is
+    split (an approximation for a split dim of a 3-d or larger operand).  A 1-d or 2-d
+    operand is never copied (mm, mv); a larger one folded against a 2-d one is copied
+    where its dims but the last do not merge (its ``mT``'s for the right operand);
+    between two larger ones, as :func:`_copies`."""
+    if nd:
+        a, b = a[(0,) * nd], b[(0,) * nd]
+    da, db = a.dim(), b.dim()
+    if da <= 2 and db <= 2:
+        return False, False
+    if db <= 2:
+        return not _merge(tuple(a.shape[:-1]), a.stride()[:-1]), False
+    if da <= 2:
+        n, st = b.shape, b.stride()
+        return False, not _merge(tuple(n[:-2]) + (n[-1],), st[:-2] + (st[-1],))
+    from ._util import align as _align
+    ra, rb = (a, b) if da == db else _align(1, a.unsqueeze(0), b.unsqueeze(0))
+    if da != db:
+        ra, rb = ra[0], rb[0]
+    if ra.dim() == 3 and ra.shape[0] == rb.shape[0]:
+        return False, False                 # bmm of the operands as they are
+    return _copies(ra, rb)
+
+
+def _merge(sizes, strides) -> bool:
+    """True if dims of these sizes and strides can be viewed as one dim (torch's
+    reshape then returns a view, not a copy): each stride is the next one's times its
+    size, size-1 dims aside (ATen's computeStride)."""
+    if 0 in sizes:
+        return True
+    want = None
+    for n, s in zip(reversed(sizes), reversed(strides)):
+        if n == 1:
+            continue
+        if want is not None and s != want:
+            return False
+        want = s * n
+    return True
+
+
+def _copies(a, b):
+    """(a copied, b copied): whether torch.matmul of these two operands of one number of
+    dims (>= 3, not bmm's one batch size) may save a copy of each instead of a view
+    (pytorch/pytorch aten/src/ATen/native/LinearAlgebra.cpp, ``_matmul_impl``: the batched
+    case expands the batch dims and reshapes them into one, a copy where they do not
+    merge; two 3-d operands whose batch sizes differ, the size-1 one requiring grad, fold
+    the other into a matrix instead, by ``reshape(-1, k)`` of it or of its ``mT``).  Errs
+    towards True: an operand kept needlessly is checked twice, never missed
+    (tests/test_inplace15.py holds it to the saved tensors of torch's graph)."""
+    sa, sb = a.shape, b.shape
+    if a.dim() == 3 and sa[0] != sb[0] and (sa[0] == 1 and a.requires_grad or
+                                             sb[0] == 1 and b.requires_grad):
+        big = b if sa[0] == 1 and a.requires_grad else a
+        n, st = big.shape, big.stride()
+        folds = _merge((n[0], n[1]), (st[0], st[1])) and _merge((n[0], n[2]), (st[0], st[2]))
+        return (big is a and not folds, big is b and not folds)
+    batch = tuple(max(x, y) for x, y in zip(sa[:-2], sb[:-2]))
+    out = []
+    for t in (a, b):
+        st = tuple(0 if n == 1 else s for n, s in zip(t.shape[:-2], t.stride()[:-2]))
+        out.append(not _merge(batch, st))
+    return tuple(out)
 
 
 def _matmul_local(nd, ctx, a, b):
@@ -225,7 +324,8 @@ def _matmul_local(nd, ctx, a, b):
         a = a.unsqueeze(nd)                       # (lead, 1, k)
     if lb == 1:
         b = b.unsqueeze(-1)                       # (lead, k, 1)
-    y = _dense_grad(_batched(*align(nd, a, b)), nd)
+    y, check = _batched(*align(nd, a, b), nd, a, b)
+    y = _dense_grad(y, nd, check)
     if lb == 1:
         y = y.squeeze(-1)
     if la == 1:
@@ -444,8 +544,10 @@ def _linear_plain(nd, ctx, x, w, b=None):
     vec = nd and x.dim() - nd == 1        # a 1-d input: torch's linear gives (n,), not (1, n)
     if vec:
         x = x.unsqueeze(nd)                                                 # (lead, 1, k)
-    x, w2 = align(nd, x, w.transpose(-1, -2))
-    y = _dense_grad(_batched(x, w2), nd)
+    w2 = w.transpose(-1, -2)
+    x2, w2a = align(nd, x, w2)
+    y, check = _batched(x2, w2a, nd, x, w2)
+    y = _dense_grad(y, nd, check)
     if vec:
         y = y.squeeze(-2)                                                   # (lead, n)
     if b is not None:
