@@ -424,14 +424,19 @@ def dispatch(func, args, kwargs):
                 plans, expand = prep.cand.plans, prep.expand
                 memos = prep.memos or (None,) * len(expand)
                 label = prep.label or f"{entry.name} input"
-                grad = torch.is_grad_enabled()
+                derived = [] if torch.is_grad_enabled() else None
                 for k in moved:
                     x = locs[k]
                     locs[k] = loc = _moved_input(x, plans[k], expand[k], mesh, True, label,
                                                  memos[k])
-                    if grad and loc is not x._local:
-                        _versions.derive(x._local, loc)        # as run_prepared
+                    if derived is not None and loc is not x._local:
+                        derived.append((x._local, loc))
+            else:
+                derived = None
             o = entry.local(prep.nd, prep.ctx, *locs, **attrs)
+            if derived:
+                for src, loc in derived:               # as run_prepared: after the op,
+                    _versions.derive(src, loc, o)      # whose node holds the copies' handles
             if prep.keep:
                 # run_prepared's keep: even shards, stacked, on simulated ranks
                 if type(o) is torch.Tensor and not VALIDATE[-1]:
