@@ -45,7 +45,14 @@ def _stand_in(a, top=False):
     if isinstance(a, (list, tuple)):
         return type(a)(_stand_in(x) for x in a)
     if isinstance(a, DistTensor) or isinstance(a, torch.Tensor) and not top:
-        return torch.ones(tuple(min(int(s), 1) for s in a.shape), dtype=a.dtype)
+        t = torch.ones(tuple(min(int(s), 1) for s in a.shape), dtype=a.dtype)
+        if a.requires_grad:     # torch's autograd checks too: a unary foreach op over a list
+            # holding an int64 tensor and one that requires grad raises 'Autograd not support
+            # dtype: Long' (torch 2.13; sweep15 seed 5000097: _foreach_sign([t9, t8]) returned
+            # a result); a non-leaf stays one (an in-place op on a leaf that requires grad
+            # raises, on a non-leaf it does not)
+            t = t.requires_grad_() if a.is_leaf else t.requires_grad_().clone()
+        return t
     return a
 
 
