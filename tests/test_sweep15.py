@@ -164,3 +164,91 @@ def test_torch_foreach_addcdiv_backward_of_a_0d_input_is_torchs_index_error():
     y = torch._foreach_addcdiv([torch.tensor(0.0)], [b], [b.abs() + 1], 0.5)[0]
     with pytest.raises(IndexError):
         y.backward()
+
+
+# ---- torch.convolution's CPU dtype checks ------------------------------------------------
+
+@pytest.mark.parametrize("xd,wd", [(torch.complex128, torch.complex128),
+                                   (torch.complex128, torch.float64),
+                                   (torch.complex64, torch.complex64),
+                                   (torch.float32, torch.float64),
+                                   (torch.int64, torch.float64), (torch.int64, torch.int64),
+                                   (torch.bool, torch.bool)])
+@pytest.mark.parametrize("dil", [1, 2])
+def test_convolution_dtypes_as_torch(xd, wd, dil):
+    """Seed 5000513: torch.convolution of a complex input raised F.conv1d's RuntimeError
+    (torch's CPU kernel: NotImplementedError), and of two complex tensors returned a result
+    (F.conv1d has a complex path, aten's convolution none); now torch's error type, or its
+    values and dtype."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(2, 4, 6, generator=g) * 3).to(xd)
+    w = (torch.randn(4, 2, 2, generator=g) * 3).to(wd)
+    args = ([1], [1], [dil], False, [0], 2)
+    try:
+        want = torch.convolution(x, w, None, *args)
+    except Exception as e:  # noqa: BLE001 - torch's error: ours is of its type
+        with pytest.raises(type(e)):
+            torch.convolution(_d(x, ["S(0)", "R"]), _d(w, ["R", "S(0)"]), None, *args)
+        return
+    got = torch.convolution(_d(x, ["S(0)", "R"]), _d(w, ["R", "S(0)"]), None, *args)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.full(), want)
+
+
+# ---- dot / vdot of integers keep their dtype ---------------------------------------------
+
+@pytest.mark.parametrize("fn", [torch.dot, torch.vdot])
+@pytest.mark.parametrize("dt", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                                torch.bool, torch.float16, torch.complex128])
+def test_dot_vdot_dtype_as_torch(fn, dt):
+    """Seed 5000308: vdot of two uint8 vectors came back int64 (sum() promotes an integer),
+    torch's is uint8 (wrapping modulo 2^8); a bool raises NotImplementedError as torch."""
+    a = torch.tensor([200, 100, 7, 3, 1], dtype=torch.int64).to(dt)
+    b = torch.tensor([3, 1, 2, 5, 4], dtype=torch.int64).to(dt)
+    da, db = _d(a, ["R", "S(0)"], M2), _d(b, ["S(0)", "R"], M2)
+    try:
+        want = fn(a, b)
+    except Exception as e:  # noqa: BLE001
+        with pytest.raises(type(e)):
+            fn(da, db)
+        return
+    got = fn(da, db)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.full(), want)
+
+
+# ---- a constant written over a tensor with history, uneven shards ------------------------
+
+@pytest.mark.parametrize("op", ["zero_", "fill_", "copy_"])
+@pytest.mark.parametrize("shape,ps", [((3,), ["S(0)", "S(0)"]), ((2, 3), ["R", "S(1)"]),
+                                      ((5,), ["S(0)", "R"])])
+def test_constant_written_over_history_uneven_backward(op, shape, ps):
+    """Wide seed 2015290: t.clone().zero_() of 3 elements over 4 ranks, then backward,
+    raised 'element 1 of tensors does not require grad' (only the first rank's tensor was
+    tied to the old value's history); now torch's zero gradient."""
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    args = {"zero_": (), "fill_": (0.5,), "copy_": (torch.ones(shape, dtype=torch.float64),)}
+    r = x.clone().requires_grad_(True)
+    d = _d(x, ps).requires_grad_(True)
+    want = getattr((r * 2).clone(), op)(*args[op])
+    got = getattr((d * 2).clone(), op)(*args[op])
+    assert got.requires_grad == want.requires_grad
+    torch.testing.assert_close(got.full().detach(), want.detach())
+    g = torch.arange(float(x.numel()), dtype=torch.float64).reshape(shape)
+    want.backward(g)
+    got.backward(g)
+    torch.testing.assert_close(d.grad.full(), r.grad)
+
+
+def test_vdot_complex_values():
+    """vdot of complex DistTensors raised NoRuleError (conj() has no rule); now
+    dot(conj(a), b) from view_as_real / complex: torch's value and dtype (a complex
+    DistTensor cannot require grad here: dist_tensor.requires_grad_ refuses it)."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(5, dtype=torch.complex128, generator=g)
+    b = torch.randn(5, dtype=torch.complex128, generator=g)
+    want, got = torch.vdot(a, b), torch.vdot(_d(a, ["S(0)", "R"]), _d(b, ["R", "S(0)"]))
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.full(), want)
+    torch.testing.assert_close(torch.vdot(_d(b, ["R", "R"]), _d(a, ["S(0)", "S(0)"])).full(),
+                               torch.vdot(b, a))

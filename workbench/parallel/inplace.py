@@ -184,12 +184,16 @@ class _Overwrite(torch.autograd.Function):
 def over_old(y: DistTensor, x: DistTensor) -> DistTensor:
     """``y`` written over ``x`` for autograd: ``y``'s values and history, with every local
     tensor of ``x`` given a zero gradient through ``_Overwrite`` (one anchor on ``y``'s
-    first tensor carries them all)."""
+    first tensor carries them all; a tensor of ``y`` without history after it is anchored
+    too: uneven shards keep a tensor per rank, and a constant one (``x.zero_()``: zeros)
+    did not require grad, so backward raised 'element 1 of tensors does not require grad'
+    (wide seed 2015290: ``t.clone().zero_()`` of 3 elements over 4 ranks); each further
+    anchor gives ``x``'s old values zeros again, which add to zero)."""
     olds, done = storage.tensors(x._local), []
 
     def anchor(t):
         if done:
-            return t
+            return t if t.requires_grad else _Overwrite.apply(t, *olds)
         done.append(t)
         return _Overwrite.apply(t, *olds)
     return DistTensor(storage.map_tensors(y._local, anchor), y.mesh, y.placements, y.shape,

@@ -180,6 +180,29 @@ def _parse_for(k):
     return parse
 
 
+def _convolution_cpu_check(input, weight, bias, k, dilation, groups):
+    """torch.convolution's CPU kernels' dtype checks, on stand-ins of one element per
+    group (shapes that always fit, the dilation kept: it picks the kernel): aten's
+    convolution has no complex path where F.conv1d/2d/3d has one (torch 2.13 CPU:
+    NotImplementedError '"slow_conv2d_cpu" / "slow_conv_dilated<>" / "compute_columns3d"
+    not implemented for ComplexDouble'; the local implementation's F.convNd returned a
+    result: sweep15 focus seed 5000513), and a complex input by a float64 weight raised
+    F.conv1d's RuntimeError instead of torch's NotImplementedError."""
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or \
+            len(dilation) not in (1, k):
+        return                    # the meta check names what is wrong
+    one = (1,) * k
+
+    def z(t, shape):
+        return None if t is None else torch.zeros(shape, dtype=t.dtype)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.convolution(z(input, (1, groups) + one), z(weight, (groups, 1) + one),
+                          z(bias, (groups,)), [1] * k, [0] * k, dilation * k
+                          if len(dilation) == 1 else dilation, False, [0] * k, groups)
+
+
 def _convolution_parse(input, weight, bias, stride, padding, dilation, transposed,
                        output_padding, groups):
     """``torch.convolution`` (aten.convolution): a forward convolution only."""
@@ -192,6 +215,7 @@ def _convolution_parse(input, weight, bias, stride, padding, dilation, transpose
     if k not in (1, 2, 3):
         raise ValueError(f"torch.convolution: weight of shape {tuple(weight.shape)}; give "
                          "(C_out, C_in / groups, *kernel) with 1 to 3 kernel dims")
+    _convolution_cpu_check(input, weight, bias, k, list(dilation), groups)
     return _parse_for(k)(input, weight, bias, list(stride), list(padding), list(dilation),
                          groups)
 
