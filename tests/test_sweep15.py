@@ -252,3 +252,58 @@ def test_vdot_complex_values():
     torch.testing.assert_close(got.full(), want)
     torch.testing.assert_close(torch.vdot(_d(b, ["R", "R"]), _d(a, ["S(0)", "S(0)"])).full(),
                                torch.vdot(b, a))
+
+
+def test_foreach_over_a_grad_float_and_a_complex():
+    """Seed 5000724: torch._foreach_exp([t2, t1]) with t2 requiring grad and t1 complex
+    raised TypeError (the complex output was marked to require grad, which a complex
+    DistTensor cannot); now torch's values and dtypes, and t2's gradient."""
+    a = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    c = torch.tensor([1 + 1j, -0.5j, 2.0], dtype=torch.complex128)
+    ra = a.clone().requires_grad_(True)
+    da = _d(a, ["S(0)", "R"]).requires_grad_(True)
+    dc = _d(c, ["R", "S(0)"])
+    want, got = torch._foreach_exp([ra, c]), torch._foreach_exp([da, dc])
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g.full().detach(), w.detach())
+    want[0].sum().backward()
+    got[0].sum().backward()
+    torch.testing.assert_close(da.grad.full(), ra.grad)
+
+
+@pytest.mark.parametrize("xd,wd", [(torch.complex128, torch.complex128), (torch.bool, torch.bool),
+                                   (torch.float64, torch.float64), (torch.int64, torch.float64)])
+@pytest.mark.parametrize("shape", [(0, 2, 4, 4), (0, 1, 3, 3)])
+def test_convolution_of_no_element_as_torch(xd, wd, shape):
+    """Seed 5000970: torch runs no kernel for an input of no element (no dtype check: a
+    complex or bool one gives an empty result); the stand-in check raised torch's dtype
+    error there.  Same dtypes: torch's empty result; int64 by float64 (torch's CPU call
+    float64, its meta kernel int64): a clear NotImplementedError naming the cast."""
+    x = torch.zeros(shape, dtype=xd)
+    w = torch.ones((2, shape[1], 1, 1), dtype=wd)
+    args = ([1, 2], [0, 1], [1, 2], False, [0, 0], 1)
+    want = torch.convolution(x, w, None, *args)
+    dx, dw = _d(x, ["S(0)", "R"]), _d(w, ["R", "R"])
+    if xd != wd:
+        with pytest.raises(NotImplementedError, match="cast"):
+            torch.convolution(dx, dw, None, *args)
+        return
+    got = torch.convolution(dx, dw, None, *args)
+    assert got.shape == want.shape and got.dtype == want.dtype
+
+
+@pytest.mark.parametrize("conv", ["conv2d", "convolution"])
+def test_convolution_of_no_input_channel_refused(conv):
+    """torch gives (N, 0, H', W') for a weight of no input channel (its quirk: not the
+    C_out channels of zeros); ours raised AssertionError 'op table bug' (the local gave
+    (N, C_out, ..)): now a clear NotImplementedError, the inputs untouched."""
+    x, w = torch.zeros(2, 0, 4, 4), torch.ones(2, 0, 1, 1)
+    assert torch.nn.functional.conv2d(x, w).shape == (2, 0, 4, 4)
+    dx, dw = _d(x, ["S(0)", "R"]), _d(w, ["R", "R"])
+    with pytest.raises(NotImplementedError, match="no input channel"):
+        if conv == "conv2d":
+            torch.nn.functional.conv2d(dx, dw)
+        else:
+            torch.convolution(dx, dw, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    assert dx.shape == x.shape and dw.shape == w.shape
