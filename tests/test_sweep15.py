@@ -307,3 +307,42 @@ def test_convolution_of_no_input_channel_refused(conv):
         else:
             torch.convolution(dx, dw, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
     assert dx.shape == x.shape and dw.shape == w.shape
+
+
+@pytest.mark.parametrize("dt", [torch.complex32, torch.float16, torch.bool, torch.int64])
+@pytest.mark.parametrize("shape", [(0, 2), (3,)])
+def test_equal_dtypes_as_torch(dt, shape):
+    """Wide seed 2015490: torch.equal of a complex32 DistTensor returned True where torch
+    raises NotImplementedError ('"equal_cpu" not implemented for ComplexHalf'); now its
+    CPU kernel's dtype check runs on cut stand-ins after the size check."""
+    x = torch.ones(shape, dtype=torch.float32).to(dt)
+    d = _d(x, ["S(0)", "R"] if shape[0] else ["R", "R"])
+    try:
+        want = torch.equal(x, x.clone())
+    except Exception as e:  # noqa: BLE001
+        with pytest.raises(type(e)):
+            torch.equal(d, d.clone())
+        return
+    assert torch.equal(d, d.clone()) is want
+    assert torch.equal(d, _d(torch.zeros(7, dtype=dt), ["R", "R"])) is \
+        torch.equal(x, torch.zeros(7, dtype=dt))
+
+
+def test_torch_bool_tensor_written_with_a_tracked_float_requires_grad():
+    """Wide seed 2015652 (documented, torch's own): ``v[3:4] = f`` with v bool and f a float
+    that requires grad makes v require grad in torch 2.13 (CopySlices; an int64 v does not),
+    and then aminmax / amax / clone of v raise 'Autograd not support dtype: Bool'.  Here the
+    write detaches the value (a bool DistTensor holds no gradient: inplace.setitem, as for
+    integers), so aminmax(v) gives torch's values of the same write under no_grad."""
+    v = torch.zeros(5, 2, dtype=torch.bool)
+    f = torch.tensor(-1.4, dtype=torch.float64, requires_grad=True)
+    v[3:4] = f
+    assert v.requires_grad
+    with pytest.raises(RuntimeError, match="Autograd not support dtype: Bool"):
+        torch.aminmax(v, dim=0)
+    d = _d(torch.zeros(5, 2, dtype=torch.bool), ["S(0)", "R"])
+    d[3:4] = _d(torch.tensor(-1.4, dtype=torch.float64), ["R", "R"]).requires_grad_(True)
+    got = torch.aminmax(d, dim=0)
+    want = torch.aminmax(v.detach(), dim=0)
+    torch.testing.assert_close(got[0].full(), want[0])
+    torch.testing.assert_close(got[1].full(), want[1])
