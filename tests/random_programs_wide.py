@@ -17,6 +17,10 @@
   allclose / equal, conv2d / conv3d / 2-d pooling, argwhere, unique_consecutive, polar /
   view_as_complex, scaled_dot_product_attention, pow / clamp with tensor operands,
   topk(largest=False), round(decimals=).
+* (sweep15, ``NEW15``) the registered ops no kind drew (``benchmarks/op_coverage.py``:
+  convolution, gcd / lcm, igamma / igammac, ldexp, logaddexp / logaddexp2, nextafter,
+  mode, multinomial on one-hot rows, renorm, unfold, special.xlog1py / zeta) and the
+  compositions pairwise_distance, vdot, norm / linalg.norm, index_put, more ``_foreach``.
 * Backward forms: ``out.backward(g)``, twice with ``retain_graph`` (accumulated), and
   ``torch.autograd.grad`` (see :func:`backward`).
 

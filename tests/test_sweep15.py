@@ -346,3 +346,33 @@ def test_torch_bool_tensor_written_with_a_tracked_float_requires_grad():
     want = torch.aminmax(v.detach(), dim=0)
     torch.testing.assert_close(got[0].full(), want[0])
     torch.testing.assert_close(got[1].full(), want[1])
+
+
+_PIECES = {"split": lambda t: t.split(2, 0)[0], "chunk": lambda t: t.chunk(2, 0)[1],
+           "unbind": lambda t: t.unbind(0)[0]}
+_WRITES = {"add_": lambda v: v.add_(1), "select.lerp_": lambda v: v.select(0, -1).lerp_(
+    torch.zeros((), dtype=torch.float64), 0.5) if v.dim() else v.lerp_(
+    torch.zeros((), dtype=torch.float64), 0.5), "setitem": lambda v: v.__setitem__(0, 1.0)}
+
+
+@pytest.mark.parametrize("piece", sorted(_PIECES))
+@pytest.mark.parametrize("write", sorted(_WRITES))
+@pytest.mark.parametrize("grad", [True, False])
+def test_write_into_a_piece_of_split_as_torch(piece, write, grad):
+    """Old seed 1071550: ``t3.split(1, 0)[0].select(0, -1).lerp_(t5)`` returned a result
+    where torch raises RuntimeError (an output of a function returning several views may
+    not be written in place, nor its views, with grad on); without grad torch writes, and
+    so do we (values as torch's)."""
+    x = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    r = x.clone().requires_grad_(grad)
+    d = _d(x, ["R", "S(1)"]).requires_grad_(grad)
+    rv, dv = _PIECES[piece](r * 1), _PIECES[piece](d * 1)
+    try:
+        _WRITES[write](rv)
+    except RuntimeError as e:
+        assert "returns multiple views" in str(e)
+        with pytest.raises(RuntimeError, match="returns multiple views"):
+            _WRITES[write](dv)
+        return
+    _WRITES[write](dv)
+    torch.testing.assert_close(dv.full().detach(), rv.detach())

@@ -402,6 +402,8 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
     if op == "detach_":
         x._local = storage.map_tensors(x._local, lambda t: t.detach())
         return x
+    from .views import check_multi_output_write
+    check_multi_output_write(x, op)
     if op in _VIEWS:
         return _view_inplace(x, op, args, kwargs)
     _judge(lambda: getattr(_meta_self(x), op)(*_meta(tuple(args)),
@@ -504,6 +506,8 @@ def setitem(x: DistTensor, index, value) -> None:
     rank, zeros elsewhere: ``where`` is linear in (values, x) for a replicated mask)."""
     from .dispatch import dispatch
     from .placement import Replicate
+    from .views import check_multi_output_write
+    check_multi_output_write(x, "__setitem__")
     # the index as the user wrote it: torch reads ``x[True] = v`` (a copy, the value
     # cast) unlike ``x[(True,)] = v`` (index_put_: dtypes must match), and a top-level
     # list of lists as a tuple (``x[[[0, 1], [1, 2]]]``), not as one 2-d index
