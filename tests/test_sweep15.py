@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import workbench as wb
 from workbench.parallel.placement import parse_placements
@@ -376,3 +377,25 @@ def test_write_into_a_piece_of_split_as_torch(piece, write, grad):
         return
     _WRITES[write](dv)
     torch.testing.assert_close(dv.full().detach(), rv.detach())
+
+
+def test_cumprod_backward_through_a_view_made_in_backward():
+    """Old seed 1071256: the backward of this chain raised 'Attempted to access the data
+    pointer on an invalid python storage' (views.note_views read the storage of a view made
+    inside cumprod's gradient); now torch's gradient."""
+    mesh = wb.Mesh([[0, 2, 4], [5, 1, 3]])
+    x = torch.tensor([[[0.11193907501674136, -0.6223854724700036, -0.7816418346095078,
+                        0.686164692929235, -0.8399115831515142]],
+                      [[0.1797736807567211, 1.6779759666544989, -0.24247607132805413,
+                        0.37022008852833, -0.5827918832200895]]], dtype=torch.float64)
+    d = distribute(x, mesh, parse_placements(["P(avg)", "S(0)"]), seed=361).requires_grad_(True)
+    r = d.full().detach().clone().requires_grad_(True)
+
+    def chain(t):
+        return torch.tanh(F.elu(torch.sgn(t.amax((0, -2))).sum(-1, dtype=torch.float32))
+                          .cumprod(-1))
+    want, got = chain(r), chain(d)
+    torch.testing.assert_close(got.full().detach(), want.detach())
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(d.grad.full(), r.grad)

@@ -149,10 +149,10 @@ def note_views(name, base, outs, attrs) -> None:
             return
     else:
         rest = list(zip(outs, indices))
-    mine = {t.untyped_storage().data_ptr() for t in storage.tensors(base._local) if t.numel()}
+    mine = {_ptr(t) for t in storage.tensors(base._local) if t.numel()} - {None}
     for o, ix in rest:
         ts = [t for t in storage.tensors(o._local) if t.numel()]
-        aliased = all(t.untyped_storage().data_ptr() in mine for t in ts)
+        aliased = all(_ptr(t) in mine for t in ts)
         o._view = (base, ix, aliased)
     if indices[0] is not None:
         _register(base, outs)
@@ -267,6 +267,17 @@ def write_back(base, index, value) -> None:
         method(base, "copy_", (_diagonal_scatter(base, value, *index),))
     else:
         setitem(base, index, value)
+
+
+def _ptr(t):
+    """``t``'s storage's data pointer, or None where torch has no valid storage to read
+    (a view made inside a backward: old random sweep seed 1071256 raised 'Attempted to
+    access the data pointer on an invalid python storage' in cumprod's gradient): not an
+    alias then, as if a copy."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 def _pieces(name, attrs, n):
