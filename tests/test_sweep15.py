@@ -399,3 +399,24 @@ def test_cumprod_backward_through_a_view_made_in_backward():
     want.sum().backward()
     got.sum().backward()
     torch.testing.assert_close(d.grad.full(), r.grad)
+
+
+@pytest.mark.parametrize("v", [float("nan"), 1.0, float("inf"), float("-inf")])
+@pytest.mark.parametrize("j", [0, 1])
+@pytest.mark.parametrize("dt", [torch.float64, torch.int64, torch.bool])
+def test_aminmax_of_0d_as_torch(v, j, dt):
+    """Wide seed 2016292: aminmax of a 0-d NaN passed the gradient through (a clone), torch's
+    gradient is NaN (grad * (x == min) / count); values, dtypes and gradients as torch's."""
+    if not dt.is_floating_point and v != 1.0:
+        return
+    x = torch.tensor(v).to(dt)
+    grad = dt.is_floating_point
+    r = x.clone().requires_grad_(grad)
+    d = _d(x, ["R", "R"]).requires_grad_(grad)
+    want, got = torch.aminmax(r * 2 if grad else r)[j], torch.aminmax(d * 2 if grad else d)[j]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got.full().detach(), want.detach(), equal_nan=True)
+    if grad:
+        want.backward(torch.tensor(1.5, dtype=dt))
+        got.backward(torch.tensor(1.5, dtype=dt))
+        torch.testing.assert_close(d.grad.full(), r.grad, equal_nan=True)
