@@ -399,7 +399,9 @@ def run_program(rng: random.Random, n_ops: int | None = None, avoid=KNOWN + SLOW
             p.kind = "backward"
             try:
                 wants = _wide.backward(form, r, g, [lr for _, _, lr, _ in p.leaves])
-            except RuntimeError:        # torch has no derivative for it (heaviside): done
+            except (RuntimeError, IndexError):  # torch has no derivative for it (heaviside),
+                # or its own backward fails (torch 2.13: _foreach_addcdiv of a 0-d input
+                # without grad, a 0-d tensor1 with: IndexError, sweep15 seed 5000090): done
                 return Outcome("ok", "\n".join(p.lines))
             gots = _wide.backward(form, d, g, [ld for _, ld, _, _ in p.leaves])
             for (ln, ld, lr, ps), gd, gr in zip(p.leaves, gots, wants):

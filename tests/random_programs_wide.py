@@ -17,6 +17,10 @@
   allclose / equal, conv2d / conv3d / 2-d pooling, argwhere, unique_consecutive, polar /
   view_as_complex, scaled_dot_product_attention, pow / clamp with tensor operands,
   topk(largest=False), round(decimals=).
+* (sweep15, ``NEW15``) the registered ops no kind drew (``benchmarks/op_coverage.py``:
+  convolution, gcd / lcm, igamma / igammac, ldexp, logaddexp / logaddexp2, nextafter,
+  mode, multinomial on one-hot rows, renorm, unfold, special.xlog1py / zeta) and the
+  compositions pairwise_distance, vdot, norm / linalg.norm, index_put, more ``_foreach``.
 * Backward forms: ``out.backward(g)``, twice with ``retain_graph`` (accumulated), and
   ``torch.autograd.grad`` (see :func:`backward`).
 
@@ -452,6 +456,198 @@ def _nn(p, cur, k):
     return None
 
 
+def _ints(p, shape, dtype=torch.int64):
+    """A leaf of small integers (-4..4) of ``dtype``."""
+    return p.leaf(shape, dtype=dtype)
+
+
+def _new15(p, cur, k):
+    """sweep15: the registered ops no kind drew before (benchmarks/op_coverage.py: 15 of
+    223) and compositions of the op table never drawn (pairwise_distance, vdot, norm,
+    linalg.norm, index_put, more ``_foreach`` ops), their arguments in torch's domains:
+    igamma's a > 0 and x >= 0, zeta's x > 1 and q > 0, xlog1py's y > -1, gcd / lcm on
+    integers, multinomial on one-hot rows (a deterministic draw); a call outside them now
+    and then (a float gcd, a too-large unfold size, renorm of a 1-d tensor) is torch's
+    refusal to match."""
+    rng = p.rng
+    nm, d, r = cur
+    shape, nd = tuple(r.shape), r.dim()
+    fl = r.dtype.is_floating_point
+    dim = rng.randrange(-nd, nd) if nd else 0
+    keep = rng.random() < 0.3
+    if k == "convolution" and nd in (3, 4) and shape[1] and min(shape[2:]) >= 1:
+        kd, cin = nd - 2, shape[1]
+        groups = rng.choice([g for g in (1, 2, cin) if cin % g == 0])
+        co = groups * rng.randint(1, 2)
+        kern = tuple(rng.randint(1, min(2, s)) for s in shape[2:])
+        wdt = r.dtype if fl else torch.float64
+        wn, wd, wr = p.leaf((co, cin // groups) + kern, dtype=wdt)
+        b = p.leaf((co,), dtype=wdt) if rng.random() < 0.5 else None
+        st = [rng.randint(1, 2) for _ in range(kd)]
+        pad = [rng.randint(0, 1) for _ in range(kd)]
+        dil = [rng.choice([1, 1, 2]) for _ in range(kd)]
+        return f"torch.convolution({nm}, {wn}, {b[0] if b else None}, {st}, {pad}, {dil}, " \
+               f"False, {[0] * kd}, {groups})", \
+            lambda t: torch.convolution(t, _pick(t, wd, wr), _pick(t, b[1], b[2]) if b else None,
+                                        st, pad, dil, False, [0] * kd, groups)
+    if k == "gcd_lcm":
+        fn = rng.choice(["gcd", "lcm"])
+        f = getattr(torch, fn)
+        yn, yd, yr = _ints(p, _suffix(rng, shape),
+                           r.dtype if r.dtype in (torch.int32, torch.uint8) and
+                           rng.random() < 0.5 else torch.int64)
+        if r.dtype in (torch.int64, torch.int32, torch.uint8) or rng.random() < 0.1:
+            return f"torch.{fn}({nm}, {yn})", lambda t: f(t, _pick(t, yd, yr))
+        if r.dtype.is_complex:
+            return None
+        return f"torch.{fn}(({nm} * 3).long(), {yn})", \
+            lambda t: f((t * 3).long(), _pick(t, yd, yr))
+    if k == "igamma":
+        if r.dtype == torch.bool:
+            return None
+        fn = rng.choice(["torch.igamma", "torch.igammac", "torch.special.gammainc",
+                         "torch.special.gammaincc"])
+        f = eval(fn)
+        yn, yd, yr = p.leaf(_suffix(rng, shape))
+        if rng.random() < 0.8:       # cur as x (torch has a gradient for x only)
+            return f"{fn}({yn}.detach().abs() + 0.5, {nm}.abs())", \
+                lambda t: f(_pick(t, yd, yr).detach().abs() + 0.5, t.abs())
+        return f"{fn}({nm}.abs() + 0.5, {yn}.abs())", \
+            lambda t: f(t.abs() + 0.5, _pick(t, yd, yr).abs())
+    if k == "ldexp":
+        if rng.random() < 0.8:
+            en, ed, er = _ints(p, _suffix(rng, shape))
+        else:
+            en, ed, er = p.leaf(_suffix(rng, shape))
+        return f"torch.ldexp({nm}, {en})", lambda t: torch.ldexp(t, _pick(t, ed, er))
+    if k == "logaddexp":
+        fn = rng.choice(["logaddexp", "logaddexp2"])
+        yn, yd, yr = p.leaf(_suffix(rng, shape),
+                            dtype=r.dtype if fl and rng.random() < 0.3 else torch.float64)
+        if rng.random() < 0.3:
+            return f"{nm}.{fn}({yn})", lambda t: getattr(t, fn)(_pick(t, yd, yr))
+        f = getattr(torch, fn)
+        return f"torch.{fn}({yn}, {nm})", lambda t: f(_pick(t, yd, yr), t)
+    if k == "nextafter":
+        yn, yd, yr = p.leaf(_suffix(rng, shape),
+                            dtype=r.dtype if fl and rng.random() < 0.8 else torch.float64)
+        if not fl:
+            return f"torch.nextafter({nm}, {yn})", lambda t: torch.nextafter(t, _pick(t, yd, yr))
+        if rng.random() < 0.5:
+            return f"{nm} * 0.5 + torch.nextafter({nm}.detach(), {yn}.detach())", \
+                lambda t: t * 0.5 + torch.nextafter(t.detach(), _pick(t, yd, yr).detach())
+        # the step's direction, exact (a step scaled up to be read, t + (next - t) * 2^52,
+        # read a Partial t's parts' rounding instead: seed 5000120, float32 P(sum))
+        return f"{nm} + torch.nextafter({nm}.detach(), {yn}.detach()).gt({nm}.detach())", \
+            lambda t: t + torch.nextafter(t.detach(), _pick(t, yd, yr).detach()).gt(t.detach())
+    if k == "mode":
+        j = rng.randint(0, 1)
+        if fl or r.dtype.is_complex:
+            if r.dtype.is_complex:
+                return None
+            return f"torch.mode(({nm} * 2).round(), {dim}, keepdim={keep})[{j}]", \
+                lambda t: torch.mode((t * 2).round(), dim, keepdim=keep)[j]
+        return f"{nm}.mode({dim}, {keep})[{j}]", lambda t: t.mode(dim, keep)[j]
+    if k == "multinomial" and nd in (1, 2) and shape[-1] and fl:
+        n, rep = shape[-1], rng.random() < 0.7
+        kk = rng.randint(1, 3) if rep else 1
+        return f"torch.multinomial(F.one_hot({nm}.argmax(-1), {n}).double(), {kk}, " \
+               f"replacement={rep})", \
+            lambda t: torch.multinomial(F.one_hot(t.argmax(-1), n).double(), kk,
+                                        replacement=rep)
+    if k == "renorm" and (nd >= 2 or rng.random() < 0.1):
+        q = rng.choice([1, 2, 3, 1.5])
+        mx = round(rng.uniform(0.2, 3.0), 2)
+        return f"torch.renorm({nm}, {q}, {dim}, {mx})", lambda t: torch.renorm(t, q, dim, mx)
+    if k == "unfold":
+        n = shape[dim] if nd else 1
+        size = rng.randint(0, n + 1) if rng.random() < 0.15 else rng.randint(min(1, n), n)
+        step = rng.randint(1, 3)
+        return f"{nm}.unfold({dim}, {size}, {step})", lambda t: t.unfold(dim, size, step)
+    if k == "xlog1py":
+        yn, yd, yr = p.leaf(_suffix(rng, shape))
+        c = rng.random()
+        if c < 0.2:
+            v = round(rng.uniform(0, 2), 2)
+            return f"torch.special.xlog1py({nm}, {v})", \
+                lambda t: torch.special.xlog1py(t, v)
+        if c < 0.6 or r.dtype == torch.bool:
+            return f"torch.special.xlog1py({nm}, {yn}.abs())", \
+                lambda t: torch.special.xlog1py(t, _pick(t, yd, yr).abs())
+        return f"torch.special.xlog1py({yn}, {nm}.abs())", \
+            lambda t: torch.special.xlog1py(_pick(t, yd, yr), t.abs())
+    if k == "zeta":
+        if r.dtype == torch.bool or r.dtype.is_complex:
+            return None
+        if rng.random() < 0.5:
+            c = rng.choice([1.5, 2.0, 3.0])
+            return f"torch.special.zeta({c}, {nm}.abs() + 0.5)", \
+                lambda t: torch.special.zeta(c, t.abs() + 0.5)
+        yn, yd, yr = p.leaf(_suffix(rng, shape))
+        return f"torch.special.zeta({yn}.detach().abs() + 1.5, {nm}.abs() + 0.5)", \
+            lambda t: torch.special.zeta(_pick(t, yd, yr).detach().abs() + 1.5, t.abs() + 0.5)
+    if k == "pairwise_distance" and nd:
+        yn, yd, yr = p.leaf(_suffix(rng, shape), dtype=r.dtype if fl else torch.float64)
+        q = rng.choice([1.0, 2.0, 3.0, float("inf")])
+        eps = rng.choice([1e-6, 0.0, 0.1])
+        return f"F.pairwise_distance({nm}, {yn}, p={q}, eps={eps}, keepdim={keep})", \
+            lambda t: F.pairwise_distance(t, _pick(t, yd, yr), p=q, eps=eps, keepdim=keep)
+    if k == "vdot" and nd == 1:
+        yn, yd, yr = p.leaf(shape, dtype=r.dtype)
+        return f"torch.vdot({nm}, {yn})", lambda t: torch.vdot(t, _pick(t, yd, yr))
+    if k == "norm":
+        q = rng.choice([1, 2, 3, float("inf"), "fro", 0.5])
+        if q == "fro" or not nd or rng.random() < 0.3:
+            q = 2 if q == 0.5 else q
+            return f"torch.norm({nm}, {q!r})", lambda t: torch.norm(t, q)
+        if rng.random() < 0.5:
+            return f"torch.norm({nm}, {q!r}, {dim}, keepdim={keep})", \
+                lambda t: torch.norm(t, q, dim, keep)
+        return f"torch.linalg.norm({nm}, {q!r}, {dim}, keepdim={keep})", \
+            lambda t: torch.linalg.norm(t, q, dim, keep)
+    if k == "index_put" and nd and shape[0]:
+        g = torch.Generator().manual_seed(rng.getrandbits(31))
+        idx = torch.randint(0, shape[0], (rng.randint(1, 4),), generator=g)
+        acc = rng.random() < 0.5
+        vn, vd, vr = p.leaf(_suffix(rng, (len(idx),) + shape[1:]),
+                            dtype=r.dtype if r.dtype != torch.bool else torch.bool)
+        return f"torch.index_put({nm}, (torch.tensor({idx.tolist()}),), {vn}, " \
+               f"accumulate={acc})", \
+            lambda t: torch.index_put(t, (idx,), _pick(t, vd, vr), accumulate=acc)
+    if k == "foreach2":
+        yn, yd, yr = p.leaf(shape, dtype=r.dtype if fl else torch.float64)
+        op = rng.choice(["sub", "div", "minimum", "clamp_min", "clamp_max", "pow", "neg",
+                         "exp", "sqrt", "abs", "sign", "reciprocal", "addcdiv", "add_",
+                         "mul_", "lerp_"])
+        if op in ("neg", "exp", "sqrt", "abs", "sign", "reciprocal"):
+            f = getattr(torch, f"_foreach_{op}")
+            return f"torch._foreach_{op}([{yn}, {nm}])[1]", lambda t: f([_pick(t, yd, yr), t])[1]
+        if op == "addcdiv":
+            return f"torch._foreach_addcdiv([{nm}], [{yn}], [{yn}.abs() + 1], 0.5)[0]", \
+                lambda t: torch._foreach_addcdiv([t], [_pick(t, yd, yr)],
+                                                 [_pick(t, yd, yr).abs() + 1], 0.5)[0]
+        if op.endswith("_"):         # in place on copies: the copies are the result
+            c = 0.5
+
+            def fi(t):
+                a = [t.clone(), _pick(t, yd, yr).clone()]
+                if op == "lerp_":
+                    torch._foreach_lerp_(a, [_pick(t, yd, yr), t], c)
+                else:
+                    getattr(torch, f"_foreach_{op}")(a, [_pick(t, yd, yr), t])
+                return a[0] + a[1]
+            return f"a = [{nm}.clone(), {yn}.clone()]; torch._foreach_{op}(a, [{yn}, {nm}]" \
+                   f"{', 0.5' if op == 'lerp_' else ''}); a[0] + a[1]", fi
+        if op in ("clamp_min", "clamp_max", "pow") and rng.random() < 0.5:
+            c = round(rng.uniform(0.5, 2), 2)
+            f = getattr(torch, f"_foreach_{op}")
+            return f"torch._foreach_{op}([{nm}], {c})[0]", lambda t: f([t], c)[0]
+        f = getattr(torch, f"_foreach_{op}")
+        return f"torch._foreach_{op}([{nm}, {yn}], [{yn}, {nm}])[0]", \
+            lambda t: f([t, _pick(t, yd, yr)], [_pick(t, yd, yr), t])[0]
+    return None
+
+
 PROGRAM = ("redistribute", "redistribute2", "reshard_mesh", "from_local", "no_grad",
            "detach_mix", "nograd_leaf_inplace", "autocast")
 BLAS = ("addmm", "baddbmm", "addbmm", "addmv", "addr", "addcdiv", "addcmul", "mv", "dot",
@@ -462,13 +658,17 @@ STATS = ("kthvalue", "median", "nanmedian_all", "nanmean", "softmin", "std_mean"
 LOSSES = ("l1_loss", "smooth_l1_loss", "huber_loss", "bce", "bce_logits", "kl_div", "nll_loss")
 NN = ("conv2d", "conv3d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "sdpa", "polar",
       "view_as_complex", "pow_t", "clamp_t", "foreach", "allclose")
-WIDE = PROGRAM + BLAS + SHAPES + STATS + LOSSES + NN
+# sweep15: benchmarks/op_coverage.py's registered ops never drawn, and compositions
+NEW15 = ("convolution", "gcd_lcm", "igamma", "ldexp", "logaddexp", "nextafter", "mode",
+         "multinomial", "renorm", "unfold", "xlog1py", "zeta", "pairwise_distance", "vdot",
+         "norm", "index_put", "foreach2")
+WIDE = PROGRAM + BLAS + SHAPES + STATS + LOSSES + NN + NEW15
 
 
 def build(p, cur, k):
     """``(text, f)`` for wide kind ``k`` on ``cur``, or None (the kind does not fit)."""
     for kinds, b in ((PROGRAM, _program), (BLAS, _blas), (SHAPES, _shapes), (STATS, _stats),
-                     (LOSSES, _losses), (NN, _nn)):
+                     (LOSSES, _losses), (NN, _nn), (NEW15, _new15)):
         if k in kinds:
             return b(p, cur, k)
     return None

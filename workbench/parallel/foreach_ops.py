@@ -45,7 +45,14 @@ def _stand_in(a, top=False):
     if isinstance(a, (list, tuple)):
         return type(a)(_stand_in(x) for x in a)
     if isinstance(a, DistTensor) or isinstance(a, torch.Tensor) and not top:
-        return torch.ones(tuple(min(int(s), 1) for s in a.shape), dtype=a.dtype)
+        t = torch.ones(tuple(min(int(s), 1) for s in a.shape), dtype=a.dtype)
+        if a.requires_grad:     # torch's autograd checks too: a unary foreach op over a list
+            # holding an int64 tensor and one that requires grad raises 'Autograd not support
+            # dtype: Long' (torch 2.13; sweep15 seed 5000097: _foreach_sign([t9, t8]) returned
+            # a result); a non-leaf stays one (an in-place op on a leaf that requires grad
+            # raises, on a non-leaf it does not)
+            t = t.requires_grad_() if a.is_leaf else t.requires_grad_().clone()
+        return t
     return a
 
 
@@ -83,6 +90,12 @@ def on_graph(outs, args):
     for o in outs:
         if isinstance(o, (torch.Tensor, DistTensor)) and not o.requires_grad and \
                 (o.dtype.is_floating_point or o.dtype.is_complex):
+            if o.dtype.is_complex and isinstance(o, DistTensor):
+                # a complex DistTensor cannot require grad (dist_tensor.requires_grad_): its
+                # input, of output i's gradient the only one, cannot either, so the mark is
+                # torch's flag alone (sweep15 focus seed 5000724: _foreach_exp([t2, t1])
+                # with t1 complex raised requires_grad_'s TypeError where torch runs)
+                continue
             o.requires_grad_(True)
     return outs
 

@@ -184,12 +184,16 @@ class _Overwrite(torch.autograd.Function):
 def over_old(y: DistTensor, x: DistTensor) -> DistTensor:
     """``y`` written over ``x`` for autograd: ``y``'s values and history, with every local
     tensor of ``x`` given a zero gradient through ``_Overwrite`` (one anchor on ``y``'s
-    first tensor carries them all)."""
+    first tensor carries them all; a tensor of ``y`` without history after it is anchored
+    too: uneven shards keep a tensor per rank, and a constant one (``x.zero_()``: zeros)
+    did not require grad, so backward raised 'element 1 of tensors does not require grad'
+    (wide seed 2015290: ``t.clone().zero_()`` of 3 elements over 4 ranks); each further
+    anchor gives ``x``'s old values zeros again, which add to zero)."""
     olds, done = storage.tensors(x._local), []
 
     def anchor(t):
         if done:
-            return t
+            return t if t.requires_grad else _Overwrite.apply(t, *olds)
         done.append(t)
         return _Overwrite.apply(t, *olds)
     return DistTensor(storage.map_tensors(y._local, anchor), y.mesh, y.placements, y.shape,
@@ -442,6 +446,8 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
     if op == "detach_":
         x._local = storage.map_tensors(x._local, lambda t: t.detach())
         return x
+    from .views import check_multi_output_write
+    check_multi_output_write(x, op)
     if op in _VIEWS:
         return _view_inplace(x, op, args, kwargs)
     _judge(lambda: getattr(_meta_self(x), op)(*_meta(tuple(args)),
@@ -544,6 +550,8 @@ def setitem(x: DistTensor, index, value) -> None:
     rank, zeros elsewhere: ``where`` is linear in (values, x) for a replicated mask)."""
     from .dispatch import dispatch
     from .placement import Replicate
+    from .views import check_multi_output_write
+    check_multi_output_write(x, "__setitem__")
     # the index as the user wrote it: torch reads ``x[True] = v`` (a copy, the value
     # cast) unlike ``x[(True,)] = v`` (index_put_: dtypes must match), and a top-level
     # list of lists as a tuple (``x[[[0, 1], [1, 2]]]``), not as one 2-d index

@@ -117,6 +117,10 @@ def note_views(name, base, outs, attrs) -> None:
     that a write must reach through ``base[index] = ...`` (getitem) or cannot (others)."""
     if not outs:                # x.unbind(d) of a size-0 dim: no view to remember
         return
+    if name in _MULTI and torch.is_grad_enabled() and base.requires_grad:
+        for o in outs:          # torch's views of a multi-output node: no in-place write
+            key = id(o)
+            MULTI_OUT[key] = (weakref.ref(o, lambda _, k=key: MULTI_OUT.pop(k, None)), name)
     if name in ("expand", "expand_as"):
         for o in outs:          # (no index: a write cannot go back through base[index])
             key = id(o)
@@ -145,13 +149,40 @@ def note_views(name, base, outs, attrs) -> None:
             return
     else:
         rest = list(zip(outs, indices))
-    mine = {t.untyped_storage().data_ptr() for t in storage.tensors(base._local) if t.numel()}
+    mine = {_ptr(t) for t in storage.tensors(base._local) if t.numel()} - {None}
     for o, ix in rest:
         ts = [t for t in storage.tensors(o._local) if t.numel()]
-        aliased = all(t.untyped_storage().data_ptr() in mine for t in ts)
+        aliased = all(_ptr(t) in mine for t in ts)
         o._view = (base, ix, aliased)
     if indices[0] is not None:
         _register(base, outs)
+
+
+# id(an output of split / chunk / unbind made with grad) -> (weakref to it, the op): torch
+# marks such views (CreationMeta MULTI_OUTPUT_NODE) and refuses an in-place write into them
+# or their views (check_multi_output_write)
+MULTI_OUT: dict = {}
+_MULTI = ("split", "chunk", "unbind")
+
+
+def check_multi_output_write(x, op) -> None:
+    """torch 2.13 raises RuntimeError for an in-place write, with grad on, into an output of
+    split / chunk / unbind made from a tensor that requires grad, or into a view of one
+    ('Output 0 of SplitBackward0 is a view and is being modified inplace. This view is the
+    output of a function that returns multiple views...'); ours wrote it (random sweep old
+    seed 1071550: ``t3.split(1, 0)[0].select(0, -1).lerp_(t5)`` returned a result)."""
+    if not torch.is_grad_enabled():
+        return
+    d = x
+    while d is not None:
+        hit = MULTI_OUT.get(id(d))
+        if hit is not None and hit[0]() is d and d.requires_grad:
+            raise RuntimeError(
+                f"{op}(): output of {hit[1]}() is a view and is being modified inplace. "
+                "This view is the output of a function that returns multiple views. Such "
+                "functions do not allow the output views to be modified inplace. You "
+                "should replace the inplace operation by an out-of-place one (torch's rule)")
+        d = d._view[0] if d._view is not None else None
 
 
 # id(a DistTensor made by expand / expand_as) -> (weakref to it, its shape): the overlap
@@ -236,6 +267,17 @@ def write_back(base, index, value) -> None:
         method(base, "copy_", (_diagonal_scatter(base, value, *index),))
     else:
         setitem(base, index, value)
+
+
+def _ptr(t):
+    """``t``'s storage's data pointer, or None where torch has no valid storage to read
+    (a view made inside a backward: old random sweep seed 1071256 raised 'Attempted to
+    access the data pointer on an invalid python storage' in cumprod's gradient): not an
+    alias then, as if a copy."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 def _pieces(name, attrs, n):

@@ -215,7 +215,19 @@ def dot(input, other):
     """``torch.dot``: the sum of the products of two 1-d tensors."""
     torch.dot(torch.empty(tuple(input.shape), dtype=input.dtype, device="meta"),
               torch.empty(tuple(other.shape), dtype=other.dtype, device="meta"))  # its checks
-    return (input * other).sum()
+    return _dot_sum(torch.dot, input, other, input * other)
+
+
+def _dot_sum(fn, input, other, prod):
+    """The products' sum in torch's dot's dtype, the inputs' (sum() takes an integer to
+    int64: vdot of two uint8 came back int64, torch's uint8, sweep15 focus seed 5000308;
+    the sum kept in uint8 wraps as torch's kernel, modulo 2^8), after its CPU kernel's
+    dtype checks (a bool raises NotImplementedError, not the meta kernel)."""
+    from .blas import cpu_check
+    cpu_check(fn, input, other)
+    if input.dtype.is_floating_point or input.dtype.is_complex:
+        return prod.sum()
+    return prod.sum(dtype=input.dtype)
 
 
 def vdot(input, other):
@@ -223,7 +235,11 @@ def vdot(input, other):
     sigma, ``vdot(u, W @ v)``: habits12, was NoRuleError on a tensor-parallel W)."""
     torch.vdot(torch.empty(tuple(input.shape), dtype=input.dtype, device="meta"),
                torch.empty(tuple(other.shape), dtype=other.dtype, device="meta"))  # its checks
-    return ((input.conj() if input.dtype.is_complex else input) * other).sum()
+    conj = input
+    if input.dtype.is_complex:     # conj(): not in the table; from view_as_real / complex
+        re = torch.view_as_real(input)   # (a complex vdot raised NoRuleError, sweep15)
+        conj = torch.complex(re.select(-1, 0), -re.select(-1, 1))
+    return _dot_sum(torch.vdot, input, other, conj * other)
 
 
 def outer(input, vec2):

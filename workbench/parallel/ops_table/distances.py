@@ -13,6 +13,8 @@ Backward: torch's ``renorm_backward`` through the local call's autograd.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..placement import Replicate, Shard
@@ -53,7 +55,10 @@ def _renorm_local(nd, ctx, x, p, dim, maxnorm):
     lead = tuple(x.shape[:nd])
     y = x.movedim(dim + nd, nd)
     shape = tuple(y.shape)
-    out = torch.renorm(y.reshape((-1,) + shape[nd + 1:]), p, 0, maxnorm)
+    # the merged length spelled out: -1 is ambiguous for a tensor of no element (sweep15,
+    # seed 5000048: renorm of a (1, 4, 0) tensor raised reshape's RuntimeError)
+    n = math.prod(shape[:nd + 1])
+    out = torch.renorm(y.reshape((n,) + shape[nd + 1:]), p, 0, maxnorm)
     return out.reshape(shape).movedim(nd, dim + nd).contiguous() if lead else out
 
 

@@ -68,7 +68,10 @@ def aminmax(input, *, dim=None, keepdim=False):
     dims = tuple(range(input.ndim)) if dim is None else dim
     if input.ndim == 0:         # torch's CPU kernel checks the dtype (a complex raises
         cpu_check(torch.aminmax, input, dim=dim, keepdim=keepdim)   # NotImplementedError)
-        return torch.return_types.aminmax((input.clone(), input.clone()))
+        # amin() / amax() of the one element, not clone(): their gradient is torch's at a
+        # NaN (grad * (x == min) / count: NaN; a clone passed the gradient through: wide
+        # seed 2016292, t5.grad inf where one device has nan)
+        return torch.return_types.aminmax((input.amin(), input.amax()))
     return torch.return_types.aminmax((input.amin(dims, keepdim=keepdim),
                                        input.amax(dims, keepdim=keepdim)))
 
