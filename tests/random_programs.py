@@ -170,7 +170,7 @@ def _op(p: _Prog, cur):
     rng = p.rng
     nm, d, r = cur
     if p.wide and rng.random() < 0.5:
-        k = p.kind = rng.choice(_wide.WIDE)
+        k = p.kind = rng.choice(getattr(p, "wide_kinds", _wide.WIDE))
         return _wide.build(p, cur, k)
     k = p.kind = rng.choice(OPS[:len(OLD_OPS)] if rng.random() < 0.4 else OPS)
     if k in MORE:

@@ -330,11 +330,13 @@ def test_equal_dtypes_as_torch(dt, shape):
 
 
 def test_torch_bool_tensor_written_with_a_tracked_float_requires_grad():
-    """Wide seed 2015652 (documented, torch's own): ``v[3:4] = f`` with v bool and f a float
-    that requires grad makes v require grad in torch 2.13 (CopySlices; an int64 v does not),
+    """Wide seed 2015652 (torch's own): ``v[3:4] = f`` with v bool and f a float that
+    requires grad makes v require grad in torch 2.13 (CopySlices; an int64 v does not),
     and then aminmax / amax / clone of v raise 'Autograd not support dtype: Bool'.  Here the
-    write detaches the value (a bool DistTensor holds no gradient: inplace.setitem, as for
-    integers), so aminmax(v) gives torch's values of the same write under no_grad."""
+    write is (a bool DistTensor holds no gradient: inplace.setitem, as for
+    integers: inplace15), refused up front with the fix named, the bool tensor untouched
+    (a state torch reaches only to raise at the next op; the fix, ``value.detach()``,
+    gives torch's values of the same write under no_grad)."""
     v = torch.zeros(5, 2, dtype=torch.bool)
     f = torch.tensor(-1.4, dtype=torch.float64, requires_grad=True)
     v[3:4] = f
@@ -342,7 +344,11 @@ def test_torch_bool_tensor_written_with_a_tracked_float_requires_grad():
     with pytest.raises(RuntimeError, match="Autograd not support dtype: Bool"):
         torch.aminmax(v, dim=0)
     d = _d(torch.zeros(5, 2, dtype=torch.bool), ["S(0)", "R"])
-    d[3:4] = _d(torch.tensor(-1.4, dtype=torch.float64), ["R", "R"]).requires_grad_(True)
+    fd = _d(torch.tensor(-1.4, dtype=torch.float64), ["R", "R"]).requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"requires grad.*value\.detach\(\)"):
+        d[3:4] = fd
+    assert not d.full().any()                    # nothing written
+    d[3:4] = fd.detach()
     got = torch.aminmax(d, dim=0)
     want = torch.aminmax(v.detach(), dim=0)
     torch.testing.assert_close(got[0].full(), want[0])
