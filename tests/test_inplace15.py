@@ -42,12 +42,7 @@ from workbench.parallel.ops_table import matmul as MM
 from workbench.parallel.placement import parse_placements
 from workbench.parallel.validate_inputs import distribute
 
-M1 = wb.Mesh([0, 1, 2, 3])
-M2 = wb.Mesh([[0, 1], [2, 3]])
-LAYOUTS = [(M1, ["R"]), (M1, ["S(0)"]), (M1, ["S(1)"]), (M1, ["P(sum)"]), (M1, ["P(max)"]),
-           (M2, ["S(0)", "R"]), (M2, ["R", "R"]), (M2, ["P(sum)", "S(1)"]),
-           (M2, ["S(0)", "S(1)"])]
-IDS = ["-".join(ps) + f"@{m.ndim}d" for m, ps in LAYOUTS]
+from tests.test_inplace14 import IDS, LAYOUTS, M1, M2  # the same nine layouts
 INPLACE = "modified by an inplace operation"
 
 
