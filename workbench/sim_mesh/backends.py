@@ -215,7 +215,7 @@ class AllReduce(torch.autograd.Function):
             g = g / ctx.n
         elif ctx.op in ("max", "min"):
             x, y = ctx.saved_tensors
-            hit = (x == y).to(g.dtype)
+            hit = ((x == y) | (x.isnan() & y.isnan())).to(g.dtype)     # NaN: grid._Extreme
             g = g * hit / _all_reduce(hit, ctx.pg, "sum")
         return g, None, None, None, None
 

@@ -111,6 +111,33 @@ def stack(ts: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(list(ts))
 
 
+class _Extreme(torch.autograd.Function):
+    """The max / min over the ranks (``dim`` of the stack) whose gradient goes evenly to
+    the ranks that hold the result, a NaN result's to the ranks that hold NaN: torch's
+    ``evenly_distribute_backward`` (torch 2.13, ``FunctionsManual.cpp``, the CPU branch:
+    ``mask = isnan(self) if isnan(result) else self == result``, zeros off the mask),
+    applied per element.  ``amax`` / ``amin``'s own backward masks ``self == result``
+    only: no rank equals a NaN result, a count of 0, and the gradient was NaN where one
+    device's passes through (``R -> P(min) -> R`` of a NaN: wide seed 2016720's log1p of
+    values below -1, t1.grad NaN where torch gives 1 / (1 + x))."""
+
+    @staticmethod
+    def forward(ctx, x, dim, keepdim, op):
+        y = (torch.amax if op == "max" else torch.amin)(x, dim, keepdim=True)
+        ctx.save_for_backward(x, y)
+        ctx.dim, ctx.keepdim = dim, keepdim
+        return y if keepdim else y.squeeze(dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y = ctx.saved_tensors
+        if not ctx.keepdim:
+            g = g.unsqueeze(ctx.dim)
+        hit = (x == y) | (x.isnan() & y.isnan())
+        count = hit.sum(ctx.dim, keepdim=True)
+        return torch.where(hit, g / count, g.new_zeros(())), None, None, None
+
+
 def reduce(stack: torch.Tensor, dim: int, op: str, keepdim=True) -> torch.Tensor:
     """``op`` over ``dim`` in the tensor's own dtype, as torch.distributed reduces
     (``torch.sum`` alone would turn int32 into int64)."""
@@ -120,10 +147,10 @@ def reduce(stack: torch.Tensor, dim: int, op: str, keepdim=True) -> torch.Tensor
         return stack.sum(dim, keepdim=keepdim, dtype=stack.dtype)
     if op == "avg":
         return stack.mean(dim, keepdim=keepdim)
-    if op == "max":
-        return stack.amax(dim, keepdim=keepdim)
-    if op == "min":
-        return stack.amin(dim, keepdim=keepdim)
+    if op in ("max", "min"):
+        if torch.is_grad_enabled() and stack.requires_grad:
+            return _Extreme.apply(stack, dim, keepdim, op)
+        return (stack.amax if op == "max" else stack.amin)(dim, keepdim=keepdim)
     raise ValueError(f"op={op!r}: unknown reduction; use one of {list(REDUCE_OPS)}")
 
 
