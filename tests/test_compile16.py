@@ -105,3 +105,34 @@ def test_way_only_where_the_copy_gathers():
             y.sum().backward()
         assert _modeled(prog) == Counter(_comm(tr)), level
         x.grad = None
+
+
+@pytest.mark.parametrize("level", ("O0",) + LEVELS)
+def test_copy_read_whole_reduces_back_to_its_source(level):
+    """A program's t.redistribute copy read as it is by an op whose output is split
+    (``t.redistribute(R) @ w``, w S(1)): its gradient goes back to the source by one
+    reduce-scatter (the way's), which the search and greedy price (not the all-reduce of
+    the gathered bytes: O0's estimate 13.47 us against its step's 12.04); the estimate is
+    the step, the step's collectives the run's and eager's, values one device's."""
+    mesh = wb.Mesh.grid((4,), ["tp"])
+
+    def f(t, w):
+        return t.redistribute(mesh, [wb.Replicate()]) @ w
+    xr = _v((8, 16), 0).requires_grad_()
+    (xr @ _v((16, 8), 1)).sum().backward()
+    got = []
+    for lv in ("eager", level):
+        x = wb.shard_tensor(_v((8, 16), 0), mesh, [wb.Shard(0)]).requires_grad_()
+        w = wb.shard_tensor(_v((16, 8), 1), mesh, [wb.Shard(1)])
+        p = f if lv == "eager" else wb.compile(f, x, w, level=lv)
+        with wb.trace(PROFILE) as tr:
+            y = p(x, w)
+            y.sum().backward()
+        torch.testing.assert_close(x.grad.full(), xr.grad, rtol=0, atol=0)
+        got.append((tuple(y.placements), Counter(_comm(tr))))
+    assert got[0] == got[1]
+    assert Counter(k for k, _ in got[1][1]) == Counter(["all_gather", "reduce_scatter"])
+    assert _modeled(p) == got[1][1]
+    a = p.greedy if level == "O0" else p.assignment
+    base = p.stages[0][2].time
+    assert a.time == pytest.approx(base, rel=1e-12, abs=0)

@@ -262,14 +262,20 @@ class _Pricer:
             own = self.g.replica_dims.get(vid, ())
             dims = [i for i in diverge if req[i].is_replicate() and i not in own]
             if dims and pos not in reused and pos not in shared and pos not in repeated:
-                t += self.grad_reduction(vid, plan, tuple(req), dims)
+                t += self.grad_reduction(vid, plan, tuple(req), dims, ways.get(vid))
         return t
 
-    def grad_reduction(self, vid, plan, req, dims) -> float:
-        """The time of one input copy's gradient reduction (``backward_comm``)."""
+    def grad_reduction(self, vid, plan, req, dims, way=None) -> float:
+        """The time of one input copy's gradient reduction (``backward_comm``); ``way``:
+        the copy's way back where it is a program's ``t.redistribute`` result
+        (:func:`pinned_way`): read as it is, its gradient goes back to the reshard's
+        source, as eager's marked copy's (``grad_ways.py``: a reduce-scatter, not the
+        all-reduce of the gathered bytes)."""
         src = plan.src if plan is not None and plan.steps else req
         back = tuple(a if b.is_replicate() and a.is_shard() else b for a, b in zip(src, req)) \
             if any(a.is_shard() and b.is_replicate() for a, b in zip(src, req)) else req
+        if way is not None and src == req and tuple(req) == way[0]:
+            back = way[1]
         grad = tuple(Partial() if i in dims else p for i, p in enumerate(req))
         p = plan_reshard_cached(self.spec(vid, grad), back, self.pname)
         return sum(max(_cost.price(s.kind, s.buffer_bytes, g, self.profile)
