@@ -214,7 +214,8 @@ class _Pricer:
         self._compute[key] = t
         return t
 
-    def backward_comm(self, node, specs, cand, reused=(), shared=(), repeated=()) -> float:
+    def backward_comm(self, node, specs, cand, reused=(), shared=(), repeated=(),
+                      ways=None) -> float:
         """The transposes of the forward plans (but the ``reused`` positions': the
         program runs their reshard once, for an earlier consumer; and the ``repeated``
         ones': a gather run again for this reader, O0's, runs without autograd and its
@@ -224,8 +225,11 @@ class _Pricer:
         in program order (not the ``reused`` positions, whose copy an earlier consumer's
         reshard made, nor the ``shared`` ones, a copy an earlier op read per rank), the
         reshard planner's plan from the Partial gradient back to the copy's layout (a
-        gathered copy's: the source's shards), as the run records it (``grad_ways.py``)."""
+        gathered copy's: the source's shards), as the run records it (``grad_ways.py``).
+        ``ways``: vid -> the way back of a program's ``t.redistribute`` result read here
+        (:func:`pinned_way`; None: :attr:`ways`, greedy's; the search gives its state's)."""
         t = 0.0
+        ways = self.ways if ways is None else ways
         st = cand.strategy
         if node.nid not in self.backward:
             return 0.0
@@ -237,10 +241,10 @@ class _Pricer:
                 continue
             if plan is not None and pos not in reused and pos not in repeated:
                 skip = ()
-                if vid in self.ways:
+                if vid in ways:
                     # a program's t.redistribute result sliced: its way back to the
                     # source, not the slice's all-gather (strategy.backward_price)
-                    t_, _b, skip = _way_price(spec, plan, self.ways[vid], self.pname,
+                    t_, _b, skip = _way_price(spec, plan, ways[vid], self.pname,
                                               self.profile)
                     t += t_
                 for s in plan.steps:
@@ -258,14 +262,20 @@ class _Pricer:
             own = self.g.replica_dims.get(vid, ())
             dims = [i for i in diverge if req[i].is_replicate() and i not in own]
             if dims and pos not in reused and pos not in shared and pos not in repeated:
-                t += self.grad_reduction(vid, plan, tuple(req), dims)
+                t += self.grad_reduction(vid, plan, tuple(req), dims, ways.get(vid))
         return t
 
-    def grad_reduction(self, vid, plan, req, dims) -> float:
-        """The time of one input copy's gradient reduction (``backward_comm``)."""
+    def grad_reduction(self, vid, plan, req, dims, way=None) -> float:
+        """The time of one input copy's gradient reduction (``backward_comm``); ``way``:
+        the copy's way back where it is a program's ``t.redistribute`` result
+        (:func:`pinned_way`): read as it is, its gradient goes back to the reshard's
+        source, as eager's marked copy's (``grad_ways.py``: a reduce-scatter, not the
+        all-reduce of the gathered bytes)."""
         src = plan.src if plan is not None and plan.steps else req
         back = tuple(a if b.is_replicate() and a.is_shard() else b for a, b in zip(src, req)) \
             if any(a.is_shard() and b.is_replicate() for a, b in zip(src, req)) else req
+        if way is not None and src == req and tuple(req) == way[0]:
+            back = way[1]
         grad = tuple(Partial() if i in dims else p for i, p in enumerate(req))
         p = plan_reshard_cached(self.spec(vid, grad), back, self.pname)
         return sum(max(_cost.price(s.kind, s.buffer_bytes, g, self.profile)
@@ -314,15 +324,18 @@ class _Pricer:
             made.add(key)
         return tuple(out)
 
-    def price(self, node, specs, cand, reused=(), shared=(), repeated=()) -> NodeCost:
+    def price(self, node, specs, cand, reused=(), shared=(), repeated=(),
+              ways=None) -> NodeCost:
         """``reused``: the input positions whose layout an earlier reshard (or a pin)
         already made: the program reads that copy (``passes/reshards.py``), so their
         plan costs no communication, forward or backward, and no memory again;
-        ``repeated``: a gather run again (forward communication, no backward)."""
+        ``repeated``: a gather run again (forward communication, no backward); ``ways``:
+        :meth:`backward_comm`'s."""
         reused = tuple(sorted(reused))
         fwd = cand.time if not reused else sum(
             p.total_time for k, p in enumerate(cand.plans) if p is not None and k not in reused)
-        return NodeCost(fwd, self.backward_comm(node, specs, cand, reused, shared, repeated),
+        return NodeCost(fwd, self.backward_comm(node, specs, cand, reused, shared, repeated,
+                                                ways),
                         self.compute(node, specs, cand), self.memory(node, specs, cand, reused),
                         reused)
 

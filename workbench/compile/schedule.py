@@ -31,7 +31,8 @@ from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import Trace, suspend
 from .lower import Reshard
 from .kernels import launch_time, op_kernels
-from .propagate import BACKWARD_OF, _local_bytes
+from ..parallel.ops_table.strategy import way_steps
+from .propagate import BACKWARD_OF, _local_bytes, pinned_way
 from .grad_ways import GradWays
 
 __all__ = ["Item", "Schedule", "build_schedule", "replay", "StepReport"]
@@ -126,8 +127,16 @@ def build_schedule(prog) -> Schedule:
     pending = []
     pinned = {}                  # producer nid -> the pinned reshards of its outputs
     attached = []                # the reshards the program runs for the next op's inputs
+    way_of = {}                  # id(reshard) -> the way back of the marked copy it reads
     for ins in prog.program:
         if isinstance(ins, Reshard):
+            # a reader's reshard of a program's t.redistribute copy: that copy's way back
+            # (lower.py marks it; reshard_backward.execute_marked)
+            pin = ways.made_by.get((ins.vid, tuple(ins.src)))
+            if pin is not None and pin.marks and not ins.why.startswith("pinned"):
+                way = pinned_way(g, mesh, pr.pname, ins.vid, pin.src, pin.dst)
+                if way is not None:
+                    way_of[id(ins)] = way
             own = ways.reshard(ins)     # False: O0's gather repeated, no backward of its own
             for s in ins.plan.steps:
                 if s.kind in _COLL:
@@ -211,9 +220,19 @@ def build_schedule(prog) -> Schedule:
                 resh.remove(ins)
                 plan = ins.plan
                 spec = pr.spec(vid, ins.src)
+                moved = ()
+                if id(ins) in way_of:
+                    # a slice of a program's t.redistribute result: the way back to the
+                    # reshard's source instead of the slice's all-gather, the one rule
+                    # the search prices (strategy.way_steps; propagate.backward_comm)
+                    back, moved = way_steps(spec, plan, way_of[id(ins)], pr.pname)
+                    for s in back:
+                        items.append(Item("comm", f"%{vid}", "backward", coll=s.kind,
+                                          mesh_dim=s.mesh_dim, nbytes=s.buffer_bytes,
+                                          after=here))
                 for s in reversed(plan.steps):
                     kind = BACKWARD_OF.get(s.kind)
-                    if kind is None or s.mesh_dim is None:
+                    if kind is None or s.mesh_dim is None or s.mesh_dim in moved:
                         continue
                     nb = s.buffer_bytes or _local_bytes(spec.shape, mesh, s.src, spec.dtype)
                     items.append(Item("comm", f"%{vid}", "backward", coll=kind,

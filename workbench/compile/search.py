@@ -23,7 +23,7 @@ import torch
 
 from ..parallel.ops_table.table import TABLE
 from .int_partials import int_safe
-from .propagate import Assignment, _norm_pins, _Pricer, initial
+from .propagate import Assignment, _norm_pins, _Pricer, initial, pinned_way
 
 __all__ = ["propagate"]
 
@@ -200,6 +200,10 @@ def _candidates(n, state, pr, base, pins, outs, live_k, per_op):
     in_ps = tuple(None if v is None else pl[v] if v in pl else base[v] for v in n.inputs)
     specs, dec = pr.decision(n, in_ps)
     cands = _precise(n, in_ps, int_safe(n, dec, per_op, pr), pr)
+    # the ways back of the program's t.redistribute results this op reads, as greedy's
+    # (the state's own: a ("way", key) among the pinned value's layouts made)
+    ways = {vid: w[1] for vid in n.inputs if vid is not None
+            for w in avail.get(vid, ()) if type(w) is tuple and w[:1] == ("way",)}
     for c in cands:
         made = {}
         reused = []
@@ -215,7 +219,7 @@ def _candidates(n, state, pr, base, pins, outs, live_k, per_op):
                 made.setdefault(vid, set()).add(req)
         # a copy an earlier op read per rank: its gradient reduction priced there
         shared, first = pr.shared_reads(n, in_ps, c, avail)
-        nc = pr.price(n, specs, c, reused, shared)
+        nc = pr.price(n, specs, c, reused, shared, ways=ways)
         new = dict(pl)
         new_av = {v: set(a) for v, a in avail.items()}
         for v, a in made.items():
@@ -230,6 +234,11 @@ def _candidates(n, state, pr, base, pins, outs, live_k, per_op):
                 extra += pr.pin_cost(vid, ps, pins[vid])
                 new[vid] = pins[vid]
                 new_av[vid] = {tuple(ps)}
+                # a program's t.redistribute: its copy's way back, as eager's wb.reshard
+                # marks it (propagate.pinned_way; lowering marks the copy so at any level)
+                way = pinned_way(pr.g, pr.mesh, pr.pname, vid, ps, pins[vid])
+                if way is not None:
+                    new_av[vid].add(("way", way))
         keep = {v: new[v] for v in live}
         av = {v: frozenset(a) for v, a in new_av.items() if v in read and a}
         yield c, nc, extra, (keep, av), (tuple(sorted(keep.items())),

@@ -564,34 +564,45 @@ _NOT_PRICED_BACK = frozenset({"all_reduce", "reduce_scatter"})   # a Partial's r
 
 def _way_price(spec, plan, way, profile, prof):
     """(seconds, wire bytes, the marked dims the way takes over) of an op's read of a
-    reshard's result with way ``way`` (``reshard_backward.way_key``): the plan from the
-    gradient the op gives it (``reshard_backward.way_use``, as ``convert`` notes it) back
-    to the source, as the way records it (``_Way.steps``).  ((0, 0, ()) where the input
-    is not laid out as marked any more or the op uses the one copy: the ordinary path.)
-    The gradient of one read; several reads meet on the way and go back once (autograd's
-    sum), each priced here as if alone."""
+    reshard's result with way ``way`` (``reshard_backward.way_key``): the steps
+    :func:`way_steps` gives, priced.  ((0, 0, ()) where the input is not laid out as
+    marked any more or the op uses the one copy: the ordinary path.)"""
     from ...sim_mesh import cost as _cost
+    steps, moved = way_steps(spec, plan, way, profile)
+    t, b = 0.0, 0
+    for s_ in steps:
+        groups = spec.mesh.groups(s_.mesh_dim)
+        t += max(_cost.price(s_.kind, s_.buffer_bytes, grp, prof) for grp in groups)
+        b += _cost.wire_bytes(s_.kind, s_.buffer_bytes, len(groups[0]))
+    return t, b, moved
+
+
+def way_steps(spec, plan, way, profile) -> tuple:
+    """``(steps, moved)`` of an op's read of a reshard's result with way ``way``
+    (``reshard_backward.way_key``) laid out ``spec``, converted by ``plan``: the reshard
+    steps of the plan from the gradient the op gives it (``reshard_backward.way_use``, as
+    ``convert`` notes it) back to the source, as the way records it (``_Way.steps``), and
+    the marked dims whose own backward the way takes over (the plan's steps there are
+    muted: ``reshard_backward.execute_marked``).  ((), ()) where the input is not laid out
+    as marked any more or the op uses the one copy: the ordinary path.  The gradient of
+    one read; several reads meet on the way and go back once (autograd's sum), each given
+    here as if alone.  The one rule of the chooser's price (:func:`_way_price`) and of
+    ``wb.compile``'s search and step (``compile/propagate.py``, ``compile/schedule.py``)."""
     from ..reshard import plan_reshard_cached
     from ..reshard_backward import way_use
     from ..spec import TensorSpec
     dst, back, axes = way
     if tuple(spec.placements) != dst:
-        return 0.0, 0, ()
+        return (), ()
     final = plan.dst if plan is not None and plan.steps else dst
     # (a dim given per rank, Partial, adds only a reduction, not priced: expand ())
     grad, moved = way_use(dst, axes, final, ())
     if not moved:
-        return 0.0, 0, ()
+        return (), ()
     p = plan_reshard_cached(TensorSpec(spec.shape, spec.mesh, grad, spec.dtype,
                                        _trusted=True), back, profile)
-    t, b = 0.0, 0
-    for s_ in p.steps:
-        if not s_.bytes or s_.kind in _NOT_PRICED_BACK or s_.mesh_dim is None:
-            continue
-        groups = spec.mesh.groups(s_.mesh_dim)
-        t += max(_cost.price(s_.kind, s_.buffer_bytes, grp, prof) for grp in groups)
-        b += _cost.wire_bytes(s_.kind, s_.buffer_bytes, len(groups[0]))
-    return t, b, moved
+    return tuple(s_ for s_ in p.steps if s_.bytes and s_.kind not in _NOT_PRICED_BACK and
+                 s_.mesh_dim is not None), moved
 
 
 _DEFERRED: dict = {}
