@@ -43,11 +43,23 @@ def _key(t: torch.Tensor):
 def bump(ts, what: str) -> None:
     """Bump the version counter of each tensor in ``ts`` (old local tensors of a DistTensor
     written in place; ``what`` names the write for :func:`explained`)."""
+    from .dist_tensor import DETACHED
     seen, ts = set(), list(ts)
     for t in list(ts):
-        got = _DERIVED.get(id(t))
-        if got is not None and got[0]() is t:
-            ts += [c for c in (r() for r in got[1]) if c is not None]
+        for _ in range(8):
+            # the copies derived from any tensor sharing t's counter: keyed by the root
+            # base (a view shares its base's counter), then through detach() (shares it
+            # too: DistTensor.detach's DETACHED) to the tensor detached, and its root
+            r = t._base
+            if r is None:
+                r = t
+            got = _DERIVED.get(id(r))
+            if got is not None and got[0]() is r:
+                ts += [c for c in (h() for h in got[1]) if c is not None]
+            d = DETACHED.get(id(r))
+            t = d[1]() if d is not None and d[0]() is r else None
+            if t is None:
+                break
     for t in ts:
         if id(t) in seen or t.is_inference():
             continue
@@ -84,6 +96,9 @@ def derive(src_loc, loc, outs) -> None:
     node.metadata.setdefault("wb_versions", []).extend(hs)
     outs = [weakref.ref(h) for h in hs]
     for s in storage.tensors(src_loc):
+        b = s._base             # a view shares its base's counter: keyed by the root base
+        if b is not None:
+            s = b
         got = _DERIVED.get(id(s))
         if got is None or got[0]() is not s:
             got = _DERIVED[id(s)] = (weakref.ref(s, _forget(id(s))), [])
