@@ -17,7 +17,11 @@ and ``F.leaky_relu(y, inplace=True)`` keep working).  :func:`explained` adds to 
 error which DistTensor write it was and the fix.  inplace15: a local kernel that saved a copy
 of an operand where one device saves the operand (torch.matmul's broadcast of stacked
 operands) checks the operand at backward (:func:`saved_check`); in-place view ops bump too
-(``inplace._view_inplace``).
+(``inplace._view_inplace``).  inplace16: the copies :func:`derive` records are keyed by the
+source's root base (``t._base``: a view shares its base's counter) and :func:`bump` follows
+``DistTensor.detach``'s aliases (``DETACHED``: detach() shares the counter too), so a write
+into ``a``, a view of it or ``a.detach()`` bumps the copies an op read of any of them
+(``torch.bmm(a.unsqueeze(0), ...); a.mul_(2)`` over P(sum)-S(1)@2d answered silently).
 """
 from __future__ import annotations
 
@@ -81,6 +85,8 @@ def derive(src_loc, loc, outs) -> None:
     copy) is ``src_loc``'s value for that op, whose local results are ``outs``: a later
     write into the source bumps the copy too, so that what the op saved of it raises as
     torch's saved input does (``z = a @ x; a.mul_(2)`` with ``a`` moved by an all_to_all).
+    Recorded under the source's root base (a view shares its base's version counter, so
+    a write into the base or any view of it reaches the copy: inplace16).
 
     The copy is reached through a handle sharing its version counter and none of its
     memory (``detach()`` shares the counter; ``.data =`` an empty tensor drops the
