@@ -24,7 +24,7 @@ types and words) over test_inplace14's layouts.
 4. ``retain_grad()`` / ``retains_grad`` (NoRuleError / AttributeError before): torch's.
 5. Dropout of a Partial(sum): dropped elements' zero signs differ (documented, pinned).
 
-Not matched (probes in the inplace15 report): a write into ``a`` after an op read a VIEW
+Not matched (probes in the inplace15 report; the first fixed by inplace16): a write into ``a`` after an op read a VIEW
 of it through a dispatcher copy (``torch.bmm(a.unsqueeze(0), ...)``, einsum over
 P(sum)-S(1)@2d / S(0)-S(1)@2d): the copy is registered under the view's local tensor,
 which the write into ``a`` does not look up (versions.derive is keyed by the tensor read);

@@ -641,7 +641,55 @@ def explicit_equation(eq: str, ndims) -> str:
 
 def _einsum_local(nd, ctx, *ops, equation):
     lhs, rhs = equation.split("->")
-    return torch.einsum(",".join("..." + t for t in lhs.split(",")) + "->..." + rhs, *ops)
+    eq = ",".join("..." + t for t in lhs.split(",")) + "->..." + rhs
+    y = torch.einsum(eq, *ops)
+    if y.grad_fn is not None and len(ops) == 2:
+        # torch.einsum may lay a stacked operand out by a copy (permute, then a reshape
+        # that cannot be a view) and save that copy for bmm, where one device's einsum of
+        # one rank's operands saves a view of the operand: a write into the operand then
+        # raises there and answered silently here (inplace16: "ij,jk->ik" over
+        # P(sum)-S(1)@2d, S(0)-S(1)@2d).  Such an operand is checked by the product's hook
+        # (versions.saved_check, as _batched's)
+        key = (eq, nd) + tuple((o.shape, o.stride(), o.requires_grad) for o in ops)
+        keep = _EINSUM_KEEP.get(key)
+        if keep is None:
+            here = _einsum_saves_view(eq, ops)
+            one = _einsum_saves_view(eq, [o[(0,) * nd] for o in ops]) if nd else here
+            keep = _EINSUM_KEEP[key] = tuple(o and not h for h, o in zip(here, one))
+            if len(_EINSUM_KEEP) > 4096:
+                _EINSUM_KEEP.clear()
+        if any(keep):
+            check = versions.saved_check([o for o, k in zip(ops, keep) if k])
+            y.register_hook(lambda g: (check(), g)[1])
+    return y
+
+
+# (equation, nd, operands' sizes, strides, requires_grad) -> (check operand 0, operand 1)
+_EINSUM_KEEP: dict = {}
+
+
+def _einsum_saves_view(eq, ops):
+    """For each operand of ``torch.einsum(eq, *ops)``: whether its autograd graph saves a
+    tensor on the operand's own memory (a view of it, which a write into the operand
+    bumps).  Run on detached stand-ins sharing the operands' memory, once per layout."""
+    with torch.enable_grad():
+        xs = [o.detach().requires_grad_(o.requires_grad) for o in ops]
+        y = torch.einsum(eq, *xs)
+    mine = [x.untyped_storage()._cdata for x in xs]
+    held, todo, seen = set(), [y.grad_fn], set()
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen or type(f).__name__ == "AccumulateGrad":
+            continue
+        seen.add(f)
+        for name in dir(f):
+            if name.startswith("_saved_"):
+                v = getattr(f, name, None)
+                for t in (v if isinstance(v, tuple) else (v,)):
+                    if isinstance(t, torch.Tensor):
+                        held.add(t.untyped_storage()._cdata)
+        todo.extend(g for g, _ in f.next_functions)
+    return [c in held for c in mine]
 
 
 register("einsum", [torch.einsum], parse=_einsum_parse, rule=einsum_rule,
