@@ -83,3 +83,18 @@ def test_clock_prices_the_busiest_rank():
         assert s.bytes == e.bytes and s.time == pytest.approx(e.duration, rel=1e-12)
         times.append(e.duration)
     assert times[0] == pytest.approx(times[1], rel=1e-12)
+
+
+def test_labels_say_busiest_rank_where_uneven():
+    mesh = wb.Mesh([[0, 1, 2], [3, 4, 5]], ["a", "b"])
+    uneven = wb.plan_reshard(wb.TensorSpec((5, 7), mesh, ["S(0)", "S(1)"]), mesh,
+                             ["S(1)", "S(0)"], profile="a100")
+    even = wb.plan_reshard(wb.TensorSpec((6, 6), mesh, ["S(0)", "S(1)"]), mesh,
+                           ["S(1)", "S(0)"], profile="a100")
+    assert uneven.uneven() and not even.uneven()
+    assert "sum of each step's busiest rank" in str(uneven)
+    assert "sent per rank" in str(even) and "busiest" not in str(even)
+    assert "busiest rank" in uneven._repr_html_()
+    from workbench.viz.placements import render_reshard_text
+    text = render_reshard_text(uneven)
+    assert "busiest rank" in text and "B/rank" not in text.split("all_to_all")[1].split("\n\n")[0]

@@ -103,13 +103,25 @@ class Plan:
         if not self.steps:
             return head + "\n  (nothing to do)"
         body = "\n".join("  " + str(s) for s in self.steps)
-        return (f"{head}\n{body}\n  total {self.total_bytes:,d} B sent per rank, "
+        return (f"{head}\n{body}\n  total {self.total_bytes:,d} B {self.total_label()}, "
                 f"{self.total_time * 1e6:.2f} us")
+
+    def uneven(self) -> bool:
+        """True where a step's ranks send different amounts (its bytes: the busiest's)."""
+        return any(s.note.startswith("busiest rank") for s in self.steps)
+
+    def total_label(self) -> str:
+        """What :attr:`total_bytes` is: per rank, or (uneven steps) the sum of each
+        step's busiest rank, an upper bound of any one rank's bytes."""
+        return ("sent per rank" if not self.uneven() else
+                "(sum of each step's busiest rank)")
 
     def _repr_html_(self) -> str:
         rows = "".join(
             f"<tr><td>{s.kind}</td><td>{s.mesh_dim_name}</td><td>{fmt_placements(s.src)}</td>"
-            f"<td>{fmt_placements(s.dst)}</td><td>{s.bytes:,d}</td><td>{s.time * 1e6:.2f}</td></tr>"
+            f"<td>{fmt_placements(s.dst)}</td><td>{s.bytes:,d}"
+            f"{' (' + s.note + ')' if s.note.startswith('busiest rank') else ''}</td>"
+            f"<td>{s.time * 1e6:.2f}</td></tr>"
             for s in self.steps)
         return ("<table><tr><th>step</th><th>mesh dim</th><th>from</th><th>to</th>"
                 f"<th>bytes/rank</th><th>us</th></tr>{rows}</table>")
