@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import workbench as wb
-from tests.test_slice15 import CASES, OUT, PROFILE, _comm, _program, _v
+from tests.test_slice15 import CASES, OUT, PROFILE, _comm, _program, _v, traced_run
 
 LEVELS = ("O1", "O2")
 
@@ -33,18 +33,7 @@ def _modeled(prog):
 
 
 def _run(case, level):
-    name, mesh_shape, src, oth, oshape = case
-    mesh = wb.Mesh.grid(mesh_shape, ["dp", "tp"][-len(mesh_shape):])
-    x = wb.shard_tensor(_v((8, 16), 0), mesh, src).requires_grad_()
-    o = wb.shard_tensor(_v(oshape, 1), mesh, oth)
-    f = _program(mesh)
-    if level != "eager":
-        f = wb.compile(f, x, o, level=level)
-        assert not f.breaks, f.breaks
-    g = _v((8, 16), 2)
-    with wb.trace(PROFILE) as tr:
-        y = f(x, o)
-        (y * wb.shard_tensor(g, mesh, list(y.placements))).sum().backward()
+    f, tr, y, x, _ = traced_run(*case[1:], level)
     return f, tuple(y.placements), Counter(_comm(tr)), y.full().detach(), x.grad.full()
 
 

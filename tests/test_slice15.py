@@ -58,7 +58,9 @@ def _program(mesh):
     return f
 
 
-def _run(mesh_shape, src, oth, oshape, level):
+def traced_run(mesh_shape, src, oth, oshape, level):
+    """The program run (eager, or compiled at ``level``) forward and backward under a
+    trace: (f, trace, y, x, the number of rank 0's forward collectives)."""
     mesh = wb.Mesh.grid(mesh_shape, ["dp", "tp"][-len(mesh_shape):])
     x = wb.shard_tensor(_v((8, 16), 0), mesh, src).requires_grad_()
     o = wb.shard_tensor(_v(oshape, 1), mesh, oth)
@@ -66,12 +68,18 @@ def _run(mesh_shape, src, oth, oshape, level):
     if level != "eager":
         f = wb.compile(f, x, o, level=level)
         assert not f.breaks, f.breaks
-        assert sum(n.op == "kept_copy" for n in f.graph.nodes) == 1
     g = _v((8, 16), 2)
     with wb.trace(PROFILE) as tr:
         y = f(x, o)
         n = len(_comm(tr))
         (y * wb.shard_tensor(g, mesh, list(y.placements))).sum().backward()
+    return f, tr, y, x, n
+
+
+def _run(mesh_shape, src, oth, oshape, level):
+    f, tr, y, x, n = traced_run(mesh_shape, src, oth, oshape, level)
+    if level != "eager":
+        assert sum(n.op == "kept_copy" for n in f.graph.nodes) == 1
     c = _comm(tr)
     return tuple(y.placements), c[:n], c[n:], y.full().detach(), x.grad
 
