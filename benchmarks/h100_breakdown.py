@@ -271,6 +271,28 @@ hidden; the one Hopper figure of beta = 1 is CUTLASS's grouped GEMM at K = 256, 
 slower than beta = 0 (NVIDIA/cutlass #1352, 2024; the maintainers: small-K cases, its
 epilogue "not optimized for that"), where the rows' wgrad K is the micro-batch's 4,096
 tokens: no H100 figure at these shapes; it stays unpriced.  No row moved.
+
+Kernel launches (i2117, 2026-11-30; :func:`launch_bound`, ``tests/test_i2117.py``).  The
+question: are the small rows (1.7B at h 2,048, 7.1B at h 4,096) in a launch-bound regime
+the planner does not price?  Priced already: every op of the layer carries its kernel
+count, and ``sim_mesh.kernel_cost.compute_time`` adds the profile's ``launch_overhead``
+(1 us a launch, the device-side gap between back-to-back kernels of the CUDA Graphs blog,
+Gray 2019, ``profiles/h100.json``) per kernel: the layers' 35 kernels a layer (forward and
+backward, no recompute) x 24 layers x 4 micro-batches are 3,360 launches and 3.4 ms of
+the 1.7B's step (7.1B: 4,200, 4.2 ms).  The host's side of each launch is the "Host
+time" paragraph's (not priced; the queue runs ahead).  To take the whole gap to the
+published step by launches alone, each would need a device-side gap of 22.0 us (1.7B)
+or 27.1 us (7.1B): 22-27 times the profile's figure and 7-9 times the host-side cost of
+a raw ``cuLaunchKernel`` of a no-op kernel (3.0 us, ``CULAUNCH_HOST_GB200``: tritonbench
+#1017, GB200, 2026; a host figure, for scale only).  And it cannot be one figure across
+the rows: at 27.1 us a launch the 1.7B reads 0.963 and the 7.1B 1.000, but the 16B
+(4,480 launches, already 0.997) falls to 0.876, the 32B from 0.750 to 0.654 (beyond 30%)
+and the 70B from 0.949 to 0.837: the tp-4 and tp-8 rows run as many kernels a layer at
+larger shapes and are priced right or pessimistic, so a per-launch cost that closes the
+small rows opens the large ones.  Finding: launch overhead is priced, from its source;
+no component figure puts it near what the small rows would need; not changed.  (The
+count leaves out the output layer, loss, embedding and optimizer kernels, tens a step
+beside thousands: the needed figure is an upper reading.)
 """
 import json
 import os
@@ -522,6 +544,46 @@ def wgrad_accum_bound(row) -> dict:
                 ratio_if_added=published / (est.step_time + layers + head))
 
 
+# Host time of one raw ``cuLaunchKernel`` of a no-op Triton kernel, measured on a GB200
+# (meta-pytorch/tritonbench pull request #1017, 2026-04-14, "nop_triton_direct_culaunch":
+# 3.0 us with no argument, 3.3 us with 19): the driver's own cost per launch, host side,
+# the floor under any eager framework's per-kernel host time; Grace, not the DGX H100's
+# Xeon (PyTorch's ``Linear`` forward: 13.5 us on a DGX H100 against 33-37 on Grace,
+# NVIDIA/TransformerEngine #2053, module docstring): a component figure for scale, never
+# a price (the device-side gap the clock charges is the profile's ``launch_overhead``).
+CULAUNCH_HOST_GB200 = 3.0e-6
+
+
+def launch_bound(row) -> dict:
+    """Kernel launches a step as the planner prices the row's layers and what a launch
+    would have to cost to take the gap to the published step (module docstring, "Kernel
+    launches").  ``launches``: the stage's layer ops' kernels (``step_audit._layer_ops``,
+    each op's ``launches``, forward and backward) x its layers x the micro-batches: the
+    output layer, loss, embedding and optimizer kernels are left out (a lower count, so
+    ``needed`` is an upper reading).  ``priced``: those launches at the profile's
+    ``launch_overhead`` (``sim_mesh.kernel_cost.compute_time`` adds it per launch).
+    ``needed``: the device-side gap per launch that would add the published step's excess
+    (``gap`` / launches + ``launch_overhead``; None where the row is pessimistic);
+    ``ratio_at``: the ratio the row would read were every launch charged ``at`` seconds
+    rather than the profile's figure (the step grows by launches x the difference)."""
+    cfg, lay, cl = P.build(row)
+    r = P.predict(row)
+    est, prof = r["estimate"], cl.profile
+    d = est.details
+    ops = SA._layer_ops(cfg, lay, prof, row.get("attention", "flash"),
+                        row.get("tp_comm_overlap", False), row.get("transformer_engine", False))
+    s = d["per_rank"][d["slowest_stage"]]["stage"]
+    per_layer = sum(o["launches"] for o in ops)
+    n = per_layer * lay.stage_layers(cfg.n_layer)[s] * d["micro_batches"]
+    published = est.step_time * r["ratio"]
+    gap = published - est.step_time
+    lo = prof.launch_overhead
+    return dict(name=row["name"], layout=lay.short(), per_layer=per_layer, launches=n,
+                launch_overhead=lo, priced=n * lo, gap=gap, ratio=r["ratio"],
+                needed=gap / n + lo if gap > 0 else None,
+                ratio_at=lambda at: published / (est.step_time + n * (at - lo)))
+
+
 def queue_idle(spans) -> float:
     """Seconds the device waits for the host over ``spans``, a sequence of (host seconds,
     device seconds) in issue order, starting from an empty launch queue (just after a
@@ -665,6 +727,17 @@ def main():
             w = wgrad_accum_bound(r)
             print(f"  {w['name']:<9}{1e3 * w['layers']:>8.1f}{1e3 * w['head']:>8.1f}"
                   f"{w['ratio']:>7.3f}{w['ratio_if_added']:>9.3f}")
+    print("  kernel launches a step (the layers' kernels as priced; head, loss, embedding, "
+          "optimizer left out) at the profile's device-side gap, and the gap per launch the "
+          "published step would need (launch_bound; us)")
+    bl = [launch_bound(r) for r in rows()]
+    at = max(x["needed"] for x in bl[:2])
+    print(f"  {'model':<9}{'/layer':>7}{'launches':>9}{'priced ms':>10}{'gap ms':>8}"
+          f"{'needed us':>10}{'ratio':>7}{f'at {1e6 * at:.1f} us':>11}")
+    for x in bl:
+        need = f"{1e6 * x['needed']:>10.1f}" if x["needed"] is not None else f"{'-':>10}"
+        print(f"  {x['name']:<9}{x['per_layer']:>7}{x['launches']:>9}{1e3 * x['priced']:>10.2f}"
+              f"{1e3 * x['gap']:>8.1f}{need}{x['ratio']:>7.3f}{x['ratio_at'](at):>11.3f}")
     print("  host vs device, one layer's forward (ms): TE linear modules at "
           f"{1e6 * TE_LINEAR_FWD_HOST_2024:.0f} us each ({HOST_SOURCE}); the attention "
           "module and Megatron's Python unmeasured (0): the host is a LOWER BOUND")

@@ -293,6 +293,49 @@ bounded by the 300 W PCIe card's 0.933.  Priced at that bound the rows would rea
 .. 1.097 (13B 1.093 / 1.097; :func:`power_reading`, the "x bound" column): inside 15%,
 but the bound is a 300 W card's and the rows' power limit unknown, so it is a reading,
 not a figure the profile takes.  No row moved.
+
+i2117 (2026-11-30): FSDP2's copies and the Llama step's memory-bound kernels, item by item
+against what is priced (``tests/test_i2117.py``; seconds a step of the 13B rows, none /
+op, from the first table):
+
+- (a) FSDP2's copy kernels around each collective (pytorch/pytorch
+  ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``): ``foreach_all_gather``'s
+  copy-in (fp32 -> bf16 ``_foreach_copy_``, then into the gather buffer) and the
+  accumulation after each reduce-scatter on the side streams, in series with their
+  collectives; ``split_with_sizes_copy`` copy-out and ``_chunk_cat`` (bf16 -> fp32, the
+  reduce-dtype cast inside it) on the compute stream; no pre/post divide (NCCL AVG):
+  priced, ``plan.fsdp2_cost`` (docstring: source lines, PRs #122888, #120919, #129721), at
+  the shares of the memory rate each kernel reached on an H100 (``COPY_RATE``,
+  ``benchmarks/fsdp2_copies.py``, 0.61-0.98 of a plain copy), ASSUMED the same on the
+  A100s (no A100 timing of these kernels found; #120678's chunk-cat figure is an H100's).
+  0.134 s a step (3.6-4.1% of the 13B rows' predicted steps); their side-stream part is hidden (the
+  collectives' onset table).  The assumption's range (:func:`copy_share_reading`, last
+  table): every compute-stream copy at the lowest measured share (the chunk-cat's 0.61)
+  0.163 s, at the plain copy's rate 0.100 s: the 13B rows 1.142 / 1.148 .. 1.164 / 1.167,
+  the six A100 rows 1.090 .. 1.167 against 1.105 .. 1.157 priced.  The low end would
+  bring both 13B rows inside 15%, but no component figure puts the A100's copy-out below
+  the H100's 0.90 share: a reading, not applied (a lead: an A100 run of
+  ``benchmarks/fsdp2_copies.py`` settles it; no device this session).
+- (b) the memory-bound kernels: RMSNorm (torchtitan's eager norm, or the Triton
+  ``fused_rmsnorm`` of the 13B / 8B configs: ``plan.titan_eager``, at Liger-Kernel's
+  measured A100 / H100 rates, ``plan.eager_rates``), SwiGLU's silu and product, RoPE,
+  the residual adds (``plan.llama_layer`` ops ``silu``, ``swiglu_mul``, ``rope_q`` /
+  ``rope_k``, ``residual_add_*``, their backward ops; torchtitan's eager extras at the
+  measured rates: 0.149 / 0.219 s); the logits' fp32 cast and cross-entropy over the
+  vocabulary (the measured pair, ``ops_table/loss_pricing``; inside ``head``, 0.039 s);
+  AdamW ``foreach=True`` with weight decay (``sim_mesh.optimizer_cost.adam_kernels``: 20
+  fp32 accesses a parameter in 8 kernels, at the memory rate; fused would be 7 accesses,
+  1 kernel: torchtitan's ``build_optimizer`` passes ``foreach=True``, the fused path is
+  not taken) and ``clip_grad_norm_(..., foreach=True)`` (``_foreach_norm``, read 4, and
+  the unconditional ``_foreach_mul_``, read 4 + write 4; its scalar all-reduce:
+  microseconds, not priced, above), ``plan.optimizer_step``: 0.010 s over the rank's 1/64 shard.  All priced;
+  to the 15% edge the 13B rows lack 6.7 / 21.8 ms (``to_edge``), which the eager
+  kernels would give were they 4.5% / 9.9% slower than their measured rates (no source
+  for that), the optimizer 64% / 209% slower (its bytes are counted from torch's
+  kernels).
+Finding: nothing the brief names for (a) and (b) is unpriced; the one assumption that
+would move the 13B rows is the H100 shares of the copy kernels carried to the A100.
+No row moved.
 """
 from __future__ import annotations
 
@@ -483,6 +526,42 @@ def to_edge(x) -> dict:
     need = x["published"] / EDGE - x["predicted"]
     return dict(seconds=need, share={k: need / x[k] if x[k] > 0 else float("inf")
                                      for k in TERMS})
+
+
+# FSDP2's copy kernels on the compute stream (plan.fsdp2_cost.stage_copies): the
+# all-gather copy-out and the reduce-scatter's chunk-cat; the side streams' copy-in and
+# accumulation run in series with the collectives (priced there, hidden where they are)
+COMPUTE_STREAM_COPIES = ("all_gather_copy_out", "reduce_scatter_copy_in")
+
+
+def copy_share_reading(row) -> dict:
+    """FSDP2's compute-stream copies a step (module docstring, "i2117") at the shares of
+    the memory rate priced (``fsdp2_cost.COPY_RATE``, measured on an H100 and ASSUMED on
+    the A100s), were every one of them at the lowest share measured (``low``: the chunk-
+    cat's) or at the plain copy's (``plain``: share 1), and the ratio the row would read
+    at each (the step changes by the copies' difference: they are on the critical path).
+    Bytes from the estimate's own count (``details["fsdp2_copies"]["bytes"]``, per micro-
+    batch); the launch term left out (the same at every share).  A range of the
+    assumption, never a figure the planner takes."""
+    cfg, lay, cl = P.build(row)
+    r = P.predict(row)
+    est = r["estimate"]
+    d = est.details
+    prof = FS.sdpa_profile(cl.profile)
+    rate = prof.memory_bandwidth * prof.memory_efficiency
+    by, m = d["fsdp2_copies"]["bytes"], d["micro_batches"]
+    low = min(FS.COPY_RATE.values())
+
+    def at(share):
+        return m * sum(by[k] / rate / (FS.COPY_RATE[k] if share is None else share)
+                       for k in COMPUTE_STREAM_COPIES)
+
+    published = est.step_time * r["ratio"]
+    priced, slow, fast = at(None), at(low), at(1.0)
+    return dict(name=row["name"], gpus=row["devices"], recompute=lay.recompute,
+                ratio=r["ratio"], priced=priced, low=slow, plain=fast, low_share=low,
+                ratio_low=published / (est.step_time + slow - priced),
+                ratio_plain=published / (est.step_time + fast - priced))
 
 
 def _gemm_scaled(profile, x: float):
@@ -737,6 +816,17 @@ def main(argv=None):
         print(f"  {x['name']:<13}{x['gpus']:>5} {x['recompute']:<5}"
               f"priced {x['busbw_priced'] / 1e9:7.1f}  onset {x['busbw_onset'] / 1e9:6.1f}"
               f"{extra}")
+    print("  FSDP2's compute-stream copies (copy-out, chunk-cat) a step at the H100's "
+          "measured shares of the copy rate (priced; ASSUMED on the A100s), all at the "
+          "lowest share, all at the plain copy's: s, and the ratio at each "
+          "(copy_share_reading)")
+    print(f"  {'model':<13}{'GPUs':>5} {'rc':<5}{'priced':>8}{'low':>8}{'plain':>8}"
+          f"{'ratio':>7}{'at low':>8}{'at plain':>9}")
+    for row in rows():
+        y = copy_share_reading(row)
+        print(f"  {y['name']:<13}{y['gpus']:>5} {y['recompute']:<5}{y['priced']:>8.3f}"
+              f"{y['low']:>8.3f}{y['plain']:>8.3f}{y['ratio']:>7.3f}{y['ratio_low']:>8.3f}"
+              f"{y['ratio_plain']:>9.3f}")
     return out
 
 

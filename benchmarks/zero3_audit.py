@@ -265,6 +265,43 @@ The memory table below was read with chunks of 2 at 530B / 640; with the row's c
 1 the script prints 105 checkpointed inputs (35.23 GB) and one recomputed layer (16.11),
 79.34 GB in all (78.84 at fc2's bias hook), the other terms unchanged.
 
+Message sizes and hooks (i2117, 2026-11-30; :func:`message_sizes`, printed after the
+needs; ``tests/test_i2117.py``).  The question: are ZeRO-3's per-submodule fetches and
+releases (Python hooks, ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``,
+``stage3_param_persistence_threshold``; one collective per parameter) latency-bound at
+these message sizes, and is that priced?  Each is priced already (the 2026-11-28 table and
+the z3x14 list above: the prefetch and live-parameter checks as v0.3.13's coordinator runs
+them, one list collective per parameter, the persistence threshold's default 1e5 since the
+example's key is misspelt).  By size, on the clock (NCCL 2.8.3's tuning model over the
+row's DP group, the ``costs.group_price`` the simulation calls):
+
+- the matrices (qkv, proj, fc1, fc2: 0.2-1.7e9 elements, 0.2-5.2 MB per rank's chunk) are
+  bandwidth-bound: the price of a call of one element per rank is 3-25% of theirs at
+  384-1,120 ranks, 10-33% at 1,536-2,240.  A coalesced bucket would not change them.
+- the persistent parameters (the two LayerNorms' weights and biases and the four biases,
+  8 of a layer's 12, each below 1e5 elements: 16-256 B per rank's chunk) are latency-bound
+  (the floor is 99-100% of their price): 0.42 ms a reduce-scatter at 384 ranks, 0.69 at
+  640, 2.42 at 2,240 (a ring's per-step latency times p - 1; reduce-scatter has no tree in
+  NCCL).  They are reduce-scattered every micro-batch (their gradient hooks, as the
+  matrices'), gathered only by ``_post_step``: 0.32 / 0.58 s a step (175B / 384, 530B /
+  640), 0.64 / 1.02 (768 / 1,120), 1.27 / 2.03 (1,536 / 2,240), priced, against gaps of
+  12.1 / 65.0 / 10.8 / 48.1 / -9.9 / 47.9 s.  At 384 and 640 ranks the per-call floor is
+  the tuning model's, unchecked at that scale (the NCCL paragraph above); were it twice as
+  long, the rows would gain 0.3-2.0 s of 10-65.
+- the hooks' own Python: v0.3.13's fetch synchronizes the host with every stream
+  (``_synchronize_communication``), so the Python of a hook runs with the device idle
+  and is exposed whole.  Not priced (no per-hook figure, above).  At least two hooks a
+  step run per traced module with parameters (pre and post, forward, recompute and
+  backward): 3,476 a step at 175B, 3,800 at 530B (modules without parameters have hooks
+  too: a lower count).  To add the published excess alone each would need 3.5 / 17.1 ms
+  (384 / 640), 3.1 / 12.7 ms (768 / 1,120), 12.6 ms (2,240).  For scale, the one
+  measured host time of a whole module's forward found (Megatron-core's
+  ``TEColumnParallelLinear``, 140 us, TransformerEngine #1191, ``h100_breakdown``) is 25-120
+  times below that; at 140 us a hook the 530B / 640 row would gain 0.53 s of 65.
+Finding: what the brief's item (c) names is priced, from v0.3.13's source and NCCL's
+tuning model; the latency-bound calls are 1-4% of the gaps; no component figure moves the
+rows.  Not changed; the summary is as before.
+
 Nothing here feeds the planner (it reads the same source lines itself).
 """
 from __future__ import annotations
@@ -276,6 +313,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import published as P  # noqa: E402
+from workbench.plan import costs as C  # noqa: E402
 from workbench.plan import zero3_2021 as Z  # noqa: E402
 from workbench.plan.edge_cost import edge_times  # noqa: E402
 from workbench.plan.estimate import EC  # noqa: E402
@@ -383,6 +421,53 @@ def needs(a: dict) -> dict:
             "busbw": a["sent"] / nccl / 1e9, "busbw_needed": a["sent"] / (nccl + gap) / 1e9}
 
 
+def message_sizes(name: str, devices: int) -> dict:
+    """The row's per-parameter collectives by message size (module docstring, "Message
+    sizes and hooks"): each distinct parameter of a layer (``zero3_2021._layer_modules``)
+    with its elements, the bytes of one rank's chunk (fp16, ``2 n / p``), the seconds one
+    call costs on the clock (``costs.group_price`` over the row's DP group, as
+    ``zero3_2021.dp_sync_parts`` prices it) and its latency share: the price of a call of
+    one element per rank over this price (NCCL's per-call floor on the tuning model).  The
+    persistent parameters (fewer than ``PERSISTENCE_NUMEL`` elements: biases, norms) are
+    reduce-scattered every micro-batch (one call each, s3:1404-1409) and never gathered
+    inside it; ``small_seconds``: their calls a step (layers x micro-batches).  ``hooks``:
+    the module hooks a step that can run DeepSpeed's fetch or release (pre- and post-,
+    forward and backward: two per entry of the recorded trace, ``gpt_trace``: modules
+    with parameters only, so a lower count) and ``per_hook`` the host seconds each would
+    need to add the published step's excess (held out, read, not an input)."""
+    row = next(r for r in P.ROWS if r["source"] == "narayanan_zero3"
+               and r["name"] == name and r["devices"] == devices)
+    cfg, lay, cl = P.build(row)
+    res = P.predict(row)
+    est, prof = res["estimate"], cl.profile
+    ranks = tuple(lay.grad_ranks(0, 0))
+    p = len(ranks)
+    floor = {k: C.group_price(k, 2 * p, ranks, prof) for k in ("all_gather", "reduce_scatter")}
+    calls = []
+    for mod, params in Z._layer_modules(cfg):
+        for pid, n in params:
+            small = n < Z.PERSISTENCE_NUMEL
+            rs = C.group_price("reduce_scatter", 2 * n, ranks, prof)
+            ag = None if small else C.group_price("all_gather", 2 * n, ranks, prof)
+            calls.append(dict(param=pid, numel=n, chunk_bytes=2 * n / p, persistent=small,
+                              reduce_scatter=rs, rs_latency_share=floor["reduce_scatter"] / rs,
+                              all_gather=ag,
+                              ag_latency_share=None if ag is None
+                              else floor["all_gather"] / ag))
+    m = lay.m
+    small_s = m * cfg.n_layer * sum(c["reduce_scatter"] for c in calls if c["persistent"])
+    tcfg = EC.token_cfg(cfg, lay)
+    edge = edge_times(tcfg, lay.micro_batch, lay.tp, lay.sp, prof)
+    trace = Z.gpt_trace(cfg, est.details["layer"], est.details["head"], edge, lay.recompute,
+                        Z.partition_activation_seconds(cfg, lay.micro_batch, prof),
+                        lay.recompute_num_layers)
+    hooks = 2 * len(trace) * m
+    gap = est.step_time * (res["ratio"] - 1.0)
+    return dict(name=f"{name} / {devices}", p=p, calls=calls, floor=floor,
+                small_seconds=small_s, gap=gap, hooks=hooks,
+                per_hook=gap / hooks if gap > 0 else None)
+
+
 # De Sensi et al. (SC24, arXiv 2408.14090): production noise costs "up to 50%" of NCCL
 # allreduce goodput at 1,024 A100s on Leonardo (InfiniBand HDR, Dragonfly+): the NCCL
 # seconds at most x 2 (a reading, never applied to the planner)
@@ -434,6 +519,25 @@ def main():
         vals = [needs(x)[key] * (1e3 if key in ("per_wait", "per_call") else 1)
                 for x in out]
         print(f"    {label:<{w - 2}}" + "".join(fmt.format(v) for v in vals))
+    ms = [message_sizes(n, k) for pair in PAIRS for n, k in zip(("GPT 175B", "GPT 530B"),
+                                                                pair)]
+    print("  a layer's per-parameter collectives on the clock (message_sizes): one rank's "
+          "fp16 chunk, ms a call, the one-element call's share (latency)")
+    for i, x in enumerate(ms):
+        print(f"    {x['name']} (p {x['p']}): " + "; ".join(
+            f"{c['param']} {c['chunk_bytes']:.0f} B RS {1e3 * c['reduce_scatter']:.2f} ms "
+            f"({c['rs_latency_share']:.2f})"
+            + ("" if c["all_gather"] is None else
+               f" AG {1e3 * c['all_gather']:.2f} ({c['ag_latency_share']:.2f})")
+            for c in x["calls"]))
+    for label, key, scale, fmt in (
+            ("persistent parameters' reduce-scatters a step (latency-bound), s",
+             "small_seconds", 1, "{:>17.2f}"),
+            ("module hooks a step (2 per traced module with parameters)", "hooks", 1,
+             "{:>17.0f}"),
+            ("each hook's host Python longer by, ms", "per_hook", 1e3, "{:>17.2f}")):
+        print(f"    {label[:w - 2]:<{w - 2}}" + "".join(
+            fmt.format(x[key] * scale) if x[key] is not None else f"{'-':>17}" for x in ms))
     label = (f"share of the gap at NCCL x {NOISE_FACTOR:g} (De Sensi et al. SC24: production "
              f"noise, A100 / HDR, 1,024 GPUs)")
     print(f"    {label[:w - 2]:<{w - 2}}" + "".join(f"{noise_share(x):>17.2f}" for x in out))
