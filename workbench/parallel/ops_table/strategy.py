@@ -579,19 +579,28 @@ def _way_price(spec, plan, way, profile, prof):
 
 def way_steps(spec, plan, way, profile) -> tuple:
     """``(steps, moved)`` of an op's read of a reshard's result with way ``way``
-    (``reshard_backward.way_key``) laid out ``spec``, converted by ``plan``: the reshard
-    steps of the plan from the gradient the op gives it (``reshard_backward.way_use``, as
-    ``convert`` notes it) back to the source, as the way records it (``_Way.steps``), and
-    the marked dims whose own backward the way takes over (the plan's steps there are
-    muted: ``reshard_backward.execute_marked``).  ((), ()) where the input is not laid out
-    as marked any more or the op uses the one copy: the ordinary path.  The gradient of
-    one read; several reads meet on the way and go back once (autograd's sum), each given
-    here as if alone.  The one rule of the chooser's price (:func:`_way_price`) and of
-    ``wb.compile``'s search and step (``compile/propagate.py``, ``compile/schedule.py``)."""
+    (``reshard_backward.way_key``, or ``_Way.key_with_uses``) laid out ``spec``, converted
+    by ``plan``: the reshard steps of the plan from the gradient the op gives it
+    (``reshard_backward.way_use``, as ``convert`` notes it) back to the source, as the way
+    records it (``_Way.steps``), and the marked dims whose own backward the way takes over
+    (the plan's steps there are muted: ``reshard_backward.execute_marked``).  ((), ())
+    where the input is not laid out as marked any more or the op uses the one copy: the
+    ordinary path.  The one rule of the chooser's price (:func:`_way_price`) and of
+    ``wb.compile``'s search and step (``compile/propagate.py``, ``compile/schedule.py``).
+
+    Several reads meet on the way and go back once (autograd sums their gradients; the
+    way plans one redistribution per merged layout, ``reshard_backward._merged``).  A
+    way's 4th element, where present, holds the gradient layouts earlier readers noted
+    (``uses``): the steps are then this read's addition, the plans of the merged layouts
+    the run did not plan already (none where this read's gradient merges into one of
+    theirs: a second slice to the same dim adds nothing).  Each read priced alone, a
+    second slice of the copy to the other operand's layout paid the all-to-all again
+    and gathered the other operand instead (chooser17)."""
     from ..reshard import plan_reshard_cached
-    from ..reshard_backward import way_use
+    from ..reshard_backward import _merged, way_use
     from ..spec import TensorSpec
-    dst, back, axes = way
+    dst, back, axes = way[:3]
+    uses = way[3] if len(way) > 3 else ()
     if tuple(spec.placements) != dst:
         return (), ()
     final = plan.dst if plan is not None and plan.steps else dst
@@ -599,10 +608,17 @@ def way_steps(spec, plan, way, profile) -> tuple:
     grad, moved = way_use(dst, axes, final, ())
     if not moved:
         return (), ()
-    p = plan_reshard_cached(TensorSpec(spec.shape, spec.mesh, grad, spec.dtype,
-                                       _trusted=True), back, profile)
-    return tuple(s_ for s_ in p.steps if s_.bytes and s_.kind not in _NOT_PRICED_BACK and
-                 s_.mesh_dim is not None), moved
+    layouts = _merged(list(uses) + ([grad] if grad not in uses else []))
+    if uses:
+        before = _merged(list(uses))
+        layouts = [g for g in layouts if g not in before]
+    out = []
+    for g in layouts:
+        p = plan_reshard_cached(TensorSpec(spec.shape, spec.mesh, g, spec.dtype,
+                                           _trusted=True), back, profile)
+        out += [s_ for s_ in p.steps if s_.bytes and s_.kind not in _NOT_PRICED_BACK and
+                s_.mesh_dim is not None]
+    return tuple(out), moved
 
 
 _DEFERRED: dict = {}
