@@ -26,28 +26,29 @@ R, S = wb.Replicate, wb.Shard
 orig_bp = st.backward_price
 MODE = ["old"]
 
-def red_price(specs, plans, grads, cands_st, profile):
+def red_price(specs, plans, grads, strat, profile):
+    """(seconds, wire bytes) of the gradient reductions of the inputs that require grad
+    and that ``strat`` reads per rank (``strategy.grad_reduction_steps``: compile's rule)."""
     from workbench.sim_mesh import cost as _cost
-    from workbench.parallel.reshard import plan_reshard_cached
     from workbench.parallel.spec import TensorSpec
     prof = st.get_profile(profile)
     mesh = next(s for s in specs if s is not None).mesh
-    diverge = [i for i in range(mesh.ndim) if any(not ps[i].is_replicate() for ps in cands_st.outputs)]
+    diverge = [i for i in range(mesh.ndim)
+               if any(not ps[i].is_replicate() for ps in strat.outputs)]
     t = b = 0
-    for spec, plan, g, req in zip(specs, plans, grads, cands_st.inputs):
-        if not g or spec is None or req is None: continue
+    for spec, plan, g, req in zip(specs, plans, grads, strat.inputs):
+        if not g or spec is None or req is None:
+            continue
         dims = [i for i in diverge if req[i].is_replicate()]
-        if not dims: continue
-        src = plan.src if plan is not None and plan.steps else tuple(req)
-        back = tuple(a if b_.is_replicate() and a.is_shard() else b_ for a, b_ in zip(src, req))
-        grad = tuple(Partial() if i in dims else p for i, p in enumerate(req))
-        p = plan_reshard_cached(TensorSpec(spec.shape, mesh, grad, spec.dtype, _trusted=True), back, profile)
-        for s_ in p.steps:
-            if not s_.bytes: continue
+        if not dims:
+            continue
+        copy = TensorSpec(spec.shape, mesh, tuple(req), spec.dtype, _trusted=True)
+        for s_ in st.grad_reduction_steps(copy, plan, dims, None, profile):
             gs = mesh.groups(s_.mesh_dim)
             t += max(_cost.price(s_.kind, s_.buffer_bytes, gg, prof) for gg in gs)
             b += _cost.wire_bytes(s_.kind, s_.buffer_bytes, len(gs[0]))
     return t, b
+
 
 orig_sc = st.strategy_cost
 CUR = [None]

@@ -22,6 +22,7 @@ import torch
 import workbench as wb
 from workbench.parallel import dispatch as _dispatch
 from workbench.parallel.ops_table.strategy import infer
+from tests.dtensor_support import oracle  # noqa: F401  (the DTensor oracle fixture)
 
 R, S = wb.Replicate, wb.Shard
 PROFILE = "a100"
@@ -137,3 +138,24 @@ def test_readers_slicing_differently_each_priced():
     assert again == ()
     assert [(s.kind, s.buffer_bytes) for s in other] == [(s.kind, s.buffer_bytes)
                                                           for s in alone]
+
+
+def _two_slices(y, o1, o2):
+    return y * o1 + y * o2
+
+
+def test_two_slices_as_dtensor(oracle):  # noqa: F811
+    """DTensor's run of ``wb.reshard(x, [R]) * o1 + ... * o2`` (x S(1), o1 and o2 S(0) on
+    4 ranks): both products slice the gathered copy (DTensor's zero-cost strategy, its
+    output S(0)), and the summed gradient goes back by one all-to-all; ours the same
+    output placements and backward collectives (kind, buffer bytes), the gradient one
+    device's.  Before, our second product gathered o2 and its output was Replicate."""
+    from tests.test_reshardbwd import _ours, _reference, _theirs
+    from workbench.parallel.interop import to_dtensor_placements
+    others = [((8, 16), [S(0)]), ((8, 1), [S(0)])]
+    t_ps, t_bwd = _theirs(oracle, (4,), [S(1)], [R()], _two_slices, others)
+    out, bwd, grad = _ours((4,), [S(1)], [R()], _two_slices, others)
+    assert to_dtensor_placements(out.placements) == t_ps
+    torch.testing.assert_close(grad.full(), _reference(_two_slices, others), rtol=0, atol=0)
+    assert Counter(bwd) == Counter(t_bwd) == Counter({("all_to_all", 8 * 16 * 4 // 4): 1}), \
+        (bwd, t_bwd)

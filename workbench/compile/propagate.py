@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..parallel.ops_table.strategy import BACKWARD_OF, _way_price, infer_on
+from ..parallel.ops_table.strategy import (BACKWARD_OF, _way_price, grad_reduction_steps,
+                                                 infer_on)
 from ..parallel.ops_table.table import TABLE
 from ..parallel.placement import Partial, Replicate, normalize_placements
 from ..parallel.reshard import plan_reshard_cached
@@ -272,15 +273,10 @@ class _Pricer:
         (:func:`pinned_way`): read as it is, its gradient goes back to the reshard's
         source, as eager's marked copy's (``grad_ways.py``: a reduce-scatter, not the
         all-reduce of the gathered bytes)."""
-        src = plan.src if plan is not None and plan.steps else req
-        back = tuple(a if b.is_replicate() and a.is_shard() else b for a, b in zip(src, req)) \
-            if any(a.is_shard() and b.is_replicate() for a, b in zip(src, req)) else req
-        if way is not None and src == req and tuple(req) == way[0]:
-            back = way[1]
-        grad = tuple(Partial() if i in dims else p for i, p in enumerate(req))
-        p = plan_reshard_cached(self.spec(vid, grad), back, self.pname)
         return sum(max(_cost.price(s.kind, s.buffer_bytes, g, self.profile)
-                       for g in self.mesh.groups(s.mesh_dim)) for s in p.steps if s.bytes)
+                       for g in self.mesh.groups(s.mesh_dim))
+                   for s in grad_reduction_steps(self.spec(vid, req), plan, dims, way,
+                                                 self.pname))
 
     def shared_reads(self, node, in_ps, cand, seen):
         """The input positions of ``node`` that read per rank a copy an earlier op read

@@ -35,7 +35,7 @@ from ..placement import Replicate, fmt_placements
 
 __all__ = ["Strategy", "Candidate", "Decision", "register_rule", "get_rule", "infer", "infer_on",
            "combine", "RULES", "NoRuleError", "describe", "strategy_cost", "backward_price",
-           "BACKWARD_OF", "BACKWARD_PRICED"]
+           "BACKWARD_OF", "BACKWARD_PRICED", "grad_reduction_steps"]
 
 R = Replicate()
 
@@ -619,6 +619,38 @@ def way_steps(spec, plan, way, profile) -> tuple:
         out += [s_ for s_ in p.steps if s_.bytes and s_.kind not in _NOT_PRICED_BACK and
                 s_.mesh_dim is not None]
     return tuple(out), moved
+
+
+def grad_reduction_steps(spec, plan, dims, way=None, profile=None) -> tuple:
+    """The reshard steps (those that move bytes) of the gradient reduction of an input
+    copy laid out ``spec`` (the placements an op's strategy requires of it), reached by
+    ``plan`` (None or a reshard plan), that the op reads per rank along mesh dims ``dims``
+    (its outputs diverge there): the planner's plan from the gradient, Partial on ``dims``,
+    back to the copy's layout (a copy the plan gathered, ``S(d) -> R``: back to the
+    source's shards, a reduce-scatter), as the run records it once per input copy
+    (``reshard_backward.gather``; compiled: ``compile/grad_ways.py``).  ``way``: the
+    copy's way back where it is a marked reshard result read as it is (its ``back``).
+
+    Priced by ``wb.compile``'s whole-graph search and greedy (``propagate._Pricer``); NOT
+    by the dispatcher's chooser (:func:`backward_price`), as DTensor's selection does not
+    price it either (torch 2.13 git cf30153, torch/distributed/tensor/_sharding_prop.py:
+    295-360 ``_select_min_cost_strategy``: the forward redistribute cost; the Partial
+    gradient is redistributed where it meets ``from_local``'s backward, ``_api.py:
+    239-286``).  Charged to the chooser it changes the course's tensor-parallel layers'
+    choices at toy sizes (``benchmarks/chooser17_grad_reduction_probe.py``)."""
+    req = tuple(spec.placements)
+    src = plan.src if plan is not None and plan.steps else req
+    back = tuple(a if b.is_replicate() and a.is_shard() else b for a, b in zip(src, req)) \
+        if any(a.is_shard() and b.is_replicate() for a, b in zip(src, req)) else req
+    if way is not None and src == req and req == tuple(way[0]):
+        back = tuple(way[1])
+    from ..placement import Partial
+    from ..reshard import plan_reshard_cached
+    from ..spec import TensorSpec
+    grad = tuple(Partial() if i in dims else p for i, p in enumerate(req))
+    p = plan_reshard_cached(TensorSpec(spec.shape, spec.mesh, grad, spec.dtype, _trusted=True),
+                            back, profile if profile is not None else _profile_name())
+    return tuple(s_ for s_ in p.steps if s_.bytes)
 
 
 _DEFERRED: dict = {}
