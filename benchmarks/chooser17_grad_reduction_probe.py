@@ -4,9 +4,11 @@ read per rank (an op whose strategy leaves that input's gradient Partial along a
 the backward all-reduce, or the reduce-scatter back to a gathered input's shards).
 
 The price added here is ``compile/propagate._Pricer.grad_reduction``'s rule (the planner's
-plan from the Partial gradient back to the copy's layout), charged to every reader of
-every such input (an upper bound: no sharing between readers, no data-parallel replica
-dims), monkeypatched into ``strategy.backward_price``; the free-choice shortcut is off in
+plan from the Partial gradient back to the copy's layout), monkeypatched into
+``strategy.backward_price``, two ways: ``upper`` charges every reader of every such input;
+``once`` only the dims along which the input is one copy (its local held once, or gathered
+by the plan) and only its first per-rank reader (later readers meet on the same identity
+node, ``reshard_backward.gather``, and the run reduces once), as the run records it; the free-choice shortcut is off in
 both runs so the full decisions are compared.  DTensor's own selection prices the forward
 redistribute cost only (torch 2.13 git cf30153, torch/distributed/tensor/
 _sharding_prop.py:295-360 ``_select_min_cost_strategy``) and runs the all-reduce where the
@@ -15,31 +17,65 @@ are DTensor's.
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/chooser17_grad_reduction_probe.py
 """
-import sys, math
-from collections import Counter
 import torch
+
 import workbench as wb
-from workbench.parallel.ops_table import strategy as st
+from workbench.parallel import dispatch as _dispatch
+from workbench.parallel import reshard_backward as _rb
 from workbench.parallel.ops_table import free_choice
-from workbench.parallel.placement import Partial
+from workbench.parallel.ops_table import strategy as st
+from workbench.parallel.ops_table.table import _changed
+from workbench.parallel.placement import fmt_placements
+
 R, S = wb.Replicate, wb.Shard
-orig_bp = st.backward_price
 MODE = ["old"]
+_orig_bp, _orig_sc, _orig_ic = st.backward_price, st.strategy_cost, st._infer_cached
+_orig_grads, _orig_key = _dispatch._grads, st.grads_key
+CUR = [None]
+DEC = []
+
+
+class Once(frozenset):
+    """A ``_grads`` entry (mode ``once``): requires grad; the mesh dims along which the
+    input's local is one copy and no reader has met on it yet (-1 keeps it truthy)."""
+
+
+def _grads(inputs):
+    out = _orig_grads(inputs)
+    if MODE[0] != "once" or not out:
+        return out
+    out = list(out)
+    for k, x in enumerate(inputs):
+        if out[k] is True and type(x._local) is torch.Tensor:
+            loc = x._local
+            met = any(h[0] is loc for h in _rb._entries(x).values())
+            dims = () if met else tuple(
+                i for i, n in enumerate(x.mesh.shape)
+                if n > 1 and (loc.shape[i] == 1 or x.placements[i].is_shard()))
+            out[k] = Once((-1,) + dims)
+    return tuple(out)
+
+
+def grads_key(grads):
+    g = tuple(x if type(x) in (tuple, Once) else bool(x) for x in grads)
+    return g if any(g) else ()
+
 
 def red_price(specs, plans, grads, strat, profile):
     """(seconds, wire bytes) of the gradient reductions of the inputs that require grad
     and that ``strat`` reads per rank (``strategy.grad_reduction_steps``: compile's rule)."""
-    from workbench.sim_mesh import cost as _cost
     from workbench.parallel.spec import TensorSpec
+    from workbench.sim_mesh import cost as _cost
     prof = st.get_profile(profile)
     mesh = next(s for s in specs if s is not None).mesh
     diverge = [i for i in range(mesh.ndim)
                if any(not ps[i].is_replicate() for ps in strat.outputs)]
     t = b = 0
     for spec, plan, g, req in zip(specs, plans, grads, strat.inputs):
-        if not g or spec is None or req is None:
+        if not g or spec is None or req is None or type(g) is tuple:
             continue
-        dims = [i for i in diverge if req[i].is_replicate()]
+        dims = [i for i in diverge if req[i].is_replicate() and
+                (type(g) is not Once or i in g)]
         if not dims:
             continue
         copy = TensorSpec(spec.shape, mesh, tuple(req), spec.dtype, _trusted=True)
@@ -50,80 +86,93 @@ def red_price(specs, plans, grads, strat, profile):
     return t, b
 
 
-orig_sc = st.strategy_cost
-CUR = [None]
-def sc(specs, s, profile):
-    CUR[0] = s
-    return orig_sc(specs, s, profile)
+def sc(specs, strat, profile):
+    CUR[0] = strat
+    return _orig_sc(specs, strat, profile)
+
+
 def bp(specs, plans, grads, profile):
-    t, b = orig_bp(specs, plans, grads, profile)
-    if MODE[0] == "new":
+    t, b = _orig_bp(specs, plans, tuple(True if type(g) is Once else g for g in grads),
+                    profile)
+    if MODE[0] != "old":
         t2, b2 = red_price(specs, plans, grads, CUR[0], profile)
         t, b = t + t2, b + b2
     return t, b
-st.strategy_cost = sc
-st.backward_price = bp
 
-DEC = []
-orig_ic = st._infer_cached
-ic_dummy = 0
+
 def ic(op, specs, frozen, profile, grads=()):
-    d = orig_ic(op, specs, frozen, profile, grads)
-    DEC.append((op, tuple(tuple(s.placements) if s is not None else None for s in specs), grads != (), d.chosen.strategy))
+    d = _orig_ic(op, specs, frozen, profile, grads)
+    DEC.append((op, tuple(None if s is None else tuple(s.placements) for s in specs),
+                d.chosen.strategy))
     return d
-ic.cache_clear = orig_ic.cache_clear
-st._infer_cached = ic
 
-def run(name, build):
-    out = {}
-    for mode in ("old", "new"):
-        MODE[0] = mode
-        from workbench.parallel.ops_table.table import _changed; _changed(); orig_ic.cache_clear(); DEC.clear()
-        with free_choice.disabled():
-            call, x = build()
-            with wb.trace("a100") as tr:
-                loss = call(x)
-                loss = (loss[0] if isinstance(loss, tuple) else loss).float().pow(2).mean()
-                n = len(tr.collectives())
-                loss.backward()
-            ev = [e for e in tr.collectives() if 0 in e.ranks]
-            out[mode] = (list(DEC), sum(e.bytes for e in ev[:n]), sum(e.bytes for e in ev[n:]),
-                         len(ev), tr.end_time if hasattr(tr, "end_time") else max(e.start + e.duration for e in tr.events))
-    a, b = out["old"], out["new"]
-    ch = [(x, y) for x, y in zip(a[0], b[0]) if x != y]
-    print(f"{name}: decisions {len(a[0])}/{len(b[0])}, changed {len(ch)}; fwd B {a[1]}->{b[1]}, bwd B {a[2]}->{b[2]}, colls {a[3]}->{b[3]}, time {a[4]*1e6:.2f}->{b[4]*1e6:.2f} us")
-    for x, y in ch[:6]:
-        print("   ", x[0], x[1], x[2], fmt(x[3]), "->", fmt(y[3]))
+
+ic.cache_clear = _orig_ic.cache_clear
+st.strategy_cost, st.backward_price, st._infer_cached = sc, bp, ic
+st.grads_key, _dispatch._grads = grads_key, _grads
+
 
 def fmt(s):
-    from workbench.parallel.placement import fmt_placements
-    return "(" + ", ".join(fmt_placements(p) if p is not None else "-" for p in s.inputs) + ")->" + ",".join(fmt_placements(p) for p in s.outputs)
+    return "(" + ", ".join(fmt_placements(p) if p is not None else "-" for p in s.inputs) + \
+        ") -> " + ", ".join(fmt_placements(p) for p in s.outputs)
+
+
+def traced(build, mode):
+    MODE[0] = mode
+    _changed()
+    DEC.clear()
+    with free_choice.disabled():
+        call, x = build()
+        with wb.trace("a100") as tr:
+            loss = call(x)
+            loss = (loss[0] if isinstance(loss, tuple) else loss).float().pow(2).mean()
+            n = len([e for e in tr.collectives() if 0 in e.ranks])
+            loss.backward()
+    ev = [e for e in tr.collectives() if 0 in e.ranks]
+    return (list(DEC), sum(e.bytes for e in ev[:n]), sum(e.bytes for e in ev[n:]), len(ev),
+            tr.time())
+
+
+def run(name, build):
+    a = traced(build, "old")
+    print(f"{name}: old: {len(a[0])} decisions, traced fwd {a[1]:,d} B, bwd {a[2]:,d} B, "
+          f"{a[3]} collectives (rank 0), {a[4] * 1e6:.2f} us")
+    for mode in ("upper", "once"):
+        b = traced(build, mode)
+        ch = [(x, y) for x, y in zip(a[0], b[0]) if x != y]
+        print(f"  {mode}: {len(ch)} of {len(b[0])} decisions changed; traced fwd {b[1]:,d} B, "
+              f"bwd {b[2]:,d} B, {b[3]} collectives, {b[4] * 1e6:.2f} us")
+        for x, y in ch[:4]:
+            print(f"    {x[0]} {[fmt_placements(p) if p else '-' for p in x[1]]}: "
+                  f"{fmt(x[2])}  =>  {fmt(y[2])}")
+
 
 def gpt(mesh_shape):
     from workbench.models.gpt import TP_PLAN, GPTLayer
+
     def b():
         mesh = wb.Mesh.grid(mesh_shape, ["dp", "tp"][-len(mesh_shape):])
-        g = torch.Generator().manual_seed(0)
-        X = torch.randn((4, 2, 16), generator=g)
-        layer = wb.parallelize(GPTLayer(16, 2, dropout=0.0, dtype=torch.float32), mesh, TP_PLAN, mesh_dim="tp")
-        x = wb.shard_tensor(X, mesh, [S(1), R()] if len(mesh_shape) == 2 else [R()])
-        return layer, x
+        X = torch.randn((4, 2, 16), generator=torch.Generator().manual_seed(0))
+        layer = wb.parallelize(GPTLayer(16, 2, dropout=0.0, dtype=torch.float32), mesh,
+                               TP_PLAN, mesh_dim="tp")
+        return layer, wb.shard_tensor(X, mesh, [S(1), R()] if len(mesh_shape) == 2 else [R()])
     return b
 
-def llama(mesh_shape, gpt_=False):
-    from workbench.models import TP_PLAN, GPT_TP_PLAN, build_model, get_config
+
+def llama(mesh_shape):
+    from workbench.models import TP_PLAN, build_model, get_config
+
     def b():
-        cfg = get_config("tiny", n_layer=1, d_model=32, n_head=2, d_ff=64, seq_len=8, dropout=0.0, dtype="float32", **({"arch": "gpt"} if gpt_ else {}))
+        cfg = get_config("tiny", n_layer=1, d_model=32, n_head=2, d_ff=64, seq_len=8,
+                         dropout=0.0, dtype="float32")
         mesh = wb.Mesh.grid(mesh_shape, ["dp", "tp"][-len(mesh_shape):])
         idx = torch.randint(0, 75, (2, 8), generator=torch.Generator().manual_seed(0))
-        m = wb.parallelize(build_model(cfg, seed=0), mesh, GPT_TP_PLAN if gpt_ else TP_PLAN, mesh_dim="tp")
-        x = wb.shard_tensor(idx, mesh, [S(0), R()] if len(mesh_shape) == 2 else [R()])
-        return m, x
+        m = wb.parallelize(build_model(cfg, seed=0), mesh, TP_PLAN, mesh_dim="tp")
+        return m, wb.shard_tensor(idx, mesh, [S(0), R()] if len(mesh_shape) == 2 else [R()])
     return b
 
-for nm, bld in [("gpt layer tp4", gpt((4,))), ("gpt layer 2x2", gpt((2, 2))),
-                ("llama tp4", llama((4,))), ("llama 2x2", llama((2, 2)))]:
-    try:
+
+if __name__ == "__main__":
+    for nm, bld in [("GPTLayer tp4", gpt((4,))), ("GPTLayer dp2 x tp2", gpt((2, 2))),
+                    ("tiny Llama tp4", llama((4,))), ("tiny Llama dp2 x tp2", llama((2, 2)))]:
         run(nm, bld)
-    except Exception as e:
-        import traceback; traceback.print_exc()
