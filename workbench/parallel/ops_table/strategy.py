@@ -518,7 +518,8 @@ def backward_price(specs, plans, grads, profile: str):
     row-sharded x by an all-to-all (forward 512 B) and paid 4,608 B in backward where
     DTensor's all-gather pays 2,048 + 0 (``benchmarks/eager_comm_probe.py``).  Not priced
     here: the reduction of a replicated input's gradient read per rank (its
-    all-reduce), which DTensor's sharding propagation does not price either.
+    all-reduce), which DTensor's sharding propagation does not price either
+    (:func:`grad_reduction_steps` says why, with what charging it would change).
 
     A ``wb.reshard`` result with its way back (``grads[k]`` its
     ``reshard_backward.way_key``, a tuple: the dispatcher's ``_grads``, and O0's for a
