@@ -36,10 +36,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..parallel.ops_table.strategy import BACKWARD_OF, _way_price, infer_on
+from ..parallel.ops_table.strategy import (BACKWARD_OF, _way_price, grad_reduction_steps,
+                                                 infer_on)
 from ..parallel.ops_table.table import TABLE
 from ..parallel.placement import Partial, Replicate, normalize_placements
 from ..parallel.reshard import plan_reshard_cached
+from ..parallel.reshard_backward import way_noted
 from .extrema import as_run, inner_bytes, runs_even
 from ..parallel.spec import TensorSpec
 from ..sim_mesh import cost as _cost
@@ -271,15 +273,10 @@ class _Pricer:
         (:func:`pinned_way`): read as it is, its gradient goes back to the reshard's
         source, as eager's marked copy's (``grad_ways.py``: a reduce-scatter, not the
         all-reduce of the gathered bytes)."""
-        src = plan.src if plan is not None and plan.steps else req
-        back = tuple(a if b.is_replicate() and a.is_shard() else b for a, b in zip(src, req)) \
-            if any(a.is_shard() and b.is_replicate() for a, b in zip(src, req)) else req
-        if way is not None and src == req and tuple(req) == way[0]:
-            back = way[1]
-        grad = tuple(Partial() if i in dims else p for i, p in enumerate(req))
-        p = plan_reshard_cached(self.spec(vid, grad), back, self.pname)
         return sum(max(_cost.price(s.kind, s.buffer_bytes, g, self.profile)
-                       for g in self.mesh.groups(s.mesh_dim)) for s in p.steps if s.bytes)
+                       for g in self.mesh.groups(s.mesh_dim))
+                   for s in grad_reduction_steps(self.spec(vid, req), plan, dims, way,
+                                                 self.pname))
 
     def shared_reads(self, node, in_ps, cand, seen):
         """The input positions of ``node`` that read per rank a copy an earlier op read
@@ -504,6 +501,12 @@ def greedy(graph, placements, mesh, profile, pins=None) -> Assignment:
         if first_cost:
             costs[n.nid] = dataclasses.replace(costs[n.nid],
                                                fwd_comm=costs[n.nid].fwd_comm + first_cost)
+        for vid, spec, plan in zip(n.inputs, specs, c.plans):
+            if vid is not None and vid in pr.ways:
+                # its gradient layout noted on the way, as the run's reshard notes it
+                # (reshard_backward.execute_marked): the next reader is priced by what it
+                # adds to the one redistribution back (strategy.way_steps), as eager's
+                pr.ways[vid] = way_noted(pr.ways[vid], spec.placements, plan)
         for vid, ps in zip(n.outs, c.strategy.outputs):
             pl[vid] = tuple(ps)
             if vid in pins:          # resharded where it is made, as lowering does

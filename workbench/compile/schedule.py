@@ -32,6 +32,7 @@ from ..sim_mesh.trace import Trace, suspend
 from .lower import Reshard
 from .kernels import launch_time, op_kernels
 from ..parallel.ops_table.strategy import way_steps
+from ..parallel.reshard_backward import way_noted
 from .propagate import BACKWARD_OF, _local_bytes, pinned_way
 from .grad_ways import GradWays
 
@@ -128,6 +129,7 @@ def build_schedule(prog) -> Schedule:
     pinned = {}                  # producer nid -> the pinned reshards of its outputs
     attached = []                # the reshards the program runs for the next op's inputs
     way_of = {}                  # id(reshard) -> the way back of the marked copy it reads
+    way_uses = {}                # vid -> its way with the readers' noted uses so far
     for ins in prog.program:
         if isinstance(ins, Reshard):
             # a reader's reshard of a program's t.redistribute copy: that copy's way back
@@ -225,7 +227,15 @@ def build_schedule(prog) -> Schedule:
                     # a slice of a program's t.redistribute result: the way back to the
                     # reshard's source instead of the slice's all-gather, the one rule
                     # the search prices (strategy.way_steps; propagate.backward_comm)
-                    back, moved = way_steps(spec, plan, way_of[id(ins)], pr.pname)
+                    # (readers before this one noted their gradient layouts: this
+                    # one adds to the one redistribution back what they did not plan,
+                    # as the run's way merges them, reshard_backward._merged)
+                    way = way_of[id(ins)]
+                    seen = way_uses.get(vid)
+                    if seen is not None:
+                        way = seen
+                    back, moved = way_steps(spec, plan, way, pr.pname)
+                    way_uses[vid] = way_noted(way, spec.placements, plan)
                     for s in back:
                         items.append(Item("comm", f"%{vid}", "backward", coll=s.kind,
                                           mesh_dim=s.mesh_dim, nbytes=s.buffer_bytes,

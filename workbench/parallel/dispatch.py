@@ -633,7 +633,9 @@ def _grads(inputs) -> tuple:
     simulated) gives that way's key instead of True: its gradient goes back to the
     reshard's source once, whatever slice the op takes of it, and is priced so (a slice
     priced as an all-gather in backward made the chooser gather the other operand where
-    DTensor slices it: tests/test_reshardbwd.py)."""
+    DTensor slices it: tests/test_reshardbwd.py); with the gradient layouts its earlier
+    readers noted (``_Way.key_with_uses``): a further slice is priced as what it adds to
+    the one redistribution back, nothing where it slices as they did (chooser17)."""
     out = None
     for k, x in enumerate(inputs):
         if type(x) is DistTensor:
@@ -645,7 +647,8 @@ def _grads(inputs) -> tuple:
                 if out is None:
                     out = [False] * len(inputs)
                 way = loc.__dict__.get(_rb.KEY) if plain else None
-                out[k] = way.key if way is not None and way.shape == tuple(x.shape) else True
+                out[k] = way.key_with_uses if way is not None and way.shape == tuple(x.shape) \
+                    else True
     return () if out is None else tuple(out)
 
 

@@ -104,7 +104,7 @@ from .placement import Partial, Replicate
 from .spec import TensorSpec
 
 __all__ = ["mark", "marked", "convert", "gather", "KEY", "way_key", "way_use",
-           "execute_marked"]
+           "way_noted", "execute_marked"]
 
 KEY = "_wb_reshard_bwd"       # on the marked local tensor: its _Way
 
@@ -124,6 +124,14 @@ class _Way:
     def key(self) -> tuple:
         """(dst, back, axes): :func:`way_key`'s, what the chooser prices it by."""
         return self.dst, self.back, self.axes
+
+    @property
+    def key_with_uses(self) -> tuple:
+        """:attr:`key`, and where earlier readers noted their gradient layouts, those
+        (``uses``) as a 4th element: the chooser prices a further read as what it adds to
+        the one redistribution back (``ops_table/strategy.way_steps``; the dispatcher's
+        ``_grads``)."""
+        return self.key + (tuple(self.uses),) if self.uses else self.key
 
     def steps(self):
         """The collectives that bring the gradient back (when it passes)."""
@@ -212,6 +220,24 @@ def way_use(dst, axes, final, expand) -> tuple:
             continue       # one copy used (or R -> P, whose other ranks hold zeros): R
         moved.append(i)
     return tuple(grad), tuple(moved)
+
+
+def way_noted(way, placements, plan) -> tuple:
+    """``way`` (:func:`way_key`'s, or with its ``uses``) after a reader laid out
+    ``placements`` read it by ``plan`` (None or a reshard plan) and noted its gradient's
+    layout, as :func:`_note_use` notes it on the run's way (``expand`` (): the compiled
+    program's input reshards, :func:`execute_marked`): the 4-tuple the chooser prices a
+    further reader by (``ops_table/strategy.way_steps``); ``way`` itself where the read
+    notes nothing (not laid out as marked, or the one copy used)."""
+    dst, _back, axes = way[:3]
+    uses = tuple(way[3]) if len(way) > 3 else ()
+    if tuple(placements) != dst:
+        return way
+    final = plan.dst if plan is not None and plan.steps else dst
+    grad, moved = way_use(dst, axes, final, ())
+    if not moved or grad in uses:
+        return way
+    return tuple(way[:3]) + (uses + (grad,),)
 
 
 def marked(t: DistTensor) -> bool:

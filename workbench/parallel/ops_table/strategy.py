@@ -35,7 +35,7 @@ from ..placement import Replicate, fmt_placements
 
 __all__ = ["Strategy", "Candidate", "Decision", "register_rule", "get_rule", "infer", "infer_on",
            "combine", "RULES", "NoRuleError", "describe", "strategy_cost", "backward_price",
-           "BACKWARD_OF", "BACKWARD_PRICED"]
+           "BACKWARD_OF", "BACKWARD_PRICED", "grad_reduction_steps"]
 
 R = Replicate()
 
@@ -518,7 +518,8 @@ def backward_price(specs, plans, grads, profile: str):
     row-sharded x by an all-to-all (forward 512 B) and paid 4,608 B in backward where
     DTensor's all-gather pays 2,048 + 0 (``benchmarks/eager_comm_probe.py``).  Not priced
     here: the reduction of a replicated input's gradient read per rank (its
-    all-reduce), which DTensor's sharding propagation does not price either.
+    all-reduce), which DTensor's sharding propagation does not price either
+    (:func:`grad_reduction_steps` says why, with what charging it would change).
 
     A ``wb.reshard`` result with its way back (``grads[k]`` its
     ``reshard_backward.way_key``, a tuple: the dispatcher's ``_grads``, and O0's for a
@@ -579,19 +580,28 @@ def _way_price(spec, plan, way, profile, prof):
 
 def way_steps(spec, plan, way, profile) -> tuple:
     """``(steps, moved)`` of an op's read of a reshard's result with way ``way``
-    (``reshard_backward.way_key``) laid out ``spec``, converted by ``plan``: the reshard
-    steps of the plan from the gradient the op gives it (``reshard_backward.way_use``, as
-    ``convert`` notes it) back to the source, as the way records it (``_Way.steps``), and
-    the marked dims whose own backward the way takes over (the plan's steps there are
-    muted: ``reshard_backward.execute_marked``).  ((), ()) where the input is not laid out
-    as marked any more or the op uses the one copy: the ordinary path.  The gradient of
-    one read; several reads meet on the way and go back once (autograd's sum), each given
-    here as if alone.  The one rule of the chooser's price (:func:`_way_price`) and of
-    ``wb.compile``'s search and step (``compile/propagate.py``, ``compile/schedule.py``)."""
+    (``reshard_backward.way_key``, or ``_Way.key_with_uses``) laid out ``spec``, converted
+    by ``plan``: the reshard steps of the plan from the gradient the op gives it
+    (``reshard_backward.way_use``, as ``convert`` notes it) back to the source, as the way
+    records it (``_Way.steps``), and the marked dims whose own backward the way takes over
+    (the plan's steps there are muted: ``reshard_backward.execute_marked``).  ((), ())
+    where the input is not laid out as marked any more or the op uses the one copy: the
+    ordinary path.  The one rule of the chooser's price (:func:`_way_price`) and of
+    ``wb.compile``'s search and step (``compile/propagate.py``, ``compile/schedule.py``).
+
+    Several reads meet on the way and go back once (autograd sums their gradients; the
+    way plans one redistribution per merged layout, ``reshard_backward._merged``).  A
+    way's 4th element, where present, holds the gradient layouts earlier readers noted
+    (``uses``): the steps are then this read's addition, the plans of the merged layouts
+    the run did not plan already (none where this read's gradient merges into one of
+    theirs: a second slice to the same dim adds nothing).  Each read priced alone, a
+    second slice of the copy to the other operand's layout paid the all-to-all again
+    and gathered the other operand instead (chooser17)."""
     from ..reshard import plan_reshard_cached
-    from ..reshard_backward import way_use
+    from ..reshard_backward import _merged, way_use
     from ..spec import TensorSpec
-    dst, back, axes = way
+    dst, back, axes = way[:3]
+    uses = way[3] if len(way) > 3 else ()
     if tuple(spec.placements) != dst:
         return (), ()
     final = plan.dst if plan is not None and plan.steps else dst
@@ -599,10 +609,49 @@ def way_steps(spec, plan, way, profile) -> tuple:
     grad, moved = way_use(dst, axes, final, ())
     if not moved:
         return (), ()
-    p = plan_reshard_cached(TensorSpec(spec.shape, spec.mesh, grad, spec.dtype,
-                                       _trusted=True), back, profile)
-    return tuple(s_ for s_ in p.steps if s_.bytes and s_.kind not in _NOT_PRICED_BACK and
-                 s_.mesh_dim is not None), moved
+    layouts = _merged(list(uses) + ([grad] if grad not in uses else []))
+    if uses:
+        before = _merged(list(uses))
+        layouts = [g for g in layouts if g not in before]
+    out = []
+    for g in layouts:
+        p = plan_reshard_cached(TensorSpec(spec.shape, spec.mesh, g, spec.dtype,
+                                           _trusted=True), back, profile)
+        out += [s_ for s_ in p.steps if s_.bytes and s_.kind not in _NOT_PRICED_BACK and
+                s_.mesh_dim is not None]
+    return tuple(out), moved
+
+
+def grad_reduction_steps(spec, plan, dims, way=None, profile=None) -> tuple:
+    """The reshard steps (those that move bytes) of the gradient reduction of an input
+    copy laid out ``spec`` (the placements an op's strategy requires of it), reached by
+    ``plan`` (None or a reshard plan), that the op reads per rank along mesh dims ``dims``
+    (its outputs diverge there): the planner's plan from the gradient, Partial on ``dims``,
+    back to the copy's layout (a copy the plan gathered, ``S(d) -> R``: back to the
+    source's shards, a reduce-scatter), as the run records it once per input copy
+    (``reshard_backward.gather``; compiled: ``compile/grad_ways.py``).  ``way``: the
+    copy's way back where it is a marked reshard result read as it is (its ``back``).
+
+    Priced by ``wb.compile``'s whole-graph search and greedy (``propagate._Pricer``); NOT
+    by the dispatcher's chooser (:func:`backward_price`), as DTensor's selection does not
+    price it either (torch 2.13 git cf30153, torch/distributed/tensor/_sharding_prop.py:
+    295-360 ``_select_min_cost_strategy``: the forward redistribute cost; the Partial
+    gradient is redistributed where it meets ``from_local``'s backward, ``_api.py:
+    239-286``).  Charged to the chooser it changes the course's tensor-parallel layers'
+    choices at toy sizes (``benchmarks/chooser17_grad_reduction_probe.py``)."""
+    req = tuple(spec.placements)
+    src = plan.src if plan is not None and plan.steps else req
+    back = tuple(a if b.is_replicate() and a.is_shard() else b for a, b in zip(src, req)) \
+        if any(a.is_shard() and b.is_replicate() for a, b in zip(src, req)) else req
+    if way is not None and src == req and req == tuple(way[0]):
+        back = tuple(way[1])
+    from ..placement import Partial
+    from ..reshard import plan_reshard_cached
+    from ..spec import TensorSpec
+    grad = tuple(Partial() if i in dims else p for i, p in enumerate(req))
+    p = plan_reshard_cached(TensorSpec(spec.shape, spec.mesh, grad, spec.dtype, _trusted=True),
+                            back, profile if profile is not None else _profile_name())
+    return tuple(s_ for s_ in p.steps if s_.bytes)
 
 
 _DEFERRED: dict = {}
