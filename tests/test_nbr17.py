@@ -11,7 +11,7 @@ from workbench.viz.memory import memory_widget
 GPT3 = wb.models.get_config("gpt3-175b")
 
 
-@pytest.mark.parametrize("tp,pp,mb", [(1, 1, 1), (1, 1, 16), (8, 1, 16), (2, 1, 4)])
+@pytest.mark.parametrize("tp,pp,mb", [(1, 1, 1), (1, 1, 16), (8, 1, 16), (2, 1, 4), (1, 1, 4)])
 def test_memory_widget_batch_message_names_a_slider_fix(tp, pp, mb):
     pytest.importorskip("ipywidgets")
     w = memory_widget(GPT3, 1024, "ascend-910b", tp=8, pp=16, recompute="selective")
@@ -28,8 +28,8 @@ def test_memory_widget_batch_message_names_a_slider_fix(tp, pp, mb):
         c["micro_batch"].value = max(o for o in c["micro_batch"].options if (1536 // dp) % o == 0)
     else:
         k = int(w.message.split("raise TP x PP to at least ")[1].split()[0])
-        assert 1536 % (1024 // k) == 0 and 1536 % (1024 // (k // 2)) != 0   # the least
-        c["micro_batch"].value = 1
+        # the least TP x PP whose dp x micro-batch divides the batch, the micro-batch kept
+        assert 1536 % (mb * 1024 // k) == 0 and 1536 % (mb * 1024 // (k // 2)) != 0
         c["pp"].value = k // tp if k >= tp else 1
         c["tp"].value = k // c["pp"].value
     assert w.figure is not None and "GB of the" in w.message, w.message

@@ -251,11 +251,13 @@ class MemoryExplorer:
             fits = [o for o in self.controls["micro_batch"].options if (gb // dp) % o == 0]
             raise ValueError(f"{head}: lower the micro-batch to one dividing {gb} / {dp} = "
                              f"{gb // dp} ({', '.join(map(str, fits))})")
+        # dp does not divide the batch: no micro-batch helps, a larger TP x PP does
         ks = [k for k in (2 ** i for i in range(1, 21))        # TP x PP on the sliders
-              if model_parallel < k <= n and n % k == 0 and gb % (n // k) == 0]
-        raise ValueError(f"{head}: raise TP x PP to at least {ks[0]} (dp = {n // ks[0]} "
-                         f"divides {gb})" if ks else f"{head}: no TP x PP of the sliders gives "
-                         f"a dp dividing {gb}; build the widget with another global_batch")
+              if model_parallel < k <= n and n % k == 0 and gb % (micro_batch * (n // k)) == 0]
+        raise ValueError(f"{head}: raise TP x PP to at least {ks[0]} (dp = {n // ks[0]}, "
+                         f"dp x micro-batch = {micro_batch * (n // ks[0])} divides {gb})"
+                         if ks else f"{head}: no TP x PP of the sliders gives a dp dividing "
+                         f"{gb}; build the widget with another global_batch")
 
     def redraw(self) -> None:
         """Read the controls, ask the planner for each stage's bytes, replace the image."""
