@@ -229,12 +229,35 @@ class MemoryExplorer:
                              f"than the {n} devices: lower TP or PP")
         if n % (c["tp"] * c["pp"]):
             raise ValueError(f"TP x PP = {c['tp'] * c['pp']} does not divide the {n} devices")
+        self._check_batch(c["tp"] * c["pp"], c["micro_batch"])
         lay = Layout(dp=n // (c["tp"] * c["pp"]), tp=c["tp"], pp=c["pp"], sp=c["sp"] and
                      c["tp"] > 1, zero=c["zero"], recompute=c["recompute"],
                      micro_batch=c["micro_batch"], global_batch=self.global_batch,
                      schedule=c["schedule"])
         check_layout(self.model, lay, self.cluster)
         return lay
+
+    def _check_batch(self, model_parallel: int, micro_batch: int) -> None:
+        """Say, in the sliders' terms, when dp x micro-batch does not divide the global
+        batch (``Layout`` would say it in its own fields, global_batch and dp, which the
+        widget does not offer)."""
+        n, gb = self.cluster.devices, self.global_batch
+        dp = n // model_parallel
+        if gb % (micro_batch * dp) == 0:
+            return
+        head = (f"dp x micro-batch = {dp} x {micro_batch} = {dp * micro_batch} does not divide "
+                f"the global batch of {gb} sequences (dp = {n} devices / (TP x PP))")
+        if gb % dp == 0:
+            fits = [o for o in self.controls["micro_batch"].options if (gb // dp) % o == 0]
+            raise ValueError(f"{head}: lower the micro-batch to one dividing {gb} / {dp} = "
+                             f"{gb // dp} ({', '.join(map(str, fits))})")
+        # dp does not divide the batch: no micro-batch helps, a larger TP x PP does
+        ks = [k for k in (2 ** i for i in range(1, 21))        # TP x PP on the sliders
+              if model_parallel < k <= n and n % k == 0 and gb % (micro_batch * (n // k)) == 0]
+        raise ValueError(f"{head}: raise TP x PP to at least {ks[0]} (dp = {n // ks[0]}, "
+                         f"dp x micro-batch = {micro_batch * (n // ks[0])} divides {gb})"
+                         if ks else f"{head}: no TP x PP of the sliders gives a dp dividing "
+                         f"{gb}; build the widget with another global_batch")
 
     def redraw(self) -> None:
         """Read the controls, ask the planner for each stage's bytes, replace the image."""
