@@ -148,6 +148,10 @@ TWO_PROC = ["zero_grads_check.py", "wrappers_check.py", "replicas_check.py", "ha
             "pipeline_clip_eval_check.py {dir}", "optim8_check.py", "loss8_check.py"]
 # (fixlist2_check and review_revI_check end in os._exit: they keep their own launches,
 # as test_distributed_engine's wrong process count and test_dist_faults' faults do)
+# 2-process checks of a read one process makes alone, which waits init()'s timeout_s=5
+# (TWO_PROC's first part sets 60 s for its launch): the first part's init sets it for
+# both, the second's init finds the group up (each had its own launch before: task speed17)
+LONE_READS = ["readsync_check.py", "fixlist16_check.py"]
 
 
 def part_dir(group: list[str], tmp_path_factory, part: str):
@@ -162,13 +166,13 @@ def part_dir(group: list[str], tmp_path_factory, part: str):
 
 def shared(group: list[str], tmp_path_factory, part: str):
     """The session's one launch of every part of ``group`` (:data:`FOUR_PROC`, 4 processes,
-    :data:`TWO_PROC`, 2, or :data:`EIGHT_PROC`, 8): the job and ``part``'s stdout ("" when
-    the job failed)."""
+    :data:`TWO_PROC`, 2, :data:`EIGHT_PROC`, 8, or :data:`LONE_READS`, 2): the job and
+    ``part``'s stdout ("" when the job failed)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    n = {id(FOUR_PROC): 4, id(TWO_PROC): 2, id(EIGHT_PROC): 8}.get(id(group))
+    n = {id(FOUR_PROC): 4, id(TWO_PROC): 2, id(EIGHT_PROC): 8, id(LONE_READS): 2}.get(id(group))
     if n is None:
-        raise ValueError("shared: give torchrun_support.FOUR_PROC, TWO_PROC or EIGHT_PROC "
-                         "as group")
+        raise ValueError("shared: give torchrun_support.FOUR_PROC, TWO_PROC, EIGHT_PROC or "
+                         "LONE_READS as group")
     if part not in group:
         raise ValueError(f"shared: part {part!r} is not in the group; add it to the group's "
                          "list in tests/torchrun_support.py (spelled the same)")
@@ -203,6 +207,14 @@ def two_proc(tmp_path_factory, part: str):
 
 def eight_proc(tmp_path_factory, part: str):
     return shared(EIGHT_PROC, tmp_path_factory, part)
+
+
+def lone_reads(tmp_path_factory, part: str) -> dict:
+    """``part``'s JSON rows keyed ``(rank, case)``, from the session's one launch of
+    :data:`LONE_READS`, which must end well (as :func:`own_launch`'s)."""
+    out, text = shared(LONE_READS, tmp_path_factory, part)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {(r["rank"], r["case"]): r for r in json_rows(text)}
 
 
 def split_parts(stdout: str, n: int) -> list[str]:
