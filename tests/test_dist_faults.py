@@ -40,7 +40,7 @@ def _left_stop(pid, t0, limit_s) -> float:
     its peers sent it SIGTERM and SIGCONT, or it ended.  Read apart from the code under
     test (/proc, every 20 ms); ``inf`` if it was still stopped ``limit_s`` after ``t0``."""
     while _state(pid) not in ("T", None, "Z"):        # the stop is not instant
-        if time.monotonic() - t0 > 1.0:
+        if time.monotonic() - t0 > limit_s:
             raise AssertionError(f"rank 3 (pid {pid}) was never seen stopped")
         time.sleep(0.002)
     while _state(pid) == "T":
@@ -56,19 +56,19 @@ def _left_stop(pid, t0, limit_s) -> float:
                                       (signal.SIGSTOP, "idle")],
                          ids=["SIGKILL", "SIGSTOP", "SIGSTOP-idle"])
 def test_a_dead_or_frozen_rank_ends_the_job(sig, mode):
-    """Two times are held, apart, so that the machine's load does not decide the result
-    (the job took 11.4 s against the 9 s this test held it to in one figure, at load 20
-    on 2 cores: task speed17):
+    """Two times are held apart, so that the machine's load does not decide the result
+    (a run took 11.4 s against the 9 s this test held the whole job to, at load 20 on 2
+    cores: task speed15's suite run):
 
     * ``ended``: when the frozen rank left the stopped state (its peers ended it: the
-      code under test), within ``[TIMEOUT_S, TIMEOUT_S + MARGIN_S)`` of the stop; 0 for
-      SIGKILL, whose rank is gone at once;
-    * the job's end after that (torchrun noticing and ending the others), within
-      MARGIN_S or, on a busy machine, within the time the same job took to start (torchrun
-      starting four processes that import torch and meet: more work than ending them;
-      the start-up measured here, on the same load).  A frozen rank its peers did not end
-      fails the first (torchrun alone would wait its 30 s shutdown grace, or for ever
-      where no collective is pending)."""
+      code under test), under ``TIMEOUT_S + MARGIN_S`` after the stop (idle: not before
+      TIMEOUT_S either); 0 for SIGKILL, whose rank is gone at once;
+    * the job's end: within ``TIMEOUT_S + MARGIN_S`` of the fault as before or, on a busy
+      machine, within the time the same job took to start after the rank was gone
+      (torchrun noticing and ending the others is less work than starting four processes
+      that import torch and meet; that start-up measured here, on the same load).  A
+      frozen rank its peers did not end fails the first (torchrun alone would wait its
+      30 s shutdown grace, or for ever where no collective is pending)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     with tempfile.TemporaryFile("w+") as err:
         launched = time.monotonic()
@@ -98,11 +98,15 @@ def test_a_dead_or_frozen_rank_ends_the_job(sig, mode):
         stderr = err.read()
     assert rc != 0
     if sig == signal.SIGSTOP:
-        assert TIMEOUT_S - 0.5 <= ended < TIMEOUT_S + MARGIN_S, \
+        # idle: the peers' watch waits TIMEOUT_S from the stop it saw (with collectives
+        # pending, a peer's collective times out TIMEOUT_S after it began, which on a
+        # loaded machine may be well before the stop)
+        low = TIMEOUT_S - 0.5 if mode == "idle" else 0.0
+        assert low <= ended < TIMEOUT_S + MARGIN_S, \
             f"the frozen rank was ended {ended:.1f} s after it stopped"
-    assert elapsed - ended < max(MARGIN_S, start_s), (
-        f"the job took {elapsed - ended:.1f} s to end after rank 3 was gone "
-        f"({elapsed:.1f} s after the fault; its start took {start_s:.1f} s)")
+    assert elapsed < max(TIMEOUT_S + MARGIN_S, ended + start_s), (
+        f"the job took {elapsed:.1f} s to end ({elapsed - ended:.1f} s after rank 3 was "
+        f"gone; its start took {start_s:.1f} s)")
     time.sleep(0.5)
     assert not [pid for pid in pids.values() if _alive(pid)]
     if sig == signal.SIGSTOP:                    # the error names the frozen rank
