@@ -4,8 +4,8 @@ launch (each had a launch of its own, most of whose time was the start-up: torch
 two processes importing torch and the workbench; task speed17).  Each prints its JSON
 rows (keyed by case and rank; the two scripts' case names differ) as in its own launch.
 
-fixlist2_check ends with ``os._exit(0)`` (no teardown of the process group); here that
-call ends its ``main`` only, and review_revI_check's ``main``, which ends the same way,
+fixlist2_check's ``main`` ends with ``os._exit(0)`` (no teardown of the process group);
+here it is given another end, and review_revI_check's ``main``, which ends that way,
 runs next on the same group (its ``init`` finds the group up: fixlist2's timeout_s=30
 holds for both).
 
@@ -18,29 +18,17 @@ import fixlist2_check  # noqa: E402
 import review_revI_check  # noqa: E402
 
 
-class _Exit(Exception):
-    """fixlist2_check's ``os._exit(code)``, raised instead of ending the process."""
-
-
-def _raise_exit(code):
-    raise _Exit(code)
+def _ended(code):
+    if code != 0:
+        raise SystemExit(code)
 
 
 def main(argv):
     if "--" not in argv:
         raise SystemExit("usage: ddp_unused_check.py FIXLIST2_CASE ... -- REVI_CASE ...")
     k = argv.index("--")
-    exit_ = os._exit
-    os._exit = _raise_exit
-    try:
-        sys.argv = ["fixlist2_check.py", *argv[:k]]
-        fixlist2_check.main()
-        raise RuntimeError("fixlist2_check.main returned without os._exit(0)")
-    except _Exit as e:
-        if e.args[0] != 0:
-            raise
-    finally:
-        os._exit = exit_
+    sys.argv = ["fixlist2_check.py", *argv[:k]]
+    fixlist2_check.main(end=_ended)         # its end(0): the process goes on
     sys.argv = ["review_revI_check.py", *argv[k + 1:]]
     review_revI_check.main()                # ends the process: os._exit(0)
 
