@@ -109,8 +109,10 @@ def test_tiny_moe_with_ep_compiles_and_runs_as_eager(level):
 # ---- 3. a read only some processes make (torchrun): an error naming the fix, never a hang ---
 
 @pytest.mark.slow
-def test_a_read_on_rank_0_only_ends_in_an_error_naming_the_fix_and_the_job_goes_on():
-    """tests/dist_scripts/fixlist16_check.py (its own launch: init timeout_s=5), DDP over
+def test_a_read_on_rank_0_only_ends_in_an_error_naming_the_fix_and_the_job_goes_on(
+        tmp_path_factory):
+    """tests/dist_scripts/fixlist16_check.py (init timeout_s=5; in one launch with
+    test_readsync's check, torchrun_support.LONE_READS), DDP over
     tp 2 on 2 gloo processes. Was: rank 0's lone ``p.norm()`` (the logging habit ``if rank
     == 0: print(p.norm())``) waited in the tp gather until gloo's timeout, then the job
     died ('Application timeout caused pair closure'); two processes reading two
@@ -122,8 +124,8 @@ def test_a_read_on_rank_0_only_ends_in_an_error_naming_the_fix_and_the_job_goes_
     after timeout_s, with no gather begun, and the job goes on; different reads raise at
     once on both. ``wb.fully_shard``'s reads under torchrun (the chunks gathered) the
     same."""
-    from tests.torchrun_support import own_launch
-    rows = own_launch("fixlist16_check.py")
+    from tests.torchrun_support import lone_reads
+    rows = lone_reads(tmp_path_factory, "fixlist16_check.py")
     lone = rows[(0, "lone")]
     assert "process(es) [1] did not make this read within init()'s timeout_s=5 s" in lone["out"]
     assert "'0.weight' (6, 3)" in lone["out"] and "if rank == 0: print(p.norm())" in lone["out"]

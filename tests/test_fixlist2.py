@@ -139,15 +139,7 @@ def test_quantile_and_searchsorted_run_sharded_without_the_fallback(call):
     torch.testing.assert_close(call(d.full_tensor()), call(x))
 
 # ---- items 1-3: DDP and a parameter skipped by some or all ranks, held to torch's DDP -----
-import json                                                                 # noqa: E402
-import os                                                                   # noqa: E402
-import sys                                                                  # noqa: E402
-
-from tests.torchrun_support import json_rows, run_job                       # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
+from tests.torchrun_support import ddp_unused_rows                           # noqa: E402
 from tests.test_review_revI import Net                                      # noqa: E402
 
 
@@ -179,16 +171,10 @@ def test_simulated_parameter_unused_everywhere_raises_at_the_next_forward(mode):
 
 
 @pytest.fixture(scope="module")
-def gloo_rows():
-    script = os.path.join(ROOT, "tests", "dist_scripts", "fixlist2_check.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", script, "A_unused_everywhere", "B_used_rank0",
-           "C_zero_used_rank0", "D_stale_then_rank0", "E_zero_used_rank0_strict",
-           "F_stale_strict"]
-    out = run_job(cmd, timeout=240, cwd=ROOT,
-                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
-    assert out.returncode == 0, out.stderr[-3000:]
-    return {(r["case"], r["rank"]): r for r in json_rows(out.stdout)}
+def gloo_rows(tmp_path_factory):
+    """tests/dist_scripts/fixlist2_check.py's rows (its cases A to F), from the session's
+    one launch shared with test_review_revI (torchrun_support.ddp_unused_rows)."""
+    return ddp_unused_rows(tmp_path_factory)
 
 
 UNFINISHED = "RuntimeError: DistributedDataParallel: Expected to have finished reduction"

@@ -39,10 +39,11 @@ def _one_device():
 
 
 @pytest.fixture(scope="module")
-def rows():
-    """tests/dist_scripts/readsync_check.py's rows, one launch for this module's tests."""
-    from tests.torchrun_support import own_launch
-    return own_launch("readsync_check.py")
+def rows(tmp_path_factory):
+    """tests/dist_scripts/readsync_check.py's rows, from the session's one launch of
+    torchrun_support.LONE_READS (with test_fixlist16's check, the same timeout_s=5)."""
+    from tests.torchrun_support import lone_reads
+    return lone_reads(tmp_path_factory, "readsync_check.py")
 
 
 @pytest.mark.slow

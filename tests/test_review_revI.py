@@ -3,8 +3,6 @@ own DistributedDataParallel (gloo processes) or to one device."""
 import collections
 import copy
 import dataclasses
-import os
-import sys
 
 import pytest
 import torch
@@ -14,9 +12,7 @@ from torch.nn.parallel.distributed import _find_tensors
 import workbench as wb
 from workbench.parallel.strategies.laid_out_whole import storage  # the rows (habits13)
 from workbench.parallel.strategies.ddp_buckets import output_tensors
-from tests.torchrun_support import json_rows, run_job
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.torchrun_support import ddp_unused_rows
 
 
 class Net(nn.Module):
@@ -136,17 +132,10 @@ def test_output_tensors_of_a_disttensor_are_its_local_tensors():
 
 # ---- torch.distributed: held to torch's own DistributedDataParallel -----------------------
 @pytest.fixture(scope="module")
-def gloo_rows():
-    script = os.path.join(ROOT, "tests", "dist_scripts", "review_revI_check.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node=2", script, "dataclass_output", "unused_keeps_stale_grad",
-           "loss_outside_output", "buckets_after_no_sync", "graph_changes_under_static_graph",
-           "used_on_one_rank", "disttensor_used_on_one_rank",
-           "disttensor_used_on_one_rank_bucket_bytes"]
-    out = run_job(cmd, timeout=240, cwd=ROOT,
-                  env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
-    assert out.returncode == 0, out.stderr[-3000:]
-    return {(r["case"], r["rank"]): r for r in json_rows(out.stdout)}
+def gloo_rows(tmp_path_factory):
+    """tests/dist_scripts/review_revI_check.py's rows, from the session's one launch shared
+    with test_fixlist2 (torchrun_support.ddp_unused_rows: its cases run after fixlist2's)."""
+    return ddp_unused_rows(tmp_path_factory)
 
 
 @pytest.mark.slow

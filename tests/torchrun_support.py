@@ -73,20 +73,51 @@ def run_several(n: int, parts: list[str], tmp_path_factory=None, **kwargs):
     if tmp_path_factory is None:
         out = run_job(cmd, **kwargs)
     else:
-        from filelock import FileLock
-        key = hashlib.sha256(json.dumps([n, parts]).encode()).hexdigest()[:16]
-        root = tmp_path_factory.getbasetemp()          # the session's; under xdist a worker's
-        if os.environ.get("PYTEST_XDIST_WORKER"):
-            root = root.parent
-        path = root / f"several-{key}.json"
-        with FileLock(str(path) + ".lock"):
-            if path.is_file():
-                out = subprocess.CompletedProcess(cmd, **json.loads(path.read_text()))
-            else:
-                out = run_job(cmd, **kwargs)
-                path.write_text(json.dumps({"returncode": out.returncode, "stdout": out.stdout,
-                                            "stderr": out.stderr}))
+        out = run_once(cmd, tmp_path_factory, "several", [n, parts], **kwargs)
     return out, (split_parts(out.stdout, len(parts)) if out.returncode == 0 else None)
+
+
+def run_once(cmd, tmp_path_factory, name: str, key, **kwargs):
+    """:func:`run_job` of ``cmd`` once a test session, whichever tests ask for it, on
+    whichever pytest-xdist worker: the first runs the job, under a file lock, and leaves
+    its output for the others in the session's temporary root (``name`` and the JSON of
+    ``key`` name the file)."""
+    from filelock import FileLock
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    root = tmp_path_factory.getbasetemp()          # the session's; under xdist a worker's
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    path = root / f"{name}-{digest}.json"
+    with FileLock(str(path) + ".lock"):
+        if path.is_file():
+            return subprocess.CompletedProcess(cmd, **json.loads(path.read_text()))
+        out = run_job(cmd, **kwargs)
+        path.write_text(json.dumps({"returncode": out.returncode, "stdout": out.stdout,
+                                    "stderr": out.stderr}))
+    return out
+
+
+# tests/dist_scripts/ddp_unused_check.py's cases: test_fixlist2's (fixlist2_check.py), then
+# test_review_revI's (review_revI_check.py), both ending in os._exit, in one launch
+DDP_UNUSED = (["A_unused_everywhere", "B_used_rank0", "C_zero_used_rank0", "D_stale_then_rank0",
+               "E_zero_used_rank0_strict", "F_stale_strict"],
+              ["dataclass_output", "unused_keeps_stale_grad", "loss_outside_output",
+               "buckets_after_no_sync", "graph_changes_under_static_graph", "used_on_one_rank",
+               "disttensor_used_on_one_rank", "disttensor_used_on_one_rank_bucket_bytes"])
+
+
+def ddp_unused_rows(tmp_path_factory) -> dict:
+    """The session's one launch of ddp_unused_check.py (2 processes, :data:`DDP_UNUSED`),
+    which must end well: its JSON rows keyed ``(case, rank)``."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    first, second = DDP_UNUSED
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(root, "tests", "dist_scripts", "ddp_unused_check.py"),
+           *first, "--", *second]
+    out = run_once(cmd, tmp_path_factory, "ddp-unused", DDP_UNUSED, timeout=240, cwd=root,
+                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {(r["case"], r["rank"]): r for r in json_rows(out.stdout)}
 
 
 # Parts that share one launch a session (run_several), each test reading its own part's
@@ -148,6 +179,10 @@ TWO_PROC = ["zero_grads_check.py", "wrappers_check.py", "replicas_check.py", "ha
             "pipeline_clip_eval_check.py {dir}", "optim8_check.py", "loss8_check.py"]
 # (fixlist2_check and review_revI_check end in os._exit: they keep their own launches,
 # as test_distributed_engine's wrong process count and test_dist_faults' faults do)
+# 2-process checks of a read one process makes alone, which waits init()'s timeout_s=5
+# (TWO_PROC's first part sets 60 s for its launch): the first part's init sets it for
+# both, the second's init finds the group up (each had its own launch before: task speed17)
+LONE_READS = ["readsync_check.py", "fixlist16_check.py"]
 
 
 def part_dir(group: list[str], tmp_path_factory, part: str):
@@ -162,13 +197,13 @@ def part_dir(group: list[str], tmp_path_factory, part: str):
 
 def shared(group: list[str], tmp_path_factory, part: str):
     """The session's one launch of every part of ``group`` (:data:`FOUR_PROC`, 4 processes,
-    :data:`TWO_PROC`, 2, or :data:`EIGHT_PROC`, 8): the job and ``part``'s stdout ("" when
-    the job failed)."""
+    :data:`TWO_PROC`, 2, :data:`EIGHT_PROC`, 8, or :data:`LONE_READS`, 2): the job and
+    ``part``'s stdout ("" when the job failed)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    n = {id(FOUR_PROC): 4, id(TWO_PROC): 2, id(EIGHT_PROC): 8}.get(id(group))
+    n = {id(FOUR_PROC): 4, id(TWO_PROC): 2, id(EIGHT_PROC): 8, id(LONE_READS): 2}.get(id(group))
     if n is None:
-        raise ValueError("shared: give torchrun_support.FOUR_PROC, TWO_PROC or EIGHT_PROC "
-                         "as group")
+        raise ValueError("shared: give torchrun_support.FOUR_PROC, TWO_PROC, EIGHT_PROC or "
+                         "LONE_READS as group")
     if part not in group:
         raise ValueError(f"shared: part {part!r} is not in the group; add it to the group's "
                          "list in tests/torchrun_support.py (spelled the same)")
@@ -203,6 +238,14 @@ def two_proc(tmp_path_factory, part: str):
 
 def eight_proc(tmp_path_factory, part: str):
     return shared(EIGHT_PROC, tmp_path_factory, part)
+
+
+def lone_reads(tmp_path_factory, part: str) -> dict:
+    """``part``'s JSON rows keyed ``(rank, case)``, from the session's one launch of
+    :data:`LONE_READS`, which must end well (as :func:`own_launch`'s)."""
+    out, text = shared(LONE_READS, tmp_path_factory, part)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {(r["rank"], r["case"]): r for r in json_rows(text)}
 
 
 def split_parts(stdout: str, n: int) -> list[str]:

@@ -73,14 +73,17 @@ def main():
 
 def lone_read(rank, rows, case, read):
     """Rank 0 alone makes ``read`` (timed: its row ``case``); the others wait on the
-    job's store meanwhile (no collective)."""
+    job's store meanwhile (no collective).  The key names the running script (its
+    ``sys.argv[0]``): readsync_check.py reads with the same case names, and the two run
+    one after another in one launch (tests/torchrun_support.py LONE_READS)."""
     store = dist.distributed_c10d._get_default_store()
+    key = f"lone_read/{os.path.basename(sys.argv[0])}/{case}"
     if rank == 0:
         out, s = attempt(read)
         rows.append({"case": case, "out": out, "s": s})
-        store.set(f"lone_read/{case}", "1")
+        store.set(key, "1")
     else:
-        store.wait([f"lone_read/{case}"], timedelta(seconds=120))
+        store.wait([key], timedelta(seconds=120))
 
 
 def finish(rank, rows):
