@@ -115,10 +115,14 @@ def _refuse_per_process_draws(make_model, ids, ranks: int) -> None:
     (``strategies/ranks.py``: ``run_per_rank``), so ``torch.randn(ids.shape[0], ...)`` of
     rank 0 then rank 1 are together one device's draw of the whole batch, bit for bit.
     Under torchrun each process draws from its own generator, seeded alike (the seed in
-    ``make_model``), so every rank draws the numbers one device gives the first rows.
+    ``make_model``), so the ranks (even shards) draw the same numbers for their rows.
     This replays that: one forward on the whole batch, then each rank's rows from the same
     generator state, as each process starts.  A forward that draws nothing, raises, or
-    returns no tensor with the batch's rows is left to the training comparison."""
+    returns no tensor with the batch's rows is left to the training comparison.
+
+    Not DTensor's refusal of a plain tensor met by a DistTensor (mix17): DDP and FSDP run
+    the module on each rank's plain rows, so no DistTensor reaches this forward (a dispatch
+    that raised on every non-scalar plain operand still passed the model: measured)."""
     m = make_model()
     start = torch.get_rng_state()
     try:
@@ -144,8 +148,9 @@ def _refuse_per_process_draws(make_model, ids, ranks: int) -> None:
                 "your forward draws random numbers from torch's generator (torch.randn, "
                 "torch.rand, dropout in training mode, ...), and that is not one device's "
                 f"run under torchrun: each of the {ranks} processes draws from its own "
-                "generator, seeded alike (make_model's seed), so every rank draws the "
-                "numbers one device draws for the batch's first rows. Measured on the "
+                "generator, seeded alike (make_model's seed): starting from the same "
+                "state, every rank draws the same numbers for its rows, where one device "
+                "draws other numbers for each row. Measured on the "
                 f"check's first batch: rank {k}'s rows of the output differ from one "
                 f"device's by up to {gap:.3g}. (The simulated ranks draw one after another "
                 "from one generator, so together they draw one device's numbers: the "
