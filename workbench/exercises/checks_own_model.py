@@ -107,6 +107,59 @@ def check_ddp_bytes(answer, make_model=None, ranks: int = 4, vocab: int = 32,
         expected=f"{want:,} B")
 
 
+def _refuse_per_process_draws(make_model, ids, ranks: int) -> None:
+    """A CheckError where the forward draws from torch's global generator and the
+    processes of a torchrun job would draw other numbers than one device.
+
+    On simulated ranks the ranks' forwards draw one after another from the one generator
+    (``strategies/ranks.py``: ``run_per_rank``), so ``torch.randn(ids.shape[0], ...)`` of
+    rank 0 then rank 1 are together one device's draw of the whole batch, bit for bit.
+    Under torchrun each process draws from its own generator, seeded alike (the seed in
+    ``make_model``), so the ranks (even shards) draw the same numbers for their rows.
+    This replays that: one forward on the whole batch, then each rank's rows from the same
+    generator state, as each process starts.  A forward that draws nothing, raises, or
+    returns no tensor with the batch's rows is left to the training comparison.
+
+    Not DTensor's refusal of a plain tensor met by a DistTensor (mix17): DDP and FSDP run
+    the module on each rank's plain rows, so no DistTensor reaches this forward (a dispatch
+    that raised on every non-scalar plain operand still passed the model: measured)."""
+    m = make_model()
+    start = torch.get_rng_state()
+    try:
+        with torch.no_grad():
+            whole = m(ids)
+            if torch.equal(torch.get_rng_state(), start) or \
+                    not isinstance(whole, torch.Tensor) or whole.ndim == 0 or \
+                    whole.shape[0] != ids.shape[0]:
+                return
+            parts = []
+            for rows in ids.chunk(ranks):           # torch.chunk: each process's rows
+                torch.set_rng_state(start)          # every process seeded alike
+                parts.append(m(rows))
+            joined = torch.cat(parts)
+    except Exception:                               # the training comparison names it
+        return
+    if joined.shape != whole.shape or joined.dtype != whole.dtype:
+        return
+    for k, (got, rows) in enumerate(zip(parts, whole.split([len(p) for p in parts]))):
+        if not torch.allclose(got.float(), rows.float(), rtol=1e-5, atol=1e-6):
+            gap = (got.float() - rows.float()).abs().max().item()
+            raise CheckError(
+                "your forward draws random numbers from torch's generator (torch.randn, "
+                "torch.rand, dropout in training mode, ...), and that is not one device's "
+                f"run under torchrun: each of the {ranks} processes draws from its own "
+                "generator, seeded alike (make_model's seed): starting from the same "
+                "state, every rank draws the same numbers for its rows, where one device "
+                "draws other numbers for each row. Measured on the "
+                f"check's first batch: rank {k}'s rows of the output differ from one "
+                f"device's by up to {gap:.3g}. (The simulated ranks draw one after another "
+                "from one generator, so together they draw one device's numbers: the "
+                "simulation alone would not show it.) Draw such numbers once in __init__ "
+                "and keep them, indexed by what a row holds (a buffer read as "
+                "self.noise[ids]), not by its place in the batch; or leave them out "
+                "(dropout: model.eval(), or p=0)")
+
+
 def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int = 32,
                           context: int = 16):
     """Exercise 2: your model, under DDP and FSDP on ``ranks`` simulated ranks, gives one
@@ -128,6 +181,7 @@ def check_like_one_device(make_model, steps: int = 3, ranks: int = 2, vocab: int
             raise CheckError("every parameter of your model is frozen: give it one that "
                              "trains (requires_grad=True), or there is nothing to train")
         batches = [_ids(vocab, 2 * ranks, context, s) for s in range(steps)]
+        _refuse_per_process_draws(make_model, batches[0], ranks)
         results, losses, unused = {}, {}, []
         for kind in ("one device", "DDP", "FSDP"):
             m = make_model()
