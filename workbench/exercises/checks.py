@@ -363,6 +363,12 @@ def check_allreduce_seconds(seconds, nbytes: float = 14e9, p: int = 8,
         (2 * (p - 1) * alpha + 2 * (p - 1) / p * 4 * 2**20 * b,
          f"n is this model's gradients, {nbytes:.3g} bytes (the notebook's n, 4 MiB, was "
          "section 3's all-reduce)"),
+        # both of section 3's n and beta reused (n * beta in the formula): 66.47 us, which
+        # read only "too low: compare each factor" (browser review nbr17b)
+        (2 * (p - 1) * alpha + 2 * (p - 1) / p * 4 * 2**20 / nvlink,
+         f"that is section 3's all-reduce again (the notebook's n, 4 MiB, and beta, the "
+         f"A100's {nvlink / 1e9:g} GB/s NVLink): n is this model's gradients, {nbytes:.3g} "
+         f"bytes, and the 910B's ring runs on one HCCS link, {link_bandwidth / 1e9:g} GB/s"),
         (2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * 8 * b,
          "8 times too much: n is in bytes and the bandwidth in bytes per second, no bits"),
     ])
