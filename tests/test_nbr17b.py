@@ -35,3 +35,24 @@ def test_allreduce_single_slips_keep_their_own_names():
     assert "A100" in msg and "4 MiB" not in msg
     msg = message(C.check_allreduce_seconds, _ring_all_reduce(28e9, n=4 * 2**20))
     assert "section 3's all-reduce)" in msg and "A100" not in msg
+
+
+def _days(n=1024, peak=313e12, u=0.4):
+    return 6 * 7e9 * 2e12 / (n * peak * u) / 86_400
+
+
+def test_training_days_on_section_1s_1000_devices_is_named():
+    """01 section 1 prices GPT-3 on 1000 A100s; exercise 1 with 1,000 devices (2.4% off) read
+    "too high: compare each factor"."""
+    msg = message(C.check_training_days, _days(n=1000))
+    assert "1,000 devices" in msg and "1,024" in msg and "compare each factor" not in msg
+    # a rounded 7.8 is 0.45% from the 1,000-device value: not read as that slip
+    assert "1,000 devices" not in message(C.check_training_days, 7.8)
+
+
+def test_allreduce_with_p_the_links_is_named():
+    """Exercise 3 names 7 HCCS links per NPU; p = 7 in the ring formula (2% low) read "too
+    low: compare each factor"."""
+    seconds = 2 * 6 * 3e-6 + 2 * 6 / 7 * 14e9 / 28e9
+    msg = message(C.check_allreduce_seconds, seconds)
+    assert "p = 7" in msg and "8 NPUs" in msg and "compare each factor" not in msg

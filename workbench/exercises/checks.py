@@ -244,6 +244,12 @@ def check_training_days(days, params: float = 7e9, tokens: float = 2e12, n_devic
     slips = [] if a100 == peak else [(want * peak / a100, "that uses the A100's bf16 peak "
                                       f"({a100 / 1e12:g} TFLOP/s: the notebook's variable peak is "
                                       f"the A100's); the devices here are {profile}", 0.001)]
+    # section 1 prices GPT-3 on 1000 A100s: 1,000 devices reused lies 2.4% off and read
+    # "too high: compare each factor" (browser review nbr17b); named only within 0.2%, so
+    # that 7.8 (rounded, or a slip) is not read as it
+    if n_devices != 1000:
+        slips.append((want * n_devices / 1000, f"that uses 1,000 devices (section 1's cluster); "
+                      f"the exercise has {n_devices:,}", 0.002))
     _check_number("training time", days, want, "days", slips + [(want * r, t) for r, t in [
         (1 / 3, "one third of it: did you count only the forward pass (2ND)? "
                 "Training is 6ND: 2 per parameter per token forward, 4 backward"),
@@ -371,4 +377,9 @@ def check_allreduce_seconds(seconds, nbytes: float = 14e9, p: int = 8,
          f"bytes, and the 910B's ring runs on one HCCS link, {link_bandwidth / 1e9:g} GB/s"),
         (2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * 8 * b,
          "8 times too much: n is in bytes and the bandwidth in bytes per second, no bits"),
+        # p = 7 (the links of each NPU, which the exercise names) lies 2% low and read "too
+        # low: compare each factor" (browser review nbr17b); named only within 0.3%
+        (2 * (p - 2) * alpha + 2 * (p - 2) / (p - 1) * nbytes * b,
+         f"that takes p = {p - 1}, the HCCS links of each NPU; p is the number of ranks in "
+         f"the ring, the {p} NPUs of the server", 0.003),
     ])
