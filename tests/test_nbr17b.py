@@ -85,3 +85,17 @@ def test_cells_that_print_this_machines_device_are_not_compared(name):
         assert "nbval-ignore-output" in cell["metadata"].get("tags", []), (
             f"{name} cell {i} prints this machine's device: tag it nbval-ignore-output")
     assert checked or name == "12_profiling"           # 12 forces device="cpu": prints no device
+
+
+def test_training_days_names_the_fraction_of_a_percentage_utilization():
+    """01 exercise 1 with utilization=40 (a percentage) stopped in estimates.training_days with
+    "utilization=40 is a fraction of peak, in (0, 1]": the value and the range, not the fix."""
+    from workbench.sim_mesh import estimates
+    with pytest.raises(ValueError, match=r"utilization=40 .*in \(0, 1\]: 40% of peak is "
+                                         r"utilization=0\.4$"):
+        estimates.training_days(8.4e22, 1024, 313e12, 40)
+    with pytest.raises(ValueError, match=r"utilization=400 .*in \(0, 1\]$"):
+        estimates.training_days(8.4e22, 1024, 313e12, 400)
+    # in range: the formula, flops / (n x peak x u) / 86,400
+    assert estimates.training_days(8.4e22, 1024, 313e12, 0.4) == pytest.approx(
+        8.4e22 / (1024 * 313e12 * 0.4) / 86_400, rel=1e-12)
