@@ -99,3 +99,14 @@ def test_training_days_names_the_fraction_of_a_percentage_utilization():
     # in range: the formula, flops / (n x peak x u) / 86,400
     assert estimates.training_days(8.4e22, 1024, 313e12, 0.4) == pytest.approx(
         8.4e22 / (1024 * 313e12 * 0.4) / 86_400, rel=1e-12)
+
+
+def test_tp_group_without_the_rank_itself_is_named():
+    """00 exercise 2 asks with which ranks rank 5 exchanges tp traffic: (4, 6, 7), its peers,
+    read "its tp group is the ranks with the same dp coordinate", which they are."""
+    for peers in [(4, 6, 7), [7, 6, 4]]:
+        msg = message(C.check_tp_group, peers)
+        assert "peers" in msg and "rank 5 itself" in msg and "same dp coordinate" not in msg
+    # a wrong set of three is not read as the peers
+    assert "peers" not in message(C.check_tp_group, (4, 6, 3))
+    assert "peers" not in message(C.check_tp_group, (5,))

@@ -221,6 +221,12 @@ def check_tp_group(group, rank: int = 5) -> None:
     if set(got) == set(want):
         raise CheckError(f"{got} has the right ranks in the wrong order; give them in mesh "
                          "order", expected=str(want))
+    if set(got) == set(want) - {rank} and len(got) == len(want) - 1:
+        # the exercise asks "with which ranks does rank 5 exchange": its peers alone read
+        # "its tp group is the ranks with the same dp coordinate", which they are (nbr17b)
+        raise CheckError(f"{got} are rank {rank}'s peers along tp; its group also holds rank "
+                         f"{rank} itself (as mesh8.group_of({rank}, 'tp') gives it), in mesh "
+                         "order", expected=str(want))
     raise CheckError(f"your group {got} is not rank {rank}'s tp group: rank {rank} sits at "
                      f"coordinate {(row, col)}; its tp group is the ranks with the same dp "
                      "coordinate", expected=str(want))
