@@ -221,6 +221,12 @@ def check_tp_group(group, rank: int = 5) -> None:
     if set(got) == set(want):
         raise CheckError(f"{got} has the right ranks in the wrong order; give them in mesh "
                          "order", expected=str(want))
+    if set(got) == set(want) - {rank} and len(got) == len(want) - 1:
+        # the exercise asks "with which ranks does rank 5 exchange": its peers alone read
+        # "its tp group is the ranks with the same dp coordinate", which they are (nbr17b)
+        raise CheckError(f"{got} are rank {rank}'s peers along tp; its group also holds rank "
+                         f"{rank} itself (as mesh8.group_of({rank}, 'tp') gives it), in mesh "
+                         "order", expected=str(want))
     raise CheckError(f"your group {got} is not rank {rank}'s tp group: rank {rank} sits at "
                      f"coordinate {(row, col)}; its tp group is the ranks with the same dp "
                      "coordinate", expected=str(want))
@@ -244,6 +250,12 @@ def check_training_days(days, params: float = 7e9, tokens: float = 2e12, n_devic
     slips = [] if a100 == peak else [(want * peak / a100, "that uses the A100's bf16 peak "
                                       f"({a100 / 1e12:g} TFLOP/s: the notebook's variable peak is "
                                       f"the A100's); the devices here are {profile}", 0.001)]
+    # section 1 prices GPT-3 on 1000 A100s: 1,000 devices reused lies 2.4% off and read
+    # "too high: compare each factor" (browser review nbr17b); named only within 0.2%, so
+    # that 7.8 (rounded, or a slip) is not read as it
+    if n_devices != 1000:
+        slips.append((want * n_devices / 1000, f"that uses 1,000 devices (section 1's cluster); "
+                      f"the exercise has {n_devices:,}", 0.002))
     _check_number("training time", days, want, "days", slips + [(want * r, t) for r, t in [
         (1 / 3, "one third of it: did you count only the forward pass (2ND)? "
                 "Training is 6ND: 2 per parameter per token forward, 4 backward"),
@@ -363,6 +375,17 @@ def check_allreduce_seconds(seconds, nbytes: float = 14e9, p: int = 8,
         (2 * (p - 1) * alpha + 2 * (p - 1) / p * 4 * 2**20 * b,
          f"n is this model's gradients, {nbytes:.3g} bytes (the notebook's n, 4 MiB, was "
          "section 3's all-reduce)"),
+        # both of section 3's n and beta reused (n * beta in the formula): 66.47 us, which
+        # read only "too low: compare each factor" (browser review nbr17b)
+        (2 * (p - 1) * alpha + 2 * (p - 1) / p * 4 * 2**20 / nvlink,
+         f"that is section 3's all-reduce again (the notebook's n, 4 MiB, and beta, the "
+         f"A100's {nvlink / 1e9:g} GB/s NVLink): n is this model's gradients, {nbytes:.3g} "
+         f"bytes, and the 910B's ring runs on one HCCS link, {link_bandwidth / 1e9:g} GB/s"),
         (2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * 8 * b,
          "8 times too much: n is in bytes and the bandwidth in bytes per second, no bits"),
+        # p = 7 (the links of each NPU, which the exercise names) lies 2% low and read "too
+        # low: compare each factor" (browser review nbr17b); named only within 0.3%
+        (2 * (p - 2) * alpha + 2 * (p - 2) / (p - 1) * nbytes * b,
+         f"that takes p = {p - 1}, the HCCS links of each NPU; p is the number of ranks in "
+         f"the ring, the {p} NPUs of the server", 0.003),
     ])

@@ -74,7 +74,10 @@ def training_days(flops: float, n_devices: int, peak_flops: float,
     (312e12) at 50% is 23.3 days; the often quoted "about 22 days" needs 53%."""
     _pos(flops=flops, n_devices=n_devices, peak_flops=peak_flops, utilization=utilization)
     if utilization > 1:
-        raise ValueError(f"utilization={utilization!r} is a fraction of peak, in (0, 1]")
+        # a percentage (40 for 40%) is the likely slip: name its fraction (review nbr17b)
+        fix = (f": {utilization:g}% of peak is utilization={utilization / 100:g}"
+               if utilization <= 100 else "")
+        raise ValueError(f"utilization={utilization!r} is a fraction of peak, in (0, 1]{fix}")
     return flops / (n_devices * peak_flops * utilization) / SECONDS_PER_DAY
 
 
