@@ -35,7 +35,7 @@ from . import reduce_scatter_op as _rs
 from .backward_pass import in_weight_pass
 from . import grad_record as _gr
 from .grad_record import mute_backward, on_backward_steps
-from .grid import REDUCE_OPS, Cells, Stacked, chunk_bounds, ops_for
+from .grid import REDUCE_OPS, Cells, CellGrid, Stacked, chunk_bounds, ops_for
 from .profiles import profile_memo as _profile_memo
 from .trace import current_trace
 
@@ -77,18 +77,26 @@ def _rank_bytes(x, nd: int) -> int:
 
 
 def record_collective(kind: str, mesh, axis: int | None, nbytes: int, label: str = "",
-                      groups=None, overlap: bool = False):
+                      groups=None, overlap: bool = False, sent: int | None = None):
     """Record ``kind`` on every group along mesh ``axis`` in the current trace.
 
     ``nbytes`` follows the cost model's convention (see :mod:`workbench.sim_mesh.cost`).
+    ``sent``: the bytes the busiest rank sends where the ranks send different amounts
+    (an uneven all-to-all): recorded as the event's bytes and priced
+    (``cost.sent_buffer``) in place of (p-1)/p of ``nbytes``.
     Returns the handles (empty when no trace is being recorded)."""
     tr = current_trace()
     if tr is None:
         return []
+    args = {"mesh_dim": mesh.dim_names[axis] if axis is not None else "",
+            "buffer_bytes": int(nbytes)}
+    if sent is not None:
+        gs = [g for g in (mesh.groups(axis) if groups is None else groups) if len(g) > 1]
+        return [tr.record_collective(g, kind, _cost.price(kind, _cost.sent_buffer(
+                    kind, sent, len(g)), g, tr.profile), bytes=int(sent), label=label,
+                    args=dict(args), overlap=overlap) for g in gs]
     return [tr.record_collective(g, kind, dur, bytes=wire, label=label,
-                                 args={"mesh_dim": mesh.dim_names[axis] if axis is not None
-                                       else "", "buffer_bytes": int(nbytes)},
-                                 overlap=overlap)
+                                 args=dict(args), overlap=overlap)
             for g, dur, wire in _priced_groups(kind, mesh, axis, nbytes, groups, tr.profile)]
 
 
@@ -342,7 +350,16 @@ def all_to_all(x, mesh, axis: int, split_dim: int, concat_dim: int, *, label: st
     concat_dim = _dim(x, mesh.ndim, concat_dim, "all_to_all", "concat_dim")
     nd, n = mesh.ndim, mesh.shape[axis]
     nb = F.rank_bytes(x, nd)
-    record_collective("all_to_all", mesh, axis, nb, label)
+    if F is CellGrid and n > 1 and current_trace() is not None:
+        # uneven shards: each group's events carry its busiest rank's bytes
+        for g in mesh.groups(axis):
+            c = mesh.coordinate(g[0])
+            ts = [x[tuple(ci if ln > 1 else 0 for ci, ln in
+                          zip(c[:axis] + (k,) + c[axis + 1:], x.lead))] for k in range(n)]
+            record_collective("all_to_all", mesh, axis, nb, label, groups=[g],
+                              sent=CellGrid.all_to_all_sent(ts, split_dim, n))
+    else:
+        record_collective("all_to_all", mesh, axis, nb, label)
     y = F.all_to_all(x, nd, axis, split_dim, concat_dim, n)
     return _on_backward(y, "all_to_all", mesh, axis, nb, label)
 

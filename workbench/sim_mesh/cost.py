@@ -95,6 +95,21 @@ def wire_bytes(kind: str, nbytes: int, p: int) -> int:
     return n  # broadcast, send_recv
 
 
+def sent_buffer(kind: str, sent: int, p: int) -> float:
+    """The buffer n whose :func:`wire_bytes` is ``sent``, the bytes the busiest rank
+    sends: ``sent * p / (p - 1)`` for all_gather, reduce_scatter, all_to_all (the
+    inverse of their (p-1)/p n).  An uneven all-to-all (torch.chunk pieces) has ranks
+    that send more than (p-1)/p of the largest shard (4 rows on 3 ranks are cut 2, 2, 0:
+    the third rank sends all 4); the collective ends when its busiest rank is done, so
+    the clock prices this buffer, exact for the ring and pairwise formulas (bandwidth
+    term (p-1)/p n beta = sent beta, module docstring)."""
+    _check(kind, sent, p)
+    if kind not in ("all_gather", "reduce_scatter", "all_to_all"):
+        raise ValueError(f"sent_buffer(kind={kind!r}): only all_gather, reduce_scatter and "
+                         "all_to_all send (p-1)/p of their buffer")
+    return 0 if p == 1 or sent == 0 else sent * p / (p - 1)
+
+
 def collective_time(kind: str, nbytes: float, p: int, link: Link,
                     algorithm: str = "ring") -> float:
     """Seconds for one collective over p ranks on one link (formulas in the module

@@ -294,6 +294,19 @@ class CellGrid:
         return Cells(x.lead, [out[c] for c in x.coords()])
 
     @staticmethod
+    def all_to_all_sent(ts, split_dim, n) -> int:
+        """Bytes the busiest of one group's ranks (their shards ``ts``, in group order)
+        sends in :meth:`all_to_all`: its shard less the torch.chunk piece it keeps
+        (uneven shards send different amounts)."""
+        most = 0
+        for k, t in enumerate(ts):
+            L = t.shape[split_dim]
+            kept = chunk_bounds(L, n, k)[1]
+            most = max(most, (t.numel() - (t.numel() // L * kept if L else 0))
+                       * t.element_size())
+        return most
+
+    @staticmethod
     def all_to_all(x, nd, axis, split_dim, concat_dim, n):
         out = {}
         for cs, ts in x.lines(axis):
