@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 
 import workbench as wb
+from workbench.parallel import layout
 from workbench.sim_mesh import cost
 from tests.strategies import meshes, placements, shapes
 
@@ -67,12 +68,22 @@ def test_reshard_round_trip_and_plan_bytes(data):
     for s in plan.steps:
         if s.kind.startswith("local"):
             assert s.bytes == 0
+        elif s.kind == "all_to_all" and not (layout.is_even(shape, mesh, s.src) and
+                                             layout.is_even(shape, mesh, s.dst)):
+            # uneven: the busiest rank's bytes, exact (plan16)
+            assert s.bytes == layout.all_to_all_sent(tuple(shape), mesh.shape, s.src,
+                                                     s.mesh_dim, s.dst[s.mesh_dim].dim, 4)[1]
         else:
             assert s.bytes == cost.wire_bytes(s.kind, s.buffer_bytes, mesh.shape[s.mesh_dim])
-    # and the trace recorded exactly the plan: one event per group per step
+    # and the trace recorded exactly the plan: one event per group per step (an uneven
+    # all-to-all's events: each group's busiest rank, the most of them the step's)
     steps = [s for s in plan.steps if not s.kind.startswith("local")]
     assert sum(1 for _ in tr.collectives()) == sum(s.groups for s in steps)
-    assert tr.total_bytes() == sum(s.bytes * s.groups for s in steps)
+    a2a = [e.bytes for e in tr.collectives() if e.name == "all_to_all"]
+    assert tr.total_bytes() - sum(a2a) == sum(s.bytes * s.groups for s in steps
+                                              if s.kind != "all_to_all")
+    assert max(a2a, default=0) == max((s.bytes for s in steps if s.kind == "all_to_all"),
+                                      default=0)
 
 
 @SETTINGS

@@ -63,10 +63,14 @@ def step_kwargs(kind: str, shape, dtype, mesh, src, dst, axis: int, coord) -> di
     layout ``src`` to ``dst`` on mesh dim ``axis``: ``sizes`` (the members' pieces, not
     for an all-reduce) and ``nbytes``, the buffer the simulator records, the largest
     rank's anywhere on the mesh (the gathered output for an all-gather, else the input;
-    ``grid`` rank_bytes of cells)."""
+    ``grid`` rank_bytes of cells), and for an all-to-all ``grad_nbytes``, its backward's
+    (the output's).  Given ``nbytes``, an all-to-all records its group's busiest rank
+    (``collectives.all_to_all``), as the simulator does on cells."""
     buf = dst if kind == "all_gather" else src
     elem = torch.empty((), dtype=dtype).element_size()
     out = {"nbytes": layout.local_numel_max(tuple(shape), mesh, buf) * elem}
+    if kind == "all_to_all":
+        out["grad_nbytes"] = layout.local_numel_max(tuple(shape), mesh, dst) * elem
     if kind != "all_reduce":
         out["sizes"] = step_sizes(kind, shape, mesh, src, dst, axis, coord)
     return out

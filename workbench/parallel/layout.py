@@ -18,7 +18,7 @@ from ..sim_mesh.grid import chunk_bounds
 from .placement import Placement, Shard
 
 __all__ = ["chunk_bounds", "shard_bounds", "local_shape", "is_even", "stacked_shape",
-           "max_local_shape", "local_numel_max"]
+           "max_local_shape", "local_numel_max", "all_to_all_sent"]
 
 
 @lru_cache(maxsize=4096)
@@ -86,6 +86,33 @@ def max_local_shape(shape, mesh, placements) -> tuple[int, ...]:
 
 def local_numel_max(shape, mesh, placements) -> int:
     return math.prod(max_local_shape(shape, mesh, placements))
+
+
+@lru_cache(maxsize=4096)
+def all_to_all_sent(shape: tuple, mesh_shape: tuple, src: tuple, axis: int, split_dim: int,
+                    elem: int) -> tuple[int, int]:
+    """(fewest, most) bytes one rank sends in the all-to-all on mesh dim ``axis`` that
+    splits tensor dim ``split_dim`` of layout ``src`` (S(a) -> S(split_dim)): each rank
+    cuts its shard along ``split_dim`` in as many torch.chunk pieces as the group has
+    ranks, keeps its own and sends the others (``sim_mesh.grid.CellGrid.all_to_all``).
+    Even layouts: both are (p-1)/p of the shard; uneven ones differ per rank (a shard
+    of 4 rows on 3 ranks is cut 2, 2, 0: the third rank keeps none and sends all 4)."""
+    p = mesh_shape[axis]
+    sent = []
+    for coord in _coords(mesh_shape):
+        sizes = [n for _, n in _bounds(shape, mesh_shape, src, coord)]
+        numel = math.prod(sizes)
+        L = sizes[split_dim]
+        kept = chunk_bounds(L, p, coord[axis])[1]
+        sent.append((numel // L * (L - kept) if L else 0) * elem)
+    return min(sent), max(sent)
+
+
+def _coords(mesh_shape: tuple):
+    out = [()]
+    for n in mesh_shape:
+        out = [c + (k,) for c in out for k in range(n)]
+    return out
 
 
 def stacked_shape(shape, mesh, placements) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 from functools import lru_cache
-from dataclasses import dataclass
+from dataclasses import dataclass, replace as _replace
 
 import torch
 from torch.overrides import handle_torch_function, has_torch_function
@@ -58,7 +58,7 @@ class Step:
     mesh_dim_name: str
     src: tuple                      # placements before
     dst: tuple                      # placements after
-    bytes: int                      # bytes each rank sends (0 for local steps)
+    bytes: int                      # bytes the busiest rank sends (0 for local steps)
     time: float                     # modeled seconds on the plan's profile
     buffer_bytes: int = 0           # the collective's buffer (cost-model convention)
     groups: int = 0                 # how many groups run it at once
@@ -103,13 +103,25 @@ class Plan:
         if not self.steps:
             return head + "\n  (nothing to do)"
         body = "\n".join("  " + str(s) for s in self.steps)
-        return (f"{head}\n{body}\n  total {self.total_bytes:,d} B sent per rank, "
+        return (f"{head}\n{body}\n  total {self.total_bytes:,d} B {self.total_label()}, "
                 f"{self.total_time * 1e6:.2f} us")
+
+    def uneven(self) -> bool:
+        """True where a step's ranks send different amounts (its bytes: the busiest's)."""
+        return any(s.note.startswith("busiest rank") for s in self.steps)
+
+    def total_label(self) -> str:
+        """What :attr:`total_bytes` is: per rank, or (uneven steps) the sum of each
+        step's busiest rank, an upper bound of any one rank's bytes."""
+        return ("sent per rank" if not self.uneven() else
+                "(sum of each step's busiest rank)")
 
     def _repr_html_(self) -> str:
         rows = "".join(
             f"<tr><td>{s.kind}</td><td>{s.mesh_dim_name}</td><td>{fmt_placements(s.src)}</td>"
-            f"<td>{fmt_placements(s.dst)}</td><td>{s.bytes:,d}</td><td>{s.time * 1e6:.2f}</td></tr>"
+            f"<td>{fmt_placements(s.dst)}</td><td>{s.bytes:,d}"
+            f"{' (' + s.note + ')' if s.note.startswith('busiest rank') else ''}</td>"
+            f"<td>{s.time * 1e6:.2f}</td></tr>"
             for s in self.steps)
         return ("<table><tr><th>step</th><th>mesh dim</th><th>from</th><th>to</th>"
                 f"<th>bytes/rank</th><th>us</th></tr>{rows}</table>")
@@ -138,14 +150,45 @@ def _moves(shape, mesh, ps, dtype, profile):
                              _nbytes(shape, mesh, nxt if whose else ps, dtype))
 
 
+def a2a_sent(shape, dtype, mesh, ps, nxt, i) -> tuple[int, int] | None:
+    """(fewest, most) bytes a rank sends in the all-to-all ``ps`` -> ``nxt`` on mesh dim
+    ``i`` (``layout.all_to_all_sent``); None where every rank sends (p-1)/p of the
+    largest shard (even shards: the ring formula is exact)."""
+    if layout._is_even(tuple(shape), mesh.shape, tuple(ps)) and \
+            layout._is_even(tuple(shape), mesh.shape, tuple(nxt)):
+        return None
+    return layout.all_to_all_sent(tuple(shape), mesh.shape, tuple(ps), i, nxt[i].dim,
+                                  _elem(dtype))
+
+
 @lru_cache(maxsize=65536)
-def _price_step(kind, i, nbytes, mesh, profile) -> tuple[int, float, int]:
+def _price_step(kind, i, nbytes, mesh, profile, sent=None) -> tuple[int, float, int]:
+    """(bytes the busiest rank sends, modeled seconds, groups) of a step whose buffer is
+    ``nbytes``; ``sent``: the busiest rank's bytes where ranks send different amounts
+    (an uneven all-to-all, :func:`a2a_sent`), priced as such (``cost.sent_buffer``)."""
     if kind in _LOCAL:
         return 0, 0.0, 0
     groups = mesh.groups(i)
     p = mesh.shape[i]
+    if sent is not None:
+        nb = _cost.sent_buffer(kind, sent, p)
+        return sent, max(_cost.price(kind, nb, g, profile) for g in groups), len(groups)
     t = max(_cost.price(kind, nbytes, g, profile) for g in groups)
     return _cost.wire_bytes(kind, nbytes, p), t, len(groups)
+
+
+def _labelled(steps, shape, dtype, mesh) -> list:
+    """Steps with a note where ranks send different amounts (uneven all-to-all): the
+    step's bytes are the busiest rank's; the note gives the range."""
+    out = []
+    for s in steps:
+        if s.kind == "all_to_all":
+            r = a2a_sent(shape, dtype, mesh, s.src, s.dst, s.mesh_dim)
+            if r is not None and r[0] != r[1]:
+                s = _replace(s, note=(f"busiest rank; ranks send {r[0]:,d}..{r[1]:,d} B "
+                                      + s.note).rstrip())
+        out.append(s)
+    return out
 
 
 def _plan_same_mesh(shape, dtype, mesh, src, dst, profile) -> list[Step]:
@@ -162,8 +205,11 @@ def _plan_same_mesh(shape, dtype, mesh, src, dst, profile) -> list[Step]:
         if best.get(ps, cost) < cost:
             continue
         for kind, i, nxt, nb in _moves(shape, mesh, ps, dtype, profile):
-            wire, t, ng = _price_step(kind, i, nb, mesh, profile)
-            exact = _EXACT.get(kind, 0.0) * nb * (mesh.shape[i] - 1) / mesh.shape[i]
+            sent = a2a_sent(shape, dtype, mesh, ps, nxt, i) if kind == "all_to_all" else None
+            sent = None if sent is None else sent[1]
+            wire, t, ng = _price_step(kind, i, nb, mesh, profile, sent)
+            exact = (_EXACT.get(kind, 0.0) * nb * (mesh.shape[i] - 1) / mesh.shape[i]
+                     if sent is None else sent)
             # cheapest time, then fewest bytes (unrounded), then no zero-padding detours,
             # then fewest steps
             c = (cost[0] + t, cost[1] + exact, cost[2] + (kind == "local_pad"), cost[3] + 1)
@@ -210,12 +256,14 @@ def _plan_cross_mesh(shape, dtype, smesh, src, dmesh, dst, prof) -> list[Step]:
     shard from one source rank (round robin)."""
     nb = _nbytes(shape, dmesh, dst, dtype)
     if smesh.shape == dmesh.shape:
-        steps = _plan_same_mesh(shape, dtype, smesh, src, dst, prof)
+        steps = _labelled(_plan_same_mesh(shape, dtype, smesh, src, dst, prof), shape,
+                          dtype, smesh)
         pairs = list(zip(smesh.ranks, dmesh.ranks))
         before = dst
     else:
         before = tuple(Replicate() for _ in smesh.shape)
-        steps = _plan_same_mesh(shape, dtype, smesh, src, before, prof)
+        steps = _labelled(_plan_same_mesh(shape, dtype, smesh, src, before, prof), shape,
+                          dtype, smesh)
         pairs = _cross_pairs(smesh, dmesh)
     pairs = [(a, b) for a, b in pairs if a != b]
     t, sent = _sends(pairs, nb, prof)
@@ -577,6 +625,7 @@ def _plan_cached(shape, dtype, mesh, src, dst, profile) -> Plan:
     steps = plan_steps(shape, dtype, mesh, src, dst, prof, _price_step, _EXACT)
     if steps is None:
         steps = _plan_same_mesh(shape, dtype, mesh, src, dst, prof)     # raises: no plan
+    steps = _labelled(steps, shape, dtype, mesh)
     return Plan(shape, dtype, mesh, src, mesh, dst, tuple(steps), prof.name)
 
 

@@ -117,7 +117,7 @@ def _moves(ndim: int, mesh_shape: tuple, pops: tuple, ps: tuple) -> list:
 def plan_steps(shape, dtype, mesh, src, dst, profile, price_step, exact_factor) -> list:
     """``reshard._plan_same_mesh(shape, dtype, mesh, src, dst, profile)``'s steps.
     ``price_step``: reshard's ``_price_step``; ``exact_factor``: its ``_EXACT``."""
-    from .reshard import Step
+    from .reshard import Step, a2a_sent
     if src == dst:
         return []
     mshape, elem = mesh.shape, dtype.itemsize
@@ -134,12 +134,13 @@ def plan_steps(shape, dtype, mesh, src, dst, profile, price_step, exact_factor) 
 
     priced: dict = {}           # (kind, mesh dim, bytes) -> (wire, time, groups, exact)
 
-    def price(kind, i, nb):
-        k = (kind, i, nb)
+    def price(kind, i, nb, sent=None):
+        k = (kind, i, nb, sent)
         r = priced.get(k)
         if r is None:
-            wire, t, ng = price_step(kind, i, nb, mesh, profile)
-            exact = exact_factor.get(kind, 0.0) * nb * (mshape[i] - 1) / mshape[i]
+            wire, t, ng = price_step(kind, i, nb, mesh, profile, sent)
+            exact = (exact_factor.get(kind, 0.0) * nb * (mshape[i] - 1) / mshape[i]
+                     if sent is None else sent)
             r = priced[k] = (wire, t, ng, exact)
         return r
 
@@ -159,7 +160,11 @@ def plan_steps(shape, dtype, mesh, src, dst, profile, price_step, exact_factor) 
             continue
         for kind, i, nxt, whose in graph.out(k):
             nb = 0 if whose is None else nb_of(nxt if whose else k)
-            wire, t, ng, exact = price(kind, i, nb)
+            sent = None
+            if kind == "all_to_all":     # uneven: the busiest rank's bytes (reshard.a2a_sent)
+                sent = a2a_sent(shape, dtype, mesh, states[k], states[nxt], i)
+                sent = None if sent is None else sent[1]
+            wire, t, ng, exact = price(kind, i, nb, sent)
             c = (cost[0] + t, cost[1] + exact, cost[2] + (kind == "local_pad"), cost[3] + 1)
             old = best.get(nxt)
             if old is None or c < old:

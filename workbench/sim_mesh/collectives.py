@@ -35,7 +35,8 @@ from . import reduce_scatter_op as _rs
 from .backward_pass import in_weight_pass
 from . import grad_record as _gr
 from .grad_record import mute_backward, on_backward_steps
-from .grid import REDUCE_OPS, Cells, Stacked, chunk_bounds, ops_for
+from .grid import REDUCE_OPS, Cells, CellGrid, Stacked, chunk_bounds, ops_for
+from .grid import all_to_all_sent as _a2a_sent
 from .profiles import profile_memo as _profile_memo
 from .trace import current_trace
 
@@ -77,18 +78,26 @@ def _rank_bytes(x, nd: int) -> int:
 
 
 def record_collective(kind: str, mesh, axis: int | None, nbytes: int, label: str = "",
-                      groups=None, overlap: bool = False):
+                      groups=None, overlap: bool = False, sent: int | None = None):
     """Record ``kind`` on every group along mesh ``axis`` in the current trace.
 
     ``nbytes`` follows the cost model's convention (see :mod:`workbench.sim_mesh.cost`).
+    ``sent``: the bytes the busiest rank sends where the ranks send different amounts
+    (an uneven all-to-all): recorded as the event's bytes and priced
+    (``cost.sent_buffer``) in place of (p-1)/p of ``nbytes``.
     Returns the handles (empty when no trace is being recorded)."""
     tr = current_trace()
     if tr is None:
         return []
+    args = {"mesh_dim": mesh.dim_names[axis] if axis is not None else "",
+            "buffer_bytes": int(nbytes)}
+    if sent is not None:
+        gs = [g for g in (mesh.groups(axis) if groups is None else groups) if len(g) > 1]
+        return [tr.record_collective(g, kind, _cost.price(kind, _cost.sent_buffer(
+                    kind, sent, len(g)), g, tr.profile), bytes=int(sent), label=label,
+                    args=dict(args), overlap=overlap) for g in gs]
     return [tr.record_collective(g, kind, dur, bytes=wire, label=label,
-                                 args={"mesh_dim": mesh.dim_names[axis] if axis is not None
-                                       else "", "buffer_bytes": int(nbytes)},
-                                 overlap=overlap)
+                                 args=dict(args), overlap=overlap)
             for g, dur, wire in _priced_groups(kind, mesh, axis, nbytes, groups, tr.profile)]
 
 
@@ -138,18 +147,24 @@ class _BackwardEvent(torch.autograd.Function):
         if getattr(ctx, "recorded", False) and in_weight_pass():
             return (None,) + grads       # a split backward's W walking B's graph again
         ctx.recorded = True
-        kind, mesh, axis, nbytes, label, groups = ctx.info
-        record_collective(kind, mesh, axis, nbytes, label, groups=groups)
+        kind, mesh, axis, nbytes, label, groups, sent = ctx.info
+        if sent is None:
+            record_collective(kind, mesh, axis, nbytes, label, groups=groups)
+        else:                            # each group's busiest rank (an uneven all-to-all)
+            for g, s in zip(groups, sent):
+                record_collective(kind, mesh, axis, nbytes, label, groups=[g], sent=s)
         return (None,) + grads
 
 
-def _on_backward(x, kind, mesh, axis, nbytes, label, groups=None):
-    """Attach a backward event to x (a tensor or Cells) if it takes part in autograd."""
+def _on_backward(x, kind, mesh, axis, nbytes, label, groups=None, sent=None):
+    """Attach a backward event to x (a tensor or Cells) if it takes part in autograd.
+    ``sent``: where the ranks send different amounts, the busiest rank's bytes of each of
+    ``groups`` (:func:`record_collective`'s ``sent``)."""
     if _gr.MUTED and _gr.muted(mesh, axis):
         return x
     if isinstance(x, torch.Tensor):            # the stacked form: one tensor
         if x.requires_grad and torch.is_grad_enabled():
-            return _BackwardEvent.apply((kind, mesh, axis, nbytes, label, groups), x)
+            return _BackwardEvent.apply((kind, mesh, axis, nbytes, label, groups, sent), x)
         return x
     if not torch.is_grad_enabled():
         return x
@@ -158,7 +173,7 @@ def _on_backward(x, kind, mesh, axis, nbytes, label, groups=None):
     idx = [i for i, t in enumerate(items) if t.requires_grad]
     if not idx:
         return x
-    outs = _BackwardEvent.apply((kind, mesh, axis, nbytes, label, groups),
+    outs = _BackwardEvent.apply((kind, mesh, axis, nbytes, label, groups, sent),
                                 *[items[i] for i in idx])
     outs = outs if isinstance(outs, tuple) else (outs,)
     items = list(items)
@@ -322,29 +337,89 @@ def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str 
 
 @_bytes_only
 def all_to_all(x, mesh, axis: int, split_dim: int, concat_dim: int, *, label: str = "",
-               sizes=None, nbytes=None):
+               sizes=None, nbytes=None, grad_nbytes=None):
     """Rank k splits local ``split_dim`` in n, sends piece j to rank j, and concatenates
     what it receives along ``concat_dim`` (S(concat_dim) -> S(split_dim)).  ``sizes``
     (torch.distributed, uneven shards): the members' lengths along ``split_dim`` after
-    and along ``concat_dim`` before (:mod:`.padded`); ``nbytes``: as :func:`all_reduce`'s."""
+    and along ``concat_dim`` before (:mod:`.padded`); ``nbytes``: as :func:`all_reduce`'s,
+    ``grad_nbytes`` the same for the backward's buffer (the largest output shard).
+
+    Uneven shards (cells; on torch.distributed, where ``nbytes`` is given): the members
+    send different amounts, and each group's event records the bytes its busiest rank
+    sends (``grid.all_to_all_sent``), priced as such (``cost.sent_buffer``), forward and
+    backward (which cuts the gradient along ``concat_dim``): the same on both executors."""
     if _B.is_distributed(mesh):
+        sent = grad = None
+        if nbytes is not None:
+            sent, gsent = _dist_a2a_sent(x, mesh, axis, split_dim, concat_dim, sizes)
+            grad = (nbytes if grad_nbytes is None else grad_nbytes, gsent)
         if sizes is not None and not (_even(sizes[0]) and _even(sizes[1])):
             split, concat = tuple(sizes[0]), tuple(sizes[1])
             return _dist("all_to_all", x, mesh, axis, label,
                          lambda l, pg, n, k: _padded.AllToAll.apply(l, pg, k, split, concat,
                                                                     split_dim, concat_dim),
-                         nbytes=nbytes)
+                         nbytes=nbytes, sent=sent, grad=grad)
         return _dist("all_to_all", x, mesh, axis, label,
                      lambda l, pg, n, k: _B.AllToAll.apply(l, pg, n, split_dim, concat_dim),
-                     nbytes=nbytes)
+                     nbytes=nbytes, sent=sent, grad=grad)
     F, axis = _check(x, mesh, axis, "all_to_all")
     split_dim = _dim(x, mesh.ndim, split_dim, "all_to_all", "split_dim")
     concat_dim = _dim(x, mesh.ndim, concat_dim, "all_to_all", "concat_dim")
     nd, n = mesh.ndim, mesh.shape[axis]
     nb = F.rank_bytes(x, nd)
-    record_collective("all_to_all", mesh, axis, nb, label)
+    if F is not CellGrid or n == 1:
+        record_collective("all_to_all", mesh, axis, nb, label)
+        y = F.all_to_all(x, nd, axis, split_dim, concat_dim, n)
+        return _on_backward(y, "all_to_all", mesh, axis, nb, label)
+    # uneven shards: each group's events carry its busiest rank's bytes
+    groups = mesh.groups(axis)
+    if current_trace() is not None:
+        for g in groups:
+            record_collective("all_to_all", mesh, axis, nb, label, groups=[g],
+                              sent=CellGrid.all_to_all_sent(_line(x, mesh, axis, g), split_dim, n))
     y = F.all_to_all(x, nd, axis, split_dim, concat_dim, n)
-    return _on_backward(y, "all_to_all", mesh, axis, nb, label)
+    if not (torch.is_grad_enabled() and F.requires_grad(y)):
+        return y
+    # the backward's own buffer: the gradient's shards (y's), cut along concat_dim
+    return _on_backward(y, "all_to_all", mesh, axis, F.rank_bytes(y, nd), label,
+                        groups=list(groups), sent=tuple(
+                            CellGrid.all_to_all_sent(_line(y, mesh, axis, g), concat_dim, n)
+                            for g in groups))
+
+
+def _line(x, mesh, axis, g) -> list:
+    """The cells of group ``g`` (mesh ranks along ``axis``) in group order."""
+    c = mesh.coordinate(g[0])
+    return [x[tuple(ci if ln > 1 else 0 for ci, ln in
+                    zip(c[:axis] + (k,) + c[axis + 1:], x.lead))] for k in range(len(g))]
+
+
+def _dist_a2a_sent(x, mesh, axis, split_dim, concat_dim, sizes) -> tuple[int, int]:
+    """The bytes the busiest member of this process's group sends in the all-to-all and in
+    its backward (``grid.all_to_all_sent``): the members' shards are this process's with
+    the ``concat_dim`` lengths of ``sizes`` (the layout's; even where None), their outputs
+    with the ``split_dim`` lengths: what the simulator counts on its cells."""
+    nd = mesh.ndim
+    n = mesh.shape[mesh.dim(axis)]
+    local = list(x.shape[nd:])
+    sd, cd = split_dim % len(local), concat_dim % len(local)
+    if sizes is None:
+        split = tuple(chunk_bounds(local[sd], n, k)[1] for k in range(n))
+        concat = (local[cd],) * n
+    else:
+        split, concat = tuple(sizes[0]), tuple(sizes[1])
+
+    def shape(d, length, d2=None, length2=None):
+        out = list(local)
+        out[d] = length
+        if d2 is not None:
+            out[d2] = length2
+        return tuple(out)
+
+    elem = x.element_size()
+    fwd = [shape(cd, c) for c in concat]
+    bwd = [shape(sd, s, cd, sum(concat)) for s in split]
+    return _a2a_sent(fwd, sd, n, elem), _a2a_sent(bwd, cd, n, elem)
 
 
 @_bytes_only
@@ -419,9 +494,11 @@ def _even(sizes) -> bool:
 
 
 def _dist(kind, x, mesh, axis, label, fn, out_bytes=False, record=True, bwd=True,
-          nbytes=None):
+          nbytes=None, sent=None, grad=None):
     """Run a collective on torch.distributed: x is this process's stacked local
-    (every leading axis of size 1)."""
+    (every leading axis of size 1).  ``sent``: the bytes the group's busiest rank sends
+    (:func:`record_collective`); ``grad``: (nbytes, sent) of the backward's collective
+    where they are not the forward's (an uneven all-to-all)."""
     if isinstance(x, Cells):
         raise NotImplementedError(f"{kind} on uneven shards over torch.distributed: pad the "
                                   "tensor so every mesh dim divides it")
@@ -433,9 +510,11 @@ def _dist(kind, x, mesh, axis, label, fn, out_bytes=False, record=True, bwd=True
     y = y.reshape(lead + tuple(y.shape))
     if record:
         nb = (y if out_bytes else x).numel() * x.element_size() if nbytes is None else nbytes
-        record_collective(kind, mesh, axis, nb, label, groups=[g])
+        record_collective(kind, mesh, axis, nb, label, groups=[g], sent=sent)
         if bwd and kind in _BWD:
-            y = _on_backward(y, _BWD[kind], mesh, axis, nb, label, groups=[g])
+            gnb, gsent = (nb, None) if grad is None else grad
+            y = _on_backward(y, _BWD[kind], mesh, axis, gnb, label, groups=[g],
+                             sent=None if gsent is None else (gsent,))
     return y
 
 

@@ -53,7 +53,7 @@ from .profiles import Link, Profile, get_profile
 from .profiles import profile_memo as _profile_memo
 
 __all__ = ["AttentionShape", "KINDS", "ALGORITHMS", "wire_bytes", "collective_time", "send_link",
-           "hierarchical_time", "link_for", "choose", "price", "compute_time", "explain_compute", "alg_bandwidth",
+           "hierarchical_time", "link_for", "choose", "price", "sent_buffer", "compute_time", "explain_compute", "alg_bandwidth",
            "bus_bandwidth", "overlap", "overlap_rate", "hbm_share", "finish_beside",
            "gemm_efficiency"]
 
@@ -79,10 +79,23 @@ def wire_bytes(kind: str, nbytes: int, p: int) -> int:
     """Bytes each rank sends, the "bytes moved" a plan reports (ring algorithms).
 
     all_reduce 2(p-1)/p n; all_gather, reduce_scatter, all_to_all (p-1)/p n;
-    broadcast and send_recv n (the root / sender); 0 when p == 1. When p does not
-    divide n the shards are uneven (``torch.chunk``) and ranks send different
-    amounts; the formula is then their mean, rounded down to whole bytes (exact
-    integers whenever p divides n).
+    broadcast and send_recv n (the root / sender); 0 when p == 1. Exact integers
+    whenever the shards are even (p divides n); rounded down to whole bytes otherwise.
+
+    Uneven shards (``torch.chunk`` pieces: ranks send different amounts), the
+    convention of plans and traces (simulator and torch.distributed alike):
+
+    * all_to_all: not this formula.  The step's and each group's event bytes are the
+      busiest rank's, exact (``grid.all_to_all_sent``: its shard less the piece it
+      keeps; ``parallel.layout.all_to_all_sent`` for a plan), priced as the buffer
+      :func:`sent_buffer` gives; the backward all-to-all counts the gradient's own
+      shards.  4 x 12288 f32 S(1) -> S(0) on 3 ranks: rank 2 sends 65,536 B, where
+      (p-1)/p of the largest shard is 43,690 B.
+    * all_gather / reduce_scatter: this formula on the largest buffer (the gathered
+      output, the input), rounded down: below the busiest rank's, which sends (p-1)
+      times the largest piece (padded as DTensor and ``padded.py`` do, or not): rows
+      2, 2, 0 of f32 on 3 ranks record 10 B where a rank sends 16 B; 75 rows of 64
+      f32 on 2 ranks record 9,600 B where rank 0 sends 38 rows, 9,728 B.
     """
     _check(kind, nbytes, p)
     n = int(nbytes)
@@ -93,6 +106,21 @@ def wire_bytes(kind: str, nbytes: int, p: int) -> int:
     if kind in ("all_gather", "reduce_scatter", "all_to_all"):
         return (p - 1) * n // p
     return n  # broadcast, send_recv
+
+
+def sent_buffer(kind: str, sent: int, p: int) -> float:
+    """The buffer n whose :func:`wire_bytes` is ``sent``, the bytes the busiest rank
+    sends: ``sent * p / (p - 1)`` for all_gather, reduce_scatter, all_to_all (the
+    inverse of their (p-1)/p n).  An uneven all-to-all (torch.chunk pieces) has ranks
+    that send more than (p-1)/p of the largest shard (4 rows on 3 ranks are cut 2, 2, 0:
+    the third rank sends all 4); the collective ends when its busiest rank is done, so
+    the clock prices this buffer, exact for the ring and pairwise formulas (bandwidth
+    term (p-1)/p n beta = sent beta, module docstring)."""
+    _check(kind, sent, p)
+    if kind not in ("all_gather", "reduce_scatter", "all_to_all"):
+        raise ValueError(f"sent_buffer(kind={kind!r}): only all_gather, reduce_scatter and "
+                         "all_to_all send (p-1)/p of their buffer")
+    return 0 if p == 1 or sent == 0 else sent * p / (p - 1)
 
 
 def collective_time(kind: str, nbytes: float, p: int, link: Link,

@@ -247,6 +247,22 @@ class Stacked:
         return x.narrow(axis, root, 1)
 
 
+def all_to_all_sent(shapes, split_dim: int, n: int, elem: int) -> int:
+    """Bytes the busiest of one group's ``n`` ranks sends in an all-to-all that cuts each
+    rank's shard (``shapes``, in group order) along ``split_dim`` in torch.chunk pieces:
+    rank k keeps piece k and sends the rest.  Uneven shards send different amounts (a
+    shard of 4 rows on 3 ranks is cut 2, 2, 0: the third rank keeps none and sends all 4);
+    even ones all send (p-1)/p of their shard.  The one definition for the simulator's
+    cells (:meth:`CellGrid.all_to_all_sent`) and a torch.distributed process, which knows
+    its group's shapes from the layout (``collectives.all_to_all``'s ``sizes``)."""
+    most = 0
+    for k, shape in enumerate(shapes):
+        numel, L = math.prod(shape), shape[split_dim]
+        kept = chunk_bounds(L, n, k)[1]
+        most = max(most, (numel - (numel // L * kept if L else 0)) * elem)
+    return most
+
+
 class CellGrid:
     """The grid as :class:`Cells`: the same operations, one line of the grid at a time."""
 
@@ -292,6 +308,13 @@ class CellGrid:
             for c, piece in zip(cs, chunks(reduce(stack(ts), 0, op, keepdim=False), dim, n)):
                 out[c] = piece
         return Cells(x.lead, [out[c] for c in x.coords()])
+
+    @staticmethod
+    def all_to_all_sent(ts, split_dim, n) -> int:
+        """Bytes the busiest of one group's ranks (their shards ``ts``, in group order)
+        sends in :meth:`all_to_all` (:func:`all_to_all_sent`)."""
+        return all_to_all_sent([tuple(t.shape) for t in ts], split_dim, n,
+                               ts[0].element_size() if ts else 0)
 
     @staticmethod
     def all_to_all(x, nd, axis, split_dim, concat_dim, n):

@@ -21,10 +21,12 @@ def _step_lines(plan) -> list:
         after = _notation(plan.shape, after_mesh, s.dst, plan.dtype)
         where = f" on {s.mesh_dim_name}" if s.mesh_dim_name else (f" ({s.note})" if s.note else "")
         out.append((f"{k}. {s.kind}{where}\n{fmt_placements(s.src)} -> {fmt_placements(s.dst)}\n"
-                    f"{before} -> {after}\n{s.bytes:,d} B/rank, {s.time * 1e6:.2f} us", "step"))
+                    f"{before} -> {after}\n{s.bytes:,d} "
+                    f"{'B/rank' if not s.note.startswith('busiest rank') else 'B, ' + s.note}"
+                    f", {s.time * 1e6:.2f} us", "step"))
     if not out:
         out.append(("(nothing to do)", "step"))
-    out.append((f"total {plan.total_bytes:,d} B sent per rank\n{plan.total_time * 1e6:.2f} us "
+    out.append((f"total {plan.total_bytes:,d} B {plan.total_label()}\n{plan.total_time * 1e6:.2f} us "
                 f"on {plan.profile}", "total"))
     return out
 
