@@ -42,6 +42,7 @@ from ..sim_mesh import collectives as C
 from ..sim_mesh.profiles import DEFAULT_PROFILE
 from ..sim_mesh.trace import current_trace, suspend
 from . import layout
+from . import reshard_backward as _rb
 from .dist_tensor import DistTensor
 from .placement import Partial, Replicate
 from .spec import TensorSpec
@@ -239,23 +240,60 @@ def mark(out: DistTensor, t: DistTensor, src) -> DistTensor:
             not layout.is_even(t.shape, t.mesh, t.placements) or \
             not any(a.is_shard() and b.is_replicate() for a, b in zip(src, out.placements)):
         return out
-    loc.__dict__[KEY] = (t, tl, tl._version, tuple(src))
+    # its way back by the simulator's rule (reshard_backward.way_key; the dims held once:
+    # those not tagged one copy per rank, the simulator's ``loc.shape[i] == 1``), what the
+    # dispatcher's chooser prices its readers by (dispatch._grads: reshard_backward.way_of)
+    # and where they note their gradients' layouts (``uses``), as the simulator's mark
+    had = tuple(getattr(loc, "_wb_replica_axes", ()))
+    key = _rb.way_key(src, tuple(out.placements),
+                      tuple(i for i in range(out.mesh.ndim) if i not in had))
+    way = _rb._Way(out.mesh, tuple(out.shape), out.dtype, *key) if key is not None else None
+    loc.__dict__[KEY] = (t, tl, tl._version, tuple(src), way)
     return out
 
 
 def use_marked(x: DistTensor, plan, expand, mesh, even: bool, label: str):
     """The local an op runs on, for ``x`` (:func:`mark`'s) that it gives every rank a view
-    of along ``expand`` with no further reshard: the gathered copy on the stand-in of its
-    source, the gradient's way back one redistribution from the readers' Partial sum
-    (label "reshard backward", the simulator's).  None where that is not the case (the
-    caller runs the ordinary path)."""
-    t, tl, ver, src = x._local.__dict__[KEY]
-    if plan is not None and plan.steps or not even or not torch.is_grad_enabled() or \
+    of along ``expand`` with no further reshard, or slices along the dims the reshard
+    gathered (``plan``: local slices there only, as ``S(k)`` of the gathered copy): the
+    gathered copy (or its slice, taken without autograd) on the stand-in of its source,
+    the gradient's way back one redistribution from the readers' gradients, Partial sums
+    or ``S(k)`` shards (label "reshard backward", the simulator's
+    :func:`.reshard_backward.convert`: an all-to-all back where the slice is to another
+    dim than the source's, nothing where it is the source's), the reader's layout noted on
+    the way (:func:`.reshard_backward.way_use`, the chooser's price of it).  Before
+    (tdway17) a slice kept its own backward here, an all-gather of the gradient, where the
+    simulator and DTensor send the all-to-all or nothing.  None where that is not the case
+    (the caller runs the ordinary path)."""
+    t, tl, ver, src, way = x._local.__dict__[KEY]
+    steps = plan is not None and bool(plan.steps)
+    if not even or not torch.is_grad_enabled() or \
             t._local is not tl or tl._version != ver or \
             not (x.mesh is mesh or x.mesh == mesh):
         return None
     dst = tuple(x.placements)
     had = tuple(getattr(x._local, "_wb_replica_axes", ()))
+    if steps:
+        # a slice of the gathered copy along dims the way holds once, given per rank
+        # nowhere: each step a local slice on such a dim (other steps keep their own
+        # backward: the ordinary path)
+        if way is None or expand or tuple(plan.src) != dst or \
+                any(s.kind != "local_slice" or s.mesh_dim not in way.axes
+                    for s in plan.steps):
+            return None
+        grad, moved = _rb.way_use(dst, way.axes, tuple(plan.dst), ())
+        if not moved or way.back != tuple(t.placements):
+            return None
+        from .reshard import execute
+        with torch.no_grad():
+            piece = execute(plan, DistTensor(x._local.detach(), x.mesh, x.placements,
+                                             x.shape, x.dtype, x.names))._local
+        if grad not in way.uses:
+            way.uses.append(grad)
+        out = _Use.apply(_stand_in(t, tuple(moved), piece.shape, LABEL_RESHARD, grad),
+                         piece)
+        _B.tag(out, had)
+        return out
     # the dims held as one copy that the op gives every rank a view of: gathered ones, and
     # replicated ones (their Partial sums all-reduced, as the simulator's way does)
     axes = tuple(i for i in expand if dst[i].is_replicate() and i not in had and
@@ -263,6 +301,10 @@ def use_marked(x: DistTensor, plan, expand, mesh, even: bool, label: str):
     if not any(src[i].is_shard() for i in axes):
         return None
     grad = tuple(Partial() if i in axes else p for i, p in enumerate(dst))
+    if way is not None:                    # noted as the simulator's convert notes it
+        g, moved = _rb.way_use(dst, way.axes, dst, expand)
+        if moved and g not in way.uses:
+            way.uses.append(g)
     out = _Use.apply(_stand_in(t, axes, x._local.shape, LABEL_RESHARD, grad),
                      x._local.detach())
     _B.tag(out, had + axes)
