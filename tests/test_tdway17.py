@@ -17,7 +17,17 @@ all-gathers for one all-to-all).  Now both marks carry the way by one rule
 (``reshard_backward.way_key``; ``reshard_backward.way_of`` reads either) and a slicing
 reader on torch.distributed meets the stand-in of x (``gather_backward_dist.use_marked``,
 also from O0's ``reshard_backward.execute_marked``): the same placements, collectives
-(kind, bytes) forward and backward, values and gradients on every process.
+(kind, bytes) forward and backward, values and gradients on every process.  A mark's
+readers meet on one stand-in of x (``gather_backward_dist._MarkMeet``) and their
+gradients are merged as the simulator's way merges its uses (``reshard_backward._merged``):
+a column-parallel reader (Partial) and a slicing one (S(0)) go back by one
+reduce-scatter (per-rank-then-slice: backward [all_to_all 256, all_to_all 256,
+reduce_scatter 1024] before, one stand-in per gradient layout, for the simulator's
+[all_to_all 256, reduce_scatter 1024]).
+
+Also (O0, the simulator alone): ``reshard_backward.way_noted`` takes the per-rank dims of
+the reader (``per_rank_dims``), as eager's ``convert`` notes them: a slice after a per-rank
+read is priced 0 B back, as eager prices it (test_o0_notes_a_per_rank_reader_as_eager).
 """
 from __future__ import annotations
 
@@ -79,6 +89,10 @@ def test_marked_copy_on_torchrun_as_simulated(name, level, torchrun_rows):
     elif name in ("S1-R-mul-S0", "two-slices"):
         assert sim["bwd"] == [["all_to_all", 256]], sim
         assert sim["placements"] == ["Shard(dim=0)"], sim
+    elif name == "per-rank-then-slice":
+        # the matmul's Partial and the product's S(0) merged: one reduce-scatter back
+        # (the all-to-all is the sum's, of the matmul's S(1) output to the product's S(0))
+        assert sim["bwd"] == [["all_to_all", 256], ["reduce_scatter", 1024]], sim
     else:
         assert sim["bwd"] == [["all_gather", 512], ["all_to_all", 512]], sim
 

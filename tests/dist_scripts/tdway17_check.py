@@ -35,9 +35,17 @@ def _two_readers(mesh):
     return f
 
 
+def _mixed(mesh):
+    def f(t, w, o):
+        y = t.redistribute(mesh, [R()] * mesh.ndim)
+        return (y @ w) + y * o          # y read per rank (column-parallel), then sliced
+    return f
+
+
 def _reference(others):
     xr = _v((8, 16), 0).requires_grad_()
-    ref = xr
+    if others[0][0] == (16, 16):               # _mixed's
+        return xr, xr @ _v((16, 16), 1) + xr * _v(others[1][0], 2)
     out = None
     for k, (shape, _) in enumerate(others):
         term = xr * _v(shape, k + 1)
@@ -52,7 +60,8 @@ def run(mesh, level, x_pl, others):
     x = wb.shard_tensor(_v((8, 16), 0), mesh, list(x_pl)).requires_grad_()
     os_ = [wb.shard_tensor(_v(shape, k + 1), mesh, list(pl))
            for k, (shape, pl) in enumerate(others)]
-    f = (_one_reader if len(others) == 1 else _two_readers)(mesh)
+    f = (_mixed if others[0][0] == (16, 16) else
+         _one_reader if len(others) == 1 else _two_readers)(mesh)
     if level != "eager":
         f = wb.compile(f, x, *os_, level=level, profile=PROFILE)
     rank = wb.distributed.rank() if storage.holds_own(mesh) else 0
@@ -81,6 +90,10 @@ PROGRAMS = [
     ("S0S1-RR-mul-S1S0", (2, 2), ("dp", "tp"), (S(0), S(1)), [((8, 16), (S(1), S(0)))]),
     ("S1-R-mul-row-S0", (4,), ("tp",), (S(1),), [((16,), (S(0),))]),
     ("two-slices", (4,), ("tp",), (S(1),), [((8, 16), (S(0),)), ((8, 1), (S(0),))]),
+    # read per rank by a column-parallel matmul (a Partial gradient), then sliced to S(0)
+    # by the product with o (8, 1): the simulator merges the two uses into one
+    # reduce-scatter (reshard_backward._merged)
+    ("per-rank-then-slice", (4,), ("tp",), (S(1),), [((16, 16), (S(1),)), ((8, 1), (S(0),))]),
 ]
 LEVELS = ("eager", "O0")
 

@@ -41,10 +41,13 @@ reduce-scattered over tp then all-reduced over dp at half the bytes (4.17 + 4.68
 2 x 4.82): the order of FSDP2's HSDP (torch/distributed/fsdp/_fully_shard/
 _fsdp_collectives.py:618-662), where DTensor's mesh-dim order all-reduces first.
 
-On torch.distributed :func:`mark` notes the source instead and the ops that give every
-rank a view of the gathered copy send their Partial gradients through
-:mod:`.gather_backward_dist`'s stand-in of it: the same one redistribution, run on the
-process groups (an op that slices the copy keeps the all-gather's own backward there).
+On torch.distributed :func:`mark` notes the source instead, with the same way
+(:func:`way_key`; :func:`way_of` reads either, the chooser's key), and the ops that give
+every rank a view of the gathered copy or slice it along a gathered dim send their
+gradients through :mod:`.gather_backward_dist`'s one stand-in of it, merged as
+:func:`_merged` merges the uses: the same one redistribution, run on the process groups
+(tdway17: before, the chooser priced a slice there as a plain input's and the slice kept
+its all-gather in backward).
 
 Not covered (each collective's own event, as before): results held as cells; a gathered tensor reaching an op through other ops first (``y.t()``); a
 Partial source: its gradient is all-reduced (the op that made the Partial value computes
