@@ -274,7 +274,10 @@ def way_of(t: DistTensor):
     if way is None:
         from .gather_backward_dist import KEY as DIST_KEY
         hit = d.get(DIST_KEY)
-        way = hit[4] if hit is not None else None
+        # (its source written in place or rebound since: its readers take the ordinary
+        # path, gather_backward_dist.use_marked, and are priced so)
+        way = hit[4] if hit is not None and hit[0]._local is hit[1] and \
+            hit[1]._version == hit[2] else None
     return way if way is not None and way.shape == tuple(t.shape) else None
 
 
