@@ -41,7 +41,7 @@ from ..parallel.ops_table.strategy import (BACKWARD_OF, _way_price, grad_reducti
 from ..parallel.ops_table.table import TABLE
 from ..parallel.placement import Partial, Replicate, normalize_placements
 from ..parallel.reshard import plan_reshard_cached
-from ..parallel.reshard_backward import way_noted
+from ..parallel.reshard_backward import per_rank_dims, way_noted
 from .extrema import as_run, inner_bytes, runs_even
 from ..parallel.spec import TensorSpec
 from ..sim_mesh import cost as _cost
@@ -501,12 +501,17 @@ def greedy(graph, placements, mesh, profile, pins=None) -> Assignment:
         if first_cost:
             costs[n.nid] = dataclasses.replace(costs[n.nid],
                                                fwd_comm=costs[n.nid].fwd_comm + first_cost)
-        for vid, spec, plan in zip(n.inputs, specs, c.plans):
+        expand = None
+        for vid, spec, plan, k in zip(n.inputs, specs, c.plans, range(len(n.inputs))):
             if vid is not None and vid in pr.ways:
                 # its gradient layout noted on the way, as the run's reshard notes it
-                # (reshard_backward.execute_marked): the next reader is priced by what it
-                # adds to the one redistribution back (strategy.way_steps), as eager's
-                pr.ways[vid] = way_noted(pr.ways[vid], spec.placements, plan)
+                # (reshard_backward.execute_marked), with the dims the op reads it per
+                # rank along (a Partial gradient: eager's reshard_backward.convert): the
+                # next reader is priced by what it adds to the one redistribution back
+                # (strategy.way_steps), as eager's
+                if expand is None:
+                    expand = per_rank_dims(c.strategy, mesh.ndim)
+                pr.ways[vid] = way_noted(pr.ways[vid], spec.placements, plan, expand[k])
         for vid, ps in zip(n.outs, c.strategy.outputs):
             pl[vid] = tuple(ps)
             if vid in pins:          # resharded where it is made, as lowering does

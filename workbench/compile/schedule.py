@@ -32,7 +32,7 @@ from ..sim_mesh.trace import Trace, suspend
 from .lower import Reshard
 from .kernels import launch_time, op_kernels
 from ..parallel.ops_table.strategy import way_steps
-from ..parallel.reshard_backward import way_noted
+from ..parallel.reshard_backward import per_rank_dims, way_noted
 from .propagate import BACKWARD_OF, _local_bytes, pinned_way
 from .grad_ways import GradWays
 
@@ -158,6 +158,19 @@ def build_schedule(prog) -> Schedule:
         entry = TABLE[n.op]
         c = a.choice[n.nid]
         ways.read(n, c.strategy)
+        # a reader of a program's t.redistribute copy that reads it as it is, per rank
+        # (Partial gradient): noted on the way first, as the run's way holds every
+        # reader's use when the gradient passes (reshard_backward._merged); the backward
+        # below prices each slicing reader by what it adds to them.  (Without it, O0's
+        # step modeled a slice's all-to-all back that the run merges into the per-rank
+        # readers' one reduce-scatter, tdway17.)
+        for vid, req, dims in zip(n.inputs, c.strategy.inputs,
+                                  per_rank_dims(c.strategy, mesh.ndim)):
+            pin = ways.made_by.get((vid, tuple(req))) if vid is not None and dims else None
+            if pin is not None and pin.marks and pin.why.startswith("pinned"):
+                way = pinned_way(g, mesh, pr.pname, vid, pin.src, pin.dst)
+                if way is not None:
+                    way_uses[vid] = way_noted(way_uses.get(vid, way), req, None, dims)
         specs = tuple(None if v is None else pr.spec(v, ps) for v, ps in
                       zip(n.inputs, c.strategy.inputs))
         kn = op_kernels(g, mesh, prof, n, specs, c, n.nid in pr.backward)

@@ -630,7 +630,8 @@ def _grads(inputs) -> tuple:
     """Per input, whether it requires grad (grad mode on): the decision prices those
     inputs' reshards in backward too (``ops_table/strategy.backward_price``); () where
     none does.  A ``wb.reshard`` result with its way back (``reshard_backward.mark``,
-    simulated) gives that way's key instead of True: its gradient goes back to the
+    simulated or on torch.distributed: ``reshard_backward.way_of``, one rule for both, so
+    both executors choose alike, tdway17) gives that way's key instead of True: its gradient goes back to the
     reshard's source once, whatever slice the op takes of it, and is priced so (a slice
     priced as an all-gather in backward made the chooser gather the other operand where
     DTensor slices it: tests/test_reshardbwd.py); with the gradient layouts its earlier
@@ -646,9 +647,8 @@ def _grads(inputs) -> tuple:
             if rg:
                 if out is None:
                     out = [False] * len(inputs)
-                way = loc.__dict__.get(_rb.KEY) if plain else None
-                out[k] = way.key_with_uses if way is not None and way.shape == tuple(x.shape) \
-                    else True
+                way = _rb.way_of(x) if plain and loc.__dict__ else None
+                out[k] = way.key_with_uses if way is not None else True
     return () if out is None else tuple(out)
 
 
@@ -729,9 +729,7 @@ def _prepare(opdef, dec, inputs, specs, attrs, mesh, cand=None) -> _Prepared:
     # sim_mesh/padded.py): the same candidate everywhere
     even = _is_even(cand, specs, out_shapes, mesh)
     st = cand.strategy
-    diverge = [i for i in range(mesh.ndim) if any(not ps[i].is_replicate() for ps in st.outputs)]
-    expand = tuple(() if req is None else tuple(i for i in diverge if req[i].is_replicate())
-                   for req in st.inputs)
+    expand = _rb.per_rank_dims(st, mesh.ndim)
     keep = not even or any(p.is_replicate() for ps in st.outputs for p in ps)
     lost = any(lost_layout(tuple(s), mesh.shape, tuple(ps)) for s, ps in zip(out_shapes, st.outputs))
     moves = tuple(bool(ax) or (plan is not None and bool(plan.steps))
@@ -822,16 +820,16 @@ def _moved_input(t, plan, axes, mesh, even, label, memo):
         loc = _rb.convert(t, plan, axes, mesh, even, label)
         if loc is not None:
             return loc
-    elif axes:
+    elif axes or _gbd.KEY in getattr(t._local, "__dict__", ()):
         # the op gives every rank a view of one copy (gathered by its own reshard, or
         # replicated): the gradient's way back recorded once per input, as DTensor's
         # (reshard_backward.gather; on torch.distributed gather_backward_dist.gather, and
-        # .use_marked for a wb.reshard result, as _rb.convert above)
+        # .use_marked for a wb.reshard result, per rank or sliced, as _rb.convert above)
         loc = None
         own = storage.holds_own(mesh)
         if own and _gbd.KEY in getattr(t._local, "__dict__", ()):
             loc = _gbd.use_marked(t, plan, axes, mesh, even, label)
-        if loc is None:
+        if loc is None and axes:
             loc = _gbd.gather(t, plan, axes, mesh, even, label) if own else \
                 _rb.gather(t, plan, axes, mesh, even, label, memo)
         if loc is not None:

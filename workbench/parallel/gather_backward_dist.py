@@ -42,6 +42,7 @@ from ..sim_mesh import collectives as C
 from ..sim_mesh.profiles import DEFAULT_PROFILE
 from ..sim_mesh.trace import current_trace, suspend
 from . import layout
+from . import reshard_backward as _rb
 from .dist_tensor import DistTensor
 from .placement import Partial, Replicate
 from .spec import TensorSpec
@@ -225,9 +226,13 @@ def mark(out: DistTensor, t: DistTensor, src) -> DistTensor:
     on 2 gloo processes: x ``[S(0)]`` resharded to ``[R]`` and read by two matmuls with
     column-sharded weights) each process all-reduced the gathered gradient (96 B) and the
     all-gather's backward sliced it, where the simulator records one reduce-scatter.
-    Other uses (the one copy used as it is, or resharded further by the op) keep the
-    ordinary path, the all-gather's own backward (the simulator merges an op's slice into
-    the one redistribution: not covered here)."""
+    An op's local slice of it along a gathered dim meets there too (:func:`use_marked`),
+    and every reader of the mark meets on one stand-in (:class:`_MarkMeet`) whose
+    backward merges their gradients as the simulator's way merges its uses (tdway17).
+    The mark carries the simulator's way (:func:`.reshard_backward.way_key`), what the
+    dispatcher's chooser prices its readers by.  Other uses (the one copy used as it is,
+    or resharded further by the op off the gathered dims) keep the ordinary path, the
+    all-gather's own backward."""
     loc = out._local
     if type(loc) is not torch.Tensor or not loc.requires_grad or not torch.is_grad_enabled() \
             or not _B.is_distributed(out.mesh) or t is None or t is out or \
@@ -239,23 +244,59 @@ def mark(out: DistTensor, t: DistTensor, src) -> DistTensor:
             not layout.is_even(t.shape, t.mesh, t.placements) or \
             not any(a.is_shard() and b.is_replicate() for a, b in zip(src, out.placements)):
         return out
-    loc.__dict__[KEY] = (t, tl, tl._version, tuple(src))
+    # its way back by the simulator's rule (reshard_backward.way_key; the dims held once:
+    # those not tagged one copy per rank, the simulator's ``loc.shape[i] == 1``), what the
+    # dispatcher's chooser prices its readers by (dispatch._grads: reshard_backward.way_of)
+    # and where they note their gradients' layouts (``uses``), as the simulator's mark
+    had = tuple(getattr(loc, "_wb_replica_axes", ()))
+    key = _rb.way_key(src, tuple(out.placements),
+                      tuple(i for i in range(out.mesh.ndim) if i not in had))
+    way = _rb._Way(out.mesh, tuple(out.shape), out.dtype, *key) if key is not None else None
+    loc.__dict__[KEY] = (t, tl, tl._version, tuple(src), way)
     return out
 
 
 def use_marked(x: DistTensor, plan, expand, mesh, even: bool, label: str):
     """The local an op runs on, for ``x`` (:func:`mark`'s) that it gives every rank a view
-    of along ``expand`` with no further reshard: the gathered copy on the stand-in of its
-    source, the gradient's way back one redistribution from the readers' Partial sum
-    (label "reshard backward", the simulator's).  None where that is not the case (the
-    caller runs the ordinary path)."""
-    t, tl, ver, src = x._local.__dict__[KEY]
-    if plan is not None and plan.steps or not even or not torch.is_grad_enabled() or \
+    of along ``expand`` with no further reshard, or slices along the dims the reshard
+    gathered (``plan``: local slices there only, as ``S(k)`` of the gathered copy): the
+    gathered copy (or its slice, taken without autograd) on the stand-in of its source,
+    the gradient's way back one redistribution from the readers' gradients, Partial sums
+    or ``S(k)`` shards (label "reshard backward", the simulator's
+    :func:`.reshard_backward.convert`: an all-to-all back where the slice is to another
+    dim than the source's, nothing where it is the source's), the reader's layout noted on
+    the way (:func:`.reshard_backward.way_use`, the chooser's price of it).  Before
+    (tdway17) a slice kept its own backward here, an all-gather of the gradient, where the
+    simulator and DTensor send the all-to-all or nothing.  None where that is not the case
+    (the caller runs the ordinary path)."""
+    t, tl, ver, src, way = x._local.__dict__[KEY]
+    steps = plan is not None and bool(plan.steps)
+    if not even or not torch.is_grad_enabled() or \
             t._local is not tl or tl._version != ver or \
             not (x.mesh is mesh or x.mesh == mesh):
         return None
     dst = tuple(x.placements)
     had = tuple(getattr(x._local, "_wb_replica_axes", ()))
+    if steps:
+        # a slice of the gathered copy along dims the way holds once, given per rank
+        # nowhere: each step a local slice on such a dim (other steps keep their own
+        # backward: the ordinary path)
+        if way is None or expand or tuple(plan.src) != dst or \
+                any(s.kind != "local_slice" or s.mesh_dim not in way.axes
+                    for s in plan.steps):
+            return None
+        grad, moved = _rb.way_use(dst, way.axes, tuple(plan.dst), ())
+        if not moved or way.back != tuple(t.placements):
+            return None
+        from .reshard import execute
+        with torch.no_grad():
+            piece = execute(plan, DistTensor(x._local.detach(), x.mesh, x.placements,
+                                             x.shape, x.dtype, x.names))._local
+        if grad not in way.uses:
+            way.uses.append(grad)
+        out = _mark_use(x, t, tl, way, grad, piece)
+        _B.tag(out, had)
+        return out
     # the dims held as one copy that the op gives every rank a view of: gathered ones, and
     # replicated ones (their Partial sums all-reduced, as the simulator's way does)
     axes = tuple(i for i in expand if dst[i].is_replicate() and i not in had and
@@ -263,10 +304,115 @@ def use_marked(x: DistTensor, plan, expand, mesh, even: bool, label: str):
     if not any(src[i].is_shard() for i in axes):
         return None
     grad = tuple(Partial() if i in axes else p for i, p in enumerate(dst))
-    out = _Use.apply(_stand_in(t, axes, x._local.shape, LABEL_RESHARD, grad),
-                     x._local.detach())
+    g = None
+    if way is not None:                    # noted as the simulator's convert notes it
+        g, moved = _rb.way_use(dst, way.axes, dst, expand)
+        if moved and g not in way.uses:
+            way.uses.append(g)
+    if g == grad and way.back == tuple(t.placements):
+        out = _mark_use(x, t, tl, way, grad, x._local.detach())
+    else:
+        out = _Use.apply(_stand_in(t, axes, x._local.shape, LABEL_RESHARD, grad),
+                         x._local.detach())
     _B.tag(out, had + axes)
     rest = [i for i in expand if i not in axes and i not in had]
     if rest:                               # Partial dims: their own all-reduce, as before
         out = C.expand_replicas(out, mesh, rest, label=label)
     return out
+
+
+# ---- the readers of one mark meet once (the simulator's _Way: its uses merged) ------------
+
+MEET = "_wb_reshard_meet"   # on the marked local: (source local, its version, stand-in, state)
+
+
+class _MarkMeet(torch.autograd.Function):
+    """The mark's source local -> a scalar stand-in every reader of the mark meets on.
+    Backward (after every reader's, autograd's order): the readers' gradients, kept per
+    layout by :class:`_MarkUse`, merged as the simulator's way merges its uses
+    (:func:`.reshard_backward._merged`) and redistributed back to the source's layout."""
+
+    @staticmethod
+    def forward(ctx, x, way, state):
+        ctx.way, ctx.state = way, state
+        return x.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, g):
+        from ..sim_mesh.backward_pass import mark_recorded, recorded_by_b
+        again = recorded_by_b(ctx)          # (as _Meet: a split backward's W walks again)
+        if not again:
+            mark_recorded(ctx)
+        buckets, ctx.state["buckets"] = ctx.state["buckets"], {}
+        return _mark_back(ctx.way, buckets, record=not again), None, None
+
+
+class _MarkUse(torch.autograd.Function):
+    """One reader's piece of the marked copy (computed without autograd) on the mark's
+    stand-in: its gradient (laid out ``grad``: Partial where every rank used its view,
+    ``S(k)`` where it sliced) is summed into the mark's bucket for that layout."""
+
+    @staticmethod
+    def forward(ctx, stand_in, piece, state, grad):
+        ctx.state, ctx.grad = state, grad
+        return piece.view_as(piece)
+
+    @staticmethod
+    def backward(ctx, g):
+        b = ctx.state["buckets"]
+        have = b.get(ctx.grad)
+        b[ctx.grad] = g.clone() if have is None else have + g
+        return g.new_zeros(()), None, None, None
+
+
+def _mark_use(x, t, tl, way, grad, piece):
+    """``piece`` (a reader's local of mark ``x``, its gradient laid out ``grad``) on the
+    mark's one stand-in of source ``t`` (made on the first reader)."""
+    d = x._local.__dict__
+    hit = d.get(MEET)
+    if hit is None or hit[0] is not tl or hit[1] != tl._version:
+        state = {"buckets": {}}
+        hit = d[MEET] = (tl, tl._version, _MarkMeet.apply(tl, way, state), state)
+    return _MarkUse.apply(hit[2], piece, hit[3], grad)
+
+
+def _to_layout(g, way, u, m):
+    """Gradient local ``g`` laid out ``u`` as a local laid out ``m`` (``m`` Partial where
+    ``u`` shards or replicates a mesh dim, the same elsewhere): its shard placed at its
+    offset in zeros (a shard's sum is the Partial's), a replicated one kept on the first
+    rank of that dim (its Partial), as the simulator's merged gradient holds them."""
+    rank = _B.rank()
+    mesh = way.mesh
+    coord = mesh.coordinate(rank)
+    out = g.new_zeros(layout.local_shape(way.shape, mesh, m, rank))
+    if any(a.is_replicate() and b.is_partial() and coord[i] != 0
+           for i, (a, b) in enumerate(zip(u, m))):
+        return out
+    bu = layout.shard_bounds(way.shape, mesh, u, rank)
+    bm = layout.shard_bounds(way.shape, mesh, m, rank)
+    idx = tuple(slice(su - sm, su - sm + n) for (su, n), (sm, _) in zip(bu, bm))
+    out[idx] = g
+    return out
+
+
+def _mark_back(way, buckets, record=True):
+    """The gradient of the mark's source: the readers' gradients (``buckets``, per
+    layout) merged as the simulator's way (:func:`.reshard_backward._merged` of its noted
+    uses) and each merged layout redistributed back to ``way.back``, recorded as there."""
+    uses = [u for u in way.uses if u in buckets] + [u for u in buckets if u not in way.uses]
+    layouts = _rb._merged(uses)
+    total = None
+    for m in layouts:
+        acc = None
+        for u, g in buckets.items():
+            if u == m:
+                c = g
+            elif len(layouts) == 1:            # merged: Partial where they differ
+                c = _to_layout(g, way, u, m)
+            else:                              # each its own plan, as the simulator's
+                continue
+            acc = c if acc is None else acc + c
+        back = _Way(way.mesh, way.shape, way.dtype, way.back, m, LABEL_RESHARD)
+        out = _redistribute(back, acc, record)
+        total = out if total is None else total + out
+    return total

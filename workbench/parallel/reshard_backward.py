@@ -41,10 +41,13 @@ reduce-scattered over tp then all-reduced over dp at half the bytes (4.17 + 4.68
 2 x 4.82): the order of FSDP2's HSDP (torch/distributed/fsdp/_fully_shard/
 _fsdp_collectives.py:618-662), where DTensor's mesh-dim order all-reduces first.
 
-On torch.distributed :func:`mark` notes the source instead and the ops that give every
-rank a view of the gathered copy send their Partial gradients through
-:mod:`.gather_backward_dist`'s stand-in of it: the same one redistribution, run on the
-process groups (an op that slices the copy keeps the all-gather's own backward there).
+On torch.distributed :func:`mark` notes the source instead, with the same way
+(:func:`way_key`; :func:`way_of` reads either, the chooser's key), and the ops that give
+every rank a view of the gathered copy or slice it along a gathered dim send their
+gradients through :mod:`.gather_backward_dist`'s one stand-in of it, merged as
+:func:`_merged` merges the uses: the same one redistribution, run on the process groups
+(tdway17: before, the chooser priced a slice there as a plain input's and the slice kept
+its all-gather in backward).
 
 Not covered (each collective's own event, as before): results held as cells; a gathered tensor reaching an op through other ops first (``y.t()``); a
 Partial source: its gradient is all-reduced (the op that made the Partial value computes
@@ -103,8 +106,8 @@ from .dist_tensor import DistTensor
 from .placement import Partial, Replicate
 from .spec import TensorSpec
 
-__all__ = ["mark", "marked", "convert", "gather", "KEY", "way_key", "way_use",
-           "way_noted", "execute_marked"]
+__all__ = ["mark", "marked", "way_of", "convert", "gather", "KEY", "way_key", "way_use",
+           "way_noted", "per_rank_dims", "execute_marked"]
 
 KEY = "_wb_reshard_bwd"       # on the marked local tensor: its _Way
 
@@ -222,22 +225,60 @@ def way_use(dst, axes, final, expand) -> tuple:
     return tuple(grad), tuple(moved)
 
 
-def way_noted(way, placements, plan) -> tuple:
+def per_rank_dims(strategy, ndim: int) -> tuple:
+    """Per input of an op's ``strategy`` (None where the input has no layout), the mesh
+    dims the op gives every rank a view of it (``expand``): those its outputs diverge
+    along (some output not Replicate) where the input is required Replicate.  The one rule
+    of the dispatcher's run (``dispatch._prepare``) and of ``wb.compile``'s note of a
+    reader on a marked copy (:func:`way_noted`, ``compile/propagate.greedy``)."""
+    diverge = [i for i in range(ndim)
+               if any(not ps[i].is_replicate() for ps in strategy.outputs)]
+    return tuple(() if req is None else tuple(i for i in diverge if req[i].is_replicate())
+                 for req in strategy.inputs)
+
+
+def way_noted(way, placements, plan, expand=()) -> tuple:
     """``way`` (:func:`way_key`'s, or with its ``uses``) after a reader laid out
-    ``placements`` read it by ``plan`` (None or a reshard plan) and noted its gradient's
-    layout, as :func:`_note_use` notes it on the run's way (``expand`` (): the compiled
-    program's input reshards, :func:`execute_marked`): the 4-tuple the chooser prices a
-    further reader by (``ops_table/strategy.way_steps``); ``way`` itself where the read
-    notes nothing (not laid out as marked, or the one copy used)."""
+    ``placements`` read it by ``plan`` (None or a reshard plan), expanded per rank along
+    ``expand`` (:func:`per_rank_dims`), and noted its gradient's layout, as
+    :func:`_note_use` notes it on the run's way: the 4-tuple the chooser prices a further
+    reader by (``ops_table/strategy.way_steps``); ``way`` itself where the read notes
+    nothing (not laid out as marked, or the one copy used).  (Noted without ``expand``,
+    O0 missed a per-rank reader's Partial gradient that eager notes, and priced a later
+    slice of the copy as an all-to-all back where eager prices it 0, as merged into the
+    Partial's one reduce-scatter: O0 gathered the other operand instead, tdway17.)"""
     dst, _back, axes = way[:3]
     uses = tuple(way[3]) if len(way) > 3 else ()
     if tuple(placements) != dst:
         return way
     final = plan.dst if plan is not None and plan.steps else dst
-    grad, moved = way_use(dst, axes, final, ())
+    grad, moved = way_use(dst, axes, final, expand)
     if not moved or grad in uses:
         return way
     return tuple(way[:3]) + (uses + (grad,),)
+
+
+def way_of(t: DistTensor):
+    """``t``'s way back (a :class:`_Way`) where it is a reshard's result that :func:`mark`
+    gave one, simulated or on torch.distributed (:func:`.gather_backward_dist.mark`, by
+    the same :func:`way_key`), and it is still laid out as marked; else None.  What the
+    dispatcher's chooser prices its readers by (``dispatch._grads``: the way's
+    ``key_with_uses``), on either backend: the torch.distributed mark was priced as a plain
+    input before (tdway17), so a slice of it cost an all-gather in backward there and the
+    chooser gathered the other operand where the simulator slices."""
+    loc = t._local
+    d = getattr(loc, "__dict__", None)
+    if not d or type(loc) is not torch.Tensor:
+        return None
+    way = d.get(KEY)
+    if way is None:
+        from .gather_backward_dist import KEY as DIST_KEY
+        hit = d.get(DIST_KEY)
+        # (its source written in place or rebound since: its readers take the ordinary
+        # path, gather_backward_dist.use_marked, and are priced so)
+        way = hit[4] if hit is not None and hit[0]._local is hit[1] and \
+            hit[1]._version == hit[2] else None
+    return way if way is not None and way.shape == tuple(t.shape) else None
 
 
 def marked(t: DistTensor) -> bool:
@@ -286,7 +327,18 @@ def execute_marked(plan, t: DistTensor) -> DistTensor:
     redistribution back to the source: an all-to-all, or nothing back to the source's
     dim, where the slice's own backward all-gathered it)."""
     from .reshard import execute
-    moved = _note_use(t, plan, ()) if KEY in getattr(t._local, "__dict__", ()) else None
+    d = getattr(t._local, "__dict__", ())
+    if plan is not None and plan.steps and _B.is_distributed(t.mesh):
+        # on torch.distributed: the slice on the stand-in of the mark's source, as the
+        # dispatcher's reader (gather_backward_dist.use_marked; before, tdway17, the
+        # slice's own backward: an all-gather where the simulator sends the all-to-all)
+        from . import gather_backward_dist, layout
+        if gather_backward_dist.KEY in d and layout.is_even(t.shape, t.mesh, plan.src) and \
+                layout.is_even(t.shape, t.mesh, plan.dst):
+            loc = gather_backward_dist.use_marked(t, plan, (), t.mesh, True, "reshard")
+            if loc is not None:
+                return DistTensor(loc, t.mesh, tuple(plan.dst), t.shape, t.dtype, t.names)
+    moved = _note_use(t, plan, ()) if KEY in d else None
     if moved is None:
         return execute(plan, t)
     with C.mute_backward(t.mesh, moved):
