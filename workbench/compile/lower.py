@@ -37,7 +37,7 @@ from ..parallel.spec import TensorSpec
 from .extrema import reduced as _reduced
 from .graph import map_refs
 from .int_partials import laid_inside
-from .mesh_trips import via_plans
+from .mesh_trips import trip, via_plans
 from .propagate import program_pin
 
 __all__ = ["Reshard", "Run", "lower", "execute_program"]
@@ -201,6 +201,8 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
                 _rb.mark(out, ins.plan.src, t)
                 if _rb.marked(out):
                     gathered[key] = (src, out)
+            if ins.via is not None:
+                have.clear()     # a round trip's copy replaces its source (passes/reshards.py)
             have[ins.dst] = out
             if ins.why.startswith("pinned"):
                 cur[ins.vid] = ins.dst
@@ -254,9 +256,8 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
 
 
 def _trip(t, ins):
-    """A round trip's two calls, eager's (``mesh_trips.py``): to the other mesh, back."""
-    there = reshard(t, ins.via[0], list(ins.via[1]))
-    return reshard(there, t.mesh, list(ins.dst))
+    """A round trip's two calls, eager's (``mesh_trips.trip``): to the other mesh, back."""
+    return trip(t, ins.via, ins.dst)
 
 
 def _bucketed(arg, graph, n, st, mesh, gb):
