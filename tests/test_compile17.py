@@ -250,3 +250,34 @@ def test_an_integer_partial_sum_meeting_another_dtype_is_priced(op, lay):
         assert _comm(st.trace.events, "forward") == _comm(tr.events), level
         if level == "O1":
             assert prog.assignment.time == pytest.approx(st.time, rel=1e-12, abs=0)
+
+
+def test_amax_of_a_partial_max_reduces_once_as_eager():
+    """Narrow probe seed 205: ``exp2(t.amax(2, keepdim=True).sum())`` of a P(max) input
+    that requires grad.  The even-gradient form reduces its input's P(max) first
+    (``custom_function._reduce_extremum``); its inner amax, forced onto the strategy's
+    P(max) input, reduced its output once more: O0 two all-reduces, eager one.  Now the
+    inner call keeps the reduced input: O0's collectives eager's, values and gradient
+    one device's."""
+    from tests.compile_probe import probe
+    p, out = probe(205, False)
+    assert all(st == "compiled" for st, _ in out.values()), out
+    mesh = wb.Mesh([[0, 1], [2, 3]])
+    v = torch.tensor([[[0.5, -1.25], [2.0, 0.75]], [[1.5, 0.25], [-0.5, 3.0]]],
+                     dtype=torch.float64)
+
+    def f(t):
+        return torch.exp2(t.amax(2, keepdim=True).sum())
+    xr = v.clone().requires_grad_()
+    f(xr).backward()
+    got = []
+    for level in ("eager", "O0"):
+        x = wb.distribute_tensor(v, mesh, [Partial("max"), Partial("max")]).requires_grad_()
+        prog = f if level == "eager" else wb.compile(f, x, level=level)
+        with wb.trace() as tr:
+            y = prog(x)
+            y.backward()
+        torch.testing.assert_close(y.full(), f(v), rtol=0, atol=0)
+        torch.testing.assert_close(x.grad.full(), xr.grad, rtol=1e-15, atol=1e-15)
+        got.append([(e.name, e.ranks, e.bytes) for e in tr.events if e.stream == "comm"])
+    assert got[0] == got[1]
