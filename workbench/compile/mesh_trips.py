@@ -15,16 +15,21 @@ Anything else on another mesh breaks the graph, as before (the program runs eage
 op on the moved tensor, a second reader of it, the moved tensor returned, a reshard from
 it that names no mesh (its own: the other) or another one still.
 
-Priced: the trip's two plans (``propagate._Pricer.pin_cost``); the step's schedule
-(``prog.step()``) holds the first plan's collectives (on the program mesh) and none of the
-second's, which run on the other mesh's ranks (the run's trace records them all).
+Priced: the trip's two plans (``propagate._Pricer.pin_cost``).  The step's schedule
+(``prog.step()``) holds every collective and send the trip records, on whichever ranks
+(the program mesh's, the other mesh's, the sends between them), forward and backward:
+:func:`trip_events` makes eager's two calls (:func:`trip`, the run's own) on zeros of the
+value's shape under a trace of their own, and the schedule replays what they recorded
+(their backward from a gradient in the pinned placements, as the op reading the copy
+sends it back).  It was the first plan's collectives only: the way back's, the sends and
+the backward on the other mesh were left out (compile17).
 """
 from __future__ import annotations
 
 from ..parallel.spec import TensorSpec
 from .capture_errors import CaptureError
 
-__all__ = ["mesh_trips", "via_plans"]
+__all__ = ["mesh_trips", "via_plans", "trip", "trip_events"]
 
 
 def mesh_trips(graph, mesh) -> dict:
@@ -70,3 +75,59 @@ def via_plans(spec, via, dst, profile):
     there = plan_reshard(spec, via[0], list(via[1]), profile=profile)
     moved = TensorSpec(spec.shape, via[0], there.dst, spec.dtype, _trusted=True)
     return there, plan_reshard(moved, spec.mesh, list(dst), profile=profile)
+
+
+def trip(t, via, dst):
+    """A round trip's two calls, eager's: ``t`` to ``via`` (other mesh, placements), then
+    back to ``t``'s mesh in ``dst`` (the run's, ``lower.execute_program``)."""
+    from ..parallel.reshard import reshard
+    there = reshard(t, via[0], list(via[1]))
+    return reshard(there, t.mesh, list(dst))
+
+
+_EVENTS: dict = {}
+
+
+def trip_events(spec, via, dst, profile, grad: bool):
+    """``(forward, backward, seconds)``: the communication events (name, ranks, buffer
+    bytes, wire bytes, duration) :func:`trip` records for a tensor of ``spec`` on
+    ``profile``, run on zeros under a trace of its own; backward (``grad``: the value
+    requires grad) from a gradient of zeros in ``dst``; ``seconds``: the two traces'
+    clocks (the trip's share of the step: the search prices it so, ``propagate``).  The
+    schedule replays the events (``schedule.build_schedule``)."""
+    from ..sim_mesh.profiles import get_profile
+    key = (tuple(spec.shape), spec.dtype, spec.mesh, tuple(spec.placements), via[0],
+           tuple(via[1]), tuple(dst), get_profile(profile).name, bool(grad))
+    got = _EVENTS.get(key)
+    if got is None:
+        if len(_EVENTS) > 4096:
+            _EVENTS.clear()
+        got = _EVENTS[key] = _record(spec, via, dst, profile, grad)
+    return got
+
+
+def _record(spec, via, dst, profile, grad):
+    import torch
+    from ..parallel.dist_tensor import distribute_tensor
+    from ..sim_mesh.trace import suspend, trace
+
+    def zeros(ps):
+        with suspend(), torch.no_grad():
+            return distribute_tensor(torch.zeros(spec.shape, dtype=spec.dtype), spec.mesh,
+                                     list(ps))
+
+    def comm(tr):
+        return tuple((e.name, tuple(e.ranks), int(e.args.get("buffer_bytes") or e.bytes),
+                      int(e.bytes), e.duration) for e in tr.events if e.stream == "comm")
+    t = zeros(spec.placements)
+    grad = grad and (spec.dtype.is_floating_point or spec.dtype.is_complex)
+    if grad:
+        t.requires_grad_()
+    with torch.enable_grad(), trace(profile) as fw:
+        out = trip(t, via, dst)
+    if not (grad and out.requires_grad):
+        return comm(fw), (), fw.time()
+    g = zeros(dst)
+    with trace(profile) as bw:
+        out.backward(g)
+    return comm(fw), comm(bw), fw.time() + bw.time()

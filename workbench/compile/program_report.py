@@ -86,7 +86,9 @@ class _Reading:
             raise RuntimeError("this program runs eagerly (a graph break); trace it instead")
         from ..sim_mesh.cost import wire_bytes
         shape = self.mesh.shape
-        return sum(wire_bytes(it.coll, it.nbytes, shape[it.mesh_dim])
+        r0 = self.mesh.ranks[0]
+        return sum((it.wire if r0 in it.ranks else 0) if it.ranks else   # (a round trip's)
+                   wire_bytes(it.coll, it.nbytes, shape[it.mesh_dim])
                    for it in self.schedule.items
                    if it.kind == "comm" and it.phase == "backward")
 

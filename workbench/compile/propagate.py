@@ -48,7 +48,7 @@ from ..sim_mesh import cost as _cost
 from ..sim_mesh.profiles import get_profile
 from .kernels import op_kernels
 from .int_partials import reduced_first
-from .mesh_trips import via_plans
+from .mesh_trips import trip_events
 
 __all__ = ["Assignment", "propagate", "greedy", "initial", "NodeCost", "BACKWARD_OF"]
 
@@ -354,14 +354,13 @@ class _Pricer:
             return 0.0
         spec = self.spec(vid, tuple(src))
         if via is not None:
-            # a round trip to another mesh (mesh_trips.py): both plans forward; backward
-            # the first's transposes (on this mesh; the other's run on its own ranks)
-            p, back = via_plans(spec, via, tuple(dst), self.pname)
-            t = back.total_time
-        else:
-            p = plan_reshard_cached(spec, tuple(dst), self.pname)
-            t = 0.0
-        t += p.total_time
+            # a round trip to another mesh: the clock of eager's two calls, forward and
+            # backward, every rank's (mesh_trips.trip_events: what the step replays)
+            v = self.g.values[vid]
+            return trip_events(spec, via, tuple(dst), self.pname,
+                               v.requires_grad and v.producer in self.backward)[2]
+        p = plan_reshard_cached(spec, tuple(dst), self.pname)
+        t = p.total_time
         if self.g.values[vid].requires_grad:
             v = self.g.values[vid]
             for s in p.steps:

@@ -35,6 +35,7 @@ from ..parallel.ops_table.strategy import way_steps
 from ..parallel.reshard_backward import per_rank_dims, way_noted
 from .propagate import BACKWARD_OF, _local_bytes, pinned_way
 from .grad_ways import GradWays
+from .mesh_trips import trip_events
 
 __all__ = ["Item", "Schedule", "build_schedule", "replay", "StepReport"]
 
@@ -61,6 +62,10 @@ class Item:
     kernels: int = 0            # compute: kernels it runs (launched one by one, or sunk)
     members: tuple = ()         # grad comm: the (node, input position, mesh dim) it reduces
     dtype: object = torch.float32   # compute: the dtype whose path prices its launches
+    ranks: tuple = ()           # comm: a round trip's event on its own ranks (the other
+    #                             mesh's, or a send's pair: mesh_trips.trip_events), with
+    wire: int = 0               # its wire bytes and
+    dur: float = 0.0            # its duration as recorded (not the mesh dim's groups)
 
 
 @dataclass
@@ -130,6 +135,7 @@ def build_schedule(prog) -> Schedule:
     attached = []                # the reshards the program runs for the next op's inputs
     way_of = {}                  # id(reshard) -> the way back of the marked copy it reads
     way_uses = {}                # vid -> its way with the readers' noted uses so far
+    trips = {}                   # id(reshard) -> a round trip's recorded backward events
     for ins in prog.program:
         if isinstance(ins, Reshard):
             # a reader's reshard of a program's t.redistribute copy: that copy's way back
@@ -140,7 +146,15 @@ def build_schedule(prog) -> Schedule:
                 if way is not None:
                     way_of[id(ins)] = way
             own = ways.reshard(ins)     # False: O0's gather repeated, no backward of its own
-            for s in ins.plan.steps:
+            if ins.via is not None:
+                # a round trip to another mesh: every event eager's two calls record,
+                # on their own ranks (mesh_trips.trip_events)
+                v = g.values[ins.vid]
+                fw, trips[id(ins)], _ = trip_events(
+                    pr.spec(ins.vid, ins.src), ins.via, ins.dst, prof,
+                    v.requires_grad and v.producer in pr.backward)
+                pending.extend(_trip_items(ins, fw, "forward", made.get(ins.vid, -1)))
+            for s in ins.plan.steps if ins.via is None else ():
                 if s.kind in _COLL:
                     pending.append(Item("comm", f"%{ins.vid}", "forward", coll=s.kind,
                                         mesh_dim=s.mesh_dim, nbytes=s.buffer_bytes,
@@ -203,6 +217,9 @@ def build_schedule(prog) -> Schedule:
         for ins in reversed(pinned.get(n.nid, ())):
             v = g.values[ins.vid]
             last = max((k for k, it in enumerate(items) if it.kind == "compute"), default=-1)
+            if ins.via is not None:
+                items.extend(_trip_items(ins, trips[id(ins)], "backward", last))
+                continue
             for s in reversed(ins.plan.steps):
                 kind = BACKWARD_OF.get(s.kind)
                 if kind is not None and s.mesh_dim is not None:
@@ -281,6 +298,13 @@ def build_schedule(prog) -> Schedule:
     return Schedule(items, mesh, prof)
 
 
+def _trip_items(ins, events, phase, after) -> list:
+    """A round trip's recorded events (``mesh_trips.trip_events``) as comm items."""
+    return [Item("comm", f"%{ins.vid}", phase, coll=name, mesh_dim=None, nbytes=nb,
+                 after=after, ranks=ranks, wire=wire, dur=dur, tag="round trip")
+            for name, ranks, nb, wire, dur in events]
+
+
 def replay(schedule: Schedule) -> StepReport:
     """Record ``schedule`` on a fresh trace (module docstring) and read the step off it."""
     mesh, prof = schedule.mesh, schedule.profile
@@ -320,6 +344,11 @@ def replay(schedule: Schedule) -> StepReport:
 def _record(tr, it, mesh):
     from ..sim_mesh import cost as _c
     hs = []
+    if it.ranks:                 # a round trip's event, as recorded (mesh_trips.py)
+        return [tr.record_collective(it.ranks, it.coll, it.dur, bytes=it.wire,
+                                     label=f"{it.phase} {it.name}",
+                                     args={"mesh_dim": None, "buffer_bytes": int(it.nbytes),
+                                           "tag": it.tag}, overlap=it.async_)]
     for grp in mesh.groups(it.mesh_dim):
         if len(grp) == 1:
             continue

@@ -5,7 +5,9 @@ dispatcher does op by op.  When two consumers need the same layout, the second r
 repeats the first; when a tensor is pinned (or resharded) and a later consumer wants the
 layout it was made in, the reshard undoes the pin's.  Both find the layout already
 materialized: the reshard is dropped and the consumer reads that copy (memory for
-communication, as a compiler's common-subexpression elimination trades it).
+communication, as a compiler's common-subexpression elimination trades it).  A round
+trip to another mesh (``mesh_trips.py``) is not undone so: its copy replaces the layouts
+before it.
 """
 from __future__ import annotations
 
@@ -30,6 +32,12 @@ def cancel_reshards(prog, program):
                 saved_b += ins.plan.total_bytes
                 saved_t += ins.plan.total_time
                 continue
+            if ins.via is not None:
+                # a round trip's copy is the value from then on (mesh_trips.py): a reader
+                # of the layout it left reshards from the copy, as eager's reader does, so
+                # the gradient goes back through the trip (read before it, the trip ran
+                # forward and its backward never: compile17, O1 round trip then a slice)
+                have.clear()
             have.add(ins.dst)
             out.append(ins)
         else:
