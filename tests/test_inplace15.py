@@ -30,7 +30,9 @@ P(sum)-S(1)@2d / S(0)-S(1)@2d): the copy is registered under the view's local te
 which the write into ``a`` does not look up (versions.derive is keyed by the tensor read);
 and a >= 3-d operand that torch itself copies (``a.expand(2, 4, 4) @ x``: no error on one
 device) raises here over R@1d, R-R@2d (as before), S(0)@1d, P(max)@1d (a split dim hides
-the expand from one rank's strides: matmul._one_device_copies).
+the expand from one rank's strides: matmul._one_device_copies); matched over those four
+by inplace17 (tests/test_inplace17.py), not over a moved operand (S(1)@1d, P(sum)-S(1)@2d,
+S(0)-S(1)@2d).
 """
 import pytest
 import torch

@@ -444,12 +444,12 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
         _unsupported(op, "it changes the storage itself, which a layout over ranks does not "
                          "have; build a new DistTensor (shard_tensor / reshard) instead")
     if op == "detach_":
-        x._local = storage.map_tensors(x._local, lambda t: t.detach())
-        return x
+        return _detach_(x)
     from .views import check_multi_output_write
     check_multi_output_write(x, op)
     if op in _VIEWS:
         return _view_inplace(x, op, args, kwargs)
+    _int_recorded(x, op, args, kwargs)
     _judge(lambda: getattr(_meta_self(x), op)(*_meta(tuple(args)),
                                                **{k: _meta(v) for k, v in kwargs.items()}))
     if op not in RANDOM and op != "fill_":      # (fill_ reads its value as a number first)
@@ -505,6 +505,33 @@ def method(x: DistTensor, op: str, args=(), kwargs=None) -> DistTensor:
         raise RuntimeError(f"{op}(): result type {y.dtype} can't be cast to the desired "
                            f"output type {x.dtype}; use x = x.{op[:-1]}(...) for a new tensor")
     return assign(x, y, op, sources=(x,) + tuple(args) + tuple(kwargs.values()))
+
+
+_VIEW_DETACH = (
+    "Can't detach views in-place. Use detach() instead. If you are using "
+    "DistributedDataParallel (DDP) for training, and gradient_as_bucket_view is set as True, "
+    "gradients are views of DDP buckets, and hence detach_() cannot be called on these "
+    "gradients. To fix this error, please refer to the Optimizer.zero_grad() function in "
+    "torch/optim/optimizer.py as the solution.")
+
+
+def _detach_(x: DistTensor) -> DistTensor:
+    """``x.detach_()`` as torch's (torch/csrc/autograd/VariableTypeManual.cpp, ``detach_``):
+    a view of another DistTensor raises torch's RuntimeError, nothing changed; otherwise
+    ``x`` loses its history in place.  A local tensor with history is detached in place,
+    as torch detaches the tensor itself: an op that saved it as an input then raises
+    torch's "Trying to use a saved tensor that has been detached in-place" at backward
+    (before, ``x._local`` took new detached tensors and backward ran silently), while one
+    that saved it as its output (``exp``) does not, as on one device."""
+    if x._view is not None:
+        raise RuntimeError(_VIEW_DETACH)
+
+    def det(t):
+        if t.grad_fn is not None and not t._is_view():
+            return t.detach_()
+        return t.detach()
+    x._local = storage.map_tensors(x._local, det)
+    return x
 
 
 def _fill_expanded(x: DistTensor, op: str, shape, args, kwargs) -> DistTensor:
@@ -565,7 +592,7 @@ def setitem(x: DistTensor, index, value) -> None:
     if isinstance(val, torch.Tensor) and val.requires_grad and \
             not (x.dtype.is_floating_point or x.dtype.is_complex):
         if vals.requires_grad:
-            _tracked_into_int(x, val)
+            _tracked_into_int(x, val, "x[index] = value", "x[index] = value.detach()")
         vals = vals.detach()
         val = val.detach()      # an integer x holds no gradient: torch writes the values
         # (seed 941145: int_x[i] = tracked float raised "Autograd not support dtype: Long")
@@ -590,7 +617,40 @@ def setitem(x: DistTensor, index, value) -> None:
     assign(x, y, "__setitem__", sources=(x,))
 
 
-def _tracked_into_int(x: DistTensor, val) -> None:
+def _meta_tracked(v):
+    """``v`` on the meta device, a tensor that requires grad still requiring it."""
+    if isinstance(v, (DistTensor, torch.Tensor)):
+        m = torch.empty(tuple(v.shape), dtype=v.dtype, device="meta")
+        return m.requires_grad_() if v.requires_grad else m
+    if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
+        return type(v)(_meta_tracked(u) for u in v)
+    return v
+
+
+def _int_recorded(x: DistTensor, op: str, args, kwargs) -> None:
+    """``int_x.masked_fill_(m, v)`` / ``.fill_(v)`` / ``.index_fill_(d, i, v)`` with a 0-d
+    ``v`` requiring grad: torch records the write as ``int_x[i] = v`` (the integer x gets a
+    grad_fn; its next differentiable op raises "Autograd not support dtype: Long"; torch
+    2.13, measured in tests/test_inplace17.py), where the DistTensor wrote the values and
+    stayed without history, silently.  Decided by the same op on meta tensors (torch's
+    autograd runs there: ``requires_grad`` of the meta result), and refused as
+    :func:`_tracked_into_int`, before anything is written."""
+    if x.dtype.is_floating_point or x.dtype.is_complex or not torch.is_grad_enabled():
+        return
+    vals = tuple(args) + tuple(kwargs.values())
+    tracked = [v for v in vals if isinstance(v, (DistTensor, torch.Tensor)) and v.requires_grad]
+    if not tracked:
+        return
+    try:
+        m = getattr(torch.empty(tuple(x.shape), dtype=x.dtype, device="meta"), op)(
+            *_meta_tracked(tuple(args)), **{k: _meta_tracked(v) for k, v in kwargs.items()})
+    except (RuntimeError, NotImplementedError, TypeError):
+        return                  # torch's own error follows from the real run
+    if m.requires_grad:
+        _tracked_into_int(x, tracked[0], f"x.{op}(...)", f"x.{op}(..., value.detach())")
+
+
+def _tracked_into_int(x: DistTensor, val, what: str, fix: str) -> None:
     """``int_x[i] = v`` with ``v`` requiring grad where torch records the write (a 0-d
     ``v`` written by fill_, a bool mask's index_put_; a value copied by ``copy_`` is not
     recorded): torch 2.13 gives the integer x a ``grad_fn`` (``x.requires_grad`` True) and
@@ -599,11 +659,11 @@ def _tracked_into_int(x: DistTensor, val) -> None:
     refused here, before anything is written, with torch's words and the fix."""
     name = torch.empty(0, dtype=x.dtype).type().split(".")[-1].replace("Tensor", "")
     raise RuntimeError(
-        f"x[index] = value with a value of {val.dtype} that requires grad, into a "
+        f"{what} with a value of {val.dtype} that requires grad, into a "
         f"DistTensor {x.notation()} of {x.dtype}: torch records the write and x's next "
         f"differentiable op raises \"Autograd not support dtype: {name}\" (an integer "
         "tensor with a grad_fn), a state a DistTensor does not hold. Fix: write the values "
-        "torch writes, x[index] = value.detach(), or make x floating (x = x.double())")
+        f"torch writes, {fix}, or make x floating (x = x.double())")
 
 
 def _partial_overlap(x: DistTensor, idx, value) -> None:

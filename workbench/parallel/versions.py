@@ -35,7 +35,7 @@ import torch
 
 from . import storage
 
-__all__ = ["bump", "derive", "unversioned", "explained", "saved_check"]
+__all__ = ["bump", "derive", "unversioned", "explained", "saved_check", "data_of"]
 
 _WRITES: dict = {}      # (node name, output nr, local shape) -> "y.add_() on R[4, 4]"
 _KEEP = 256             # the most recent writes remembered for the message
@@ -63,7 +63,7 @@ def bump(ts, what: str) -> None:
             got = _DERIVED.get(id(r))
             if got is not None and got[0]() is r:
                 ts += [c for c in (h() for h in got[1]) if c is not None]
-            d = DETACHED.get(id(r))
+            d = DETACHED.get(id(r)) or _DATA_OF.get(id(r))
             t = d[1]() if d is not None and d[0]() is r else None
             if t is None:
                 break
@@ -81,6 +81,19 @@ def bump(ts, what: str) -> None:
             _WRITES[key] = what
             while len(_WRITES) > _KEEP:
                 del _WRITES[next(iter(_WRITES))]
+
+
+_DATA_OF: dict = {}     # id(a ``.data`` alias's local tensor) -> (weakref to it, to its source)
+
+
+def data_of(alias, src) -> None:
+    """``alias`` is ``src.data`` (a DistTensor's local tensor): torch's ``.data`` has a
+    version counter of its own, so a write through it leaves what an op saved of ``src``
+    usable (and read with the new values).  A copy an op read of ``src`` (the dispatcher's
+    move: :func:`derive`) would keep the old values, silently: :func:`bump` follows the
+    alias to those copies (only), so that backward raises there instead."""
+    k = id(alias)
+    _DATA_OF[k] = (weakref.ref(alias, lambda _: _DATA_OF.pop(k, None)), weakref.ref(src))
 
 
 def derive(src_loc, loc, outs) -> None:

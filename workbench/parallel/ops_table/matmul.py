@@ -211,44 +211,56 @@ def _contiguous(g):
     return None if g is None else g.contiguous()
 
 
-def _batched(a, b, nd=0, a0=None, b0=None):
+def _batched(a, b, nd=0, a0=None, b0=None, ga=None, gb=None):
     """torch.matmul; two 3-d operands with one batch size go straight to bmm, which is what
     matmul runs for them, without matmul's expand and reshape nodes in the autograd graph
     (8 ranks, toy TP step: ~14 us less per product, forward and backward).  ``a0``, ``b0``:
     the operands before ``align`` (``nd`` lead dims), whose one rank's matrices one device
-    multiplies.  Returns the product and a check for its backward (None: nothing kept),
-    which :func:`_dense_grad` runs."""
+    multiplies; ``ga``, ``gb``: their global shapes (None: unknown).  Returns the product
+    and a check for its backward (None: nothing kept), which :func:`_dense_grad` runs."""
     if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
         return torch.bmm(a, b), None
-    y = torch.matmul(a, b)
-    if y.grad_fn is not None:
-        # matmul may lay a stacked operand out by a copy and save that copy, where one
-        # device's matmul saves the operand itself (derivatives.yaml: each operand for the
-        # other's gradient): the operand is then checked by the product's hook, so that a
-        # write into it raises as one device's does
-        a0 = a if a0 is None else a0
-        b0 = b if b0 is None else b0
-        key = (a.shape, a.stride(), b.shape, b.stride(), a.requires_grad, b.requires_grad,
-               a0.dim(), b0.dim(), nd)
-        keep = _KEEP.get(key)
-        if keep is None:
-            ca, cb = _copies(a, b)
-            oa, ob = _one_device_copies(a0, b0, nd) if ca or cb else (True, True)
-            keep = _KEEP[key] = (ca and not oa and b.requires_grad,
-                                 cb and not ob and a.requires_grad)
-            if len(_KEEP) > 4096:
-                _KEEP.clear()
-        if keep[0] or keep[1]:
-            return y, versions.saved_check([t for t, k in zip((a, b), keep) if k])
+    if not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
+        return torch.matmul(a, b), None
+    # matmul may lay a stacked operand out by a copy and save that copy, where one
+    # device's matmul saves the operand itself (derivatives.yaml: each operand for the
+    # other's gradient): the operand is then checked by the product's hook, so that a
+    # write into it raises as one device's does; and the other way round (inplace17):
+    # one device's matmul saves its own copy (``a.expand(2, 4, 4) @ x`` folds the
+    # expanded a by a copy: a later write into a does not raise) where this one saves a
+    # view (a replicated operand's stride-0 lead dim merges): it multiplies a copy too
+    # (torch's saved-variable check raised where one device passes).  Cost, ``valgrind
+    # --tool=callgrind --instr-atstart=no benchmarks/sim_instr.py gpt 3`` measured here,
+    # base e1d4d260^^ then inplace17: 221.75M -> 221.99M instructions (+0.1%: the key
+    # reads the operands before align; no product of gpt-tiny takes a copy)
+    a0 = a if a0 is None else a0
+    b0 = b if b0 is None else b0
+    key = (a.shape, a.stride(), b.shape, b.stride(), a.requires_grad, b.requires_grad,
+           a0.shape, a0.stride(), b0.shape, b0.stride(), nd, ga, gb)
+    keep = _KEEP.get(key)
+    if keep is None:
+        ca, cb = _copies(a, b)
+        oa, ob = _one_device_copies(a0, b0, nd, ga, gb) if a0.dim() - nd > 2 or \
+            b0.dim() - nd > 2 else (False, False)
+        keep = _KEEP[key] = (ca and not oa and b.requires_grad,
+                             cb and not ob and a.requires_grad,
+                             oa and not ca and b.requires_grad,
+                             ob and not cb and a.requires_grad)
+        if len(_KEEP) > 4096:
+            _KEEP.clear()
+    y = torch.matmul(a.clone() if keep[2] else a, b.clone() if keep[3] else b)
+    if keep[0] or keep[1]:
+        return y, versions.saved_check([t for t, k in zip((a, b), keep) if k])
     return y, None
 
 
-# (operands' sizes, strides, requires_grad, dims before align, nd) -> (keep a, keep b): a
-# pure function of the layouts, read once per layout (~27 us a product otherwise)
+# (operands' sizes, strides, requires_grad, operands before align, nd, global shapes) ->
+# (check a, check b, copy a, copy b): a pure function of the layouts, read once per
+# layout (~27 us a product otherwise)
 _KEEP: dict = {}
 
 
-def _one_device_copies(a, b, nd):
+def _one_device_copies(a, b, nd, ga=None, gb=None):
     """(a copied, b copied) by one device's torch.matmul of one rank's operands (``nd``
     lead dims dropped): there torch saves its own copy too, and a write into the operand
     does not raise (``a.expand(2, 4, 4) @ x`` folds the expanded a by a copy).  Read from
@@ -256,9 +268,11 @@ def _one_device_copies(a, b, nd):
     split (an approximation for a split dim of a 3-d or larger operand).  A 1-d or 2-d
     operand is never copied (mm, mv); a larger one folded against a 2-d one is copied
     where its dims but the last do not merge (its ``mT``'s for the right operand);
-    between two larger ones, as :func:`_copies`."""
+    between two larger ones, as :func:`_copies`.  ``ga``, ``gb``: the global shapes, where
+    known: a split dim then takes its global size (:func:`_global_like`)."""
     if nd:
         a, b = a[(0,) * nd], b[(0,) * nd]
+    a, b = _global_like(a, ga), _global_like(b, gb)
     da, db = a.dim(), b.dim()
     if da <= 2 and db <= 2:
         return False, False
@@ -274,6 +288,26 @@ def _one_device_copies(a, b, nd):
     if ra.dim() == 3 and ra.shape[0] == rb.shape[0]:
         return False, False                 # bmm of the operands as they are
     return _copies(ra, rb)
+
+
+def _global_like(t, shape):
+    """A meta stand-in of one device's operand of global ``shape`` laid out as the rank's
+    local ``t``: an expanded dim (stride 0) keeps stride 0, the others the dense strides
+    of the global sizes in ``t``'s dim order (:mod:`..strides`).  A split dim shows one
+    element on a rank (``a.expand(2, 4, 4)`` split by rows over 4 ranks: (2, 1, 4) of
+    strides (0, 4, 1), whose dims merge) where one device's do not merge: its
+    ``reshape`` copies and a write into ``a`` does not raise (it raised here over S(0)@1d,
+    P(max)@1d).  ``t`` itself where the shapes do not pair up."""
+    if shape is None or len(shape) != t.dim() or tuple(shape) == tuple(t.shape):
+        return t
+    from ..strides import _order, dense_stride
+    st, n = t.stride(), tuple(shape)
+    free = [st[i] == 0 and n[i] > 1 for i in range(len(n))]
+    order = _order(st, [t.shape[i] == 1 for i in range(len(n))], tuple(t.shape))
+    dense = dense_stride(tuple(1 if f else k for f, k in zip(free, n)), order)
+    gst = tuple(0 if f else s for f, s in zip(free, dense))
+    return torch.empty_strided(n, gst, dtype=t.dtype, device="meta").requires_grad_(
+        t.requires_grad)
 
 
 def _merge(sizes, strides) -> bool:
@@ -324,7 +358,9 @@ def _matmul_local(nd, ctx, a, b):
         a = a.unsqueeze(nd)                       # (lead, 1, k)
     if lb == 1:
         b = b.unsqueeze(-1)                       # (lead, k, 1)
-    y, check = _batched(*align(nd, a, b), nd, a, b)
+    sa, sb = (None if s is None else tuple(s.shape) for s in ctx.in_specs[:2]) \
+        if ctx is not None and len(ctx.in_specs) >= 2 else (None, None)
+    y, check = _batched(*align(nd, a, b), nd, a, b, sa, sb)
     y = _dense_grad(y, nd, check)
     if lb == 1:
         y = y.squeeze(-1)
