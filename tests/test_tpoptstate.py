@@ -16,7 +16,8 @@ after 2 steps (the program: tests/dist_scripts/tp_optim_model.py), loaded into o
 and into the simulated-ranks wrappers (torch's ``load_state_dict``, and
 ``wb.checkpoint``'s ``get_state_dict`` / ``load`` / ``set_state_dict``), 2 more steps
 give one device's 4 (the first reads every loaded state, the second what the first wrote;
-3 and 5 before task speed17b, for test time); tests/dist_scripts/tp_optim_state_check.py holds the torchrun side
+3 and 5 before task speed17b, for test time);
+tests/dist_scripts/tp_optim_state_check.py holds the torchrun side
 (one device's checkpoint into each wrapper there, and each wb.checkpoint into the other
 wrapper on the other mesh)."""
 import pytest
