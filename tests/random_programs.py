@@ -132,7 +132,7 @@ class _Prog:
             x = x + (x == 0).to(dtype)
         ps = self.placements(shape, dtype)
         seed = self.rng.randrange(1000)
-        grad = dtype.is_floating_point
+        grad = dtype.is_floating_point or dtype.is_complex    # torch's complex autograd
         d = distribute(x, self.mesh, ps, seed=seed).requires_grad_(grad)
         # a Partial leaf holds its parts' reduction, rounded in its dtype (float32 P(avg)
         # of 8 parts: a few ulps from x): held to x at its dtype's tolerance, and one
@@ -419,6 +419,8 @@ def run_program(rng: random.Random, n_ops: int | None = None, avoid=KNOWN + SLOW
         nm, d, r = cur
         if r.requires_grad and r.is_floating_point():
             g = torch.randn(r.shape, generator=torch.Generator().manual_seed(7), dtype=r.dtype)
+            # (a complex result is not backpropagated: (out * g).sum() is no real scalar;
+            # a complex leaf's gradient is held to torch's through a real result)
             form = rng.choice(_wide.BACKWARDS) if wide else "sum"
             p.lines.append(_wide.BACKWARD_TEXT[form].format(nm=nm))
             p.kind = "backward"

@@ -130,14 +130,87 @@ def test_sum_to_int_of_float_partial_is_torchs(op):
 
 # ---- the sweep's programs ------------------------------------------------------------------
 
-@pytest.mark.parametrize("seed,wide", [(2015043, True), (1072063, False)])
+@pytest.mark.parametrize("seed,wide", [(2015043, True), (1072063, False), (2018161, True)])
 def test_sweep_seed_is_ok(seed, wide):
     """2015043 (wide): bfloat16 P(avg) leaf of parts up to 183 (mean |part| 51): mean of its
     parts 0.033 off one device's mean of the value, the harness's 2e-2 tolerance (the parts'
     rounding, now in the harness's half tolerance: random_programs._Prog.part_atol);
     1072063 (old): t2.to(bfloat16) + t3 summed t3's gradient over bfloat16 elements in two
     shards (0.2300 against one device's 0.2295, one bfloat16 ulp): the half tolerance
-    applies to old programs' bfloat16 steps too."""
+    applies to old programs' bfloat16 steps too; 2018161 (wide): torch._foreach_sqrt([t2,
+    t1])[1] of a complex t1 beside t2 requiring grad requires grad in torch (so its median
+    raises torch's complex-autograd RuntimeError); here it did not (a result)."""
     from tests.random_programs import run_program
     out = run_program(random.Random(seed), wide=wide)
     assert out.status == "ok", out.detail
+
+
+# ---- complex DistTensors require grad, as torch (and DTensor) allow -----------------------
+
+CX = torch.complex(torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(4)),
+                   torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
+CY = torch.complex(torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(6)),
+                   torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(8)))
+CW = torch.complex(torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(9)),
+                   torch.randn(6, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(10)))
+COMPLEX_PROGRAMS = {
+    "mul_exp": lambda a, b, w: (a * b).exp(),
+    "matmul": lambda a, b, w: (a / b) @ w,
+    "sum_mean": lambda a, b, w: (a * b).sum(0) + a.mean(0),
+    "abs_softmax": lambda a, b, w: torch.softmax((a + b).abs(), 1),
+    "view_as_real": lambda a, b, w: torch.view_as_real(a.sqrt() * b),
+    "reshape_cat": lambda a, b, w: torch.cat([a.reshape(6, 4).t(), b], 1) * 2j,
+    "vdot": lambda a, b, w: torch.vdot(a.flatten(), b.flatten()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPLEX_PROGRAMS))
+def test_complex_dist_tensor_requires_grad_as_torch(name):
+    """A complex DistTensor requires grad (torch and DTensor allow complex autograd):
+    values and the leaves' (conjugate Wirtinger) gradients are torch's, over layouts with
+    shards and a P(sum).  Before: requires_grad_() raised TypeError ('only floating point
+    tensors can require gradients', torch's words for an integer)."""
+    f = COMPLEX_PROGRAMS[name]
+    for la, lb in [(["R", "R"], ["S(0)", "S(1)"]), (["S(1)", "P(sum)"], ["R", "S(0)"]),
+                   (["P(sum)", "S(0)"], ["S(1)", "R"])]:
+        a, b = _d(CX, la, seed=1).requires_grad_(True), _d(CY, lb, seed=2).requires_grad_(True)
+        w = _d(CW, ["R", "S(0)"]).requires_grad_(True)
+        ra, rb, rw = (t.full().detach().clone().requires_grad_(True) for t in (a, b, w))
+        out, ref = f(a, b, w), f(ra, rb, rw)
+        torch.testing.assert_close(out.full().detach(), ref.detach())
+        g = torch.randn(ref.shape, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(7)).to(ref.dtype)
+        out.backward(g)
+        ref.backward(g)
+        for t, r in ((a, ra), (b, rb), (w, rw)):
+            if r.grad is None:              # w unused
+                assert t.grad is None
+                continue
+            assert t.grad.dtype == r.grad.dtype == torch.complex128
+            torch.testing.assert_close(t.grad.full(), r.grad)
+
+
+def test_complex_int_requires_grad_refusals_are_torchs():
+    """An integer DistTensor still refuses with torch's condition (floating point or
+    complex); a foreach op over a float requiring grad marks its complex output as torch
+    does (sweep15 had skipped it while complex could not require grad)."""
+    with pytest.raises(TypeError, match="floating point and complex"):
+        _d(torch.arange(4), ["S(0)", "R"]).requires_grad_(True)
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
+    c = torch.tensor([1 + 1j, -0.5j, 2.0], dtype=torch.complex128)
+    want = torch._foreach_exp([x.clone().requires_grad_(True), c])
+    got = torch._foreach_exp([_d(x, ["S(0)", "R"]).requires_grad_(True), _d(c, ["R", "S(0)"])])
+    assert [t.requires_grad for t in got] == [t.requires_grad for t in want] == [True, True]
+
+
+def test_aminmax_of_a_complex_of_no_element_raises_torchs_error():
+    """Complex-grad focus seed 7000009: torch.aminmax(t1, dim=-2) of a (1, 1, 0) complex
+    requiring grad: torch's CPU kernel raises NotImplementedError (no complex aminmax);
+    here amin's autograd RuntimeError came first."""
+    x = torch.zeros(1, 1, 0, dtype=torch.complex128)
+    with pytest.raises(NotImplementedError):
+        torch.aminmax(x.clone().requires_grad_(True), dim=-2)
+    mesh = wb.Mesh([[[1, 2, 0]]])
+    t = distribute(x, mesh, parse_placements(["S(1)", "P(sum)", "S(1)"]), seed=167)
+    with pytest.raises(NotImplementedError):
+        torch.aminmax(t.requires_grad_(True), dim=-2)
