@@ -145,7 +145,8 @@ class _Prog:
         r = held.clone().requires_grad_(grad)
         self.low |= dtype in LOW
         self.half |= dtype in (torch.bfloat16, torch.float16)
-        if self.half and any(q.is_partial() and q.reduce_op in ("sum", "avg") for q in ps):
+        if dtype in (torch.bfloat16, torch.float16) and \
+                any(q.is_partial() and q.reduce_op in ("sum", "avg") for q in ps):
             # an op on the parts rounds each at its own magnitude, and the parts are
             # deliberately unequal (tens for a value near 1): the reduction then holds the
             # value to about the parts' summed magnitude (P(avg): their mean) times the
@@ -153,12 +154,17 @@ class _Prog:
             # leaf of 8 parts up to 183, mean |part| up to 51; mean(1) of its parts, kept
             # P(avg) as DTensor keeps it, was 0.033 off one device's mean of the value:
             # a 2e-2 tolerance; each part's own rounding bound there 51 * 2^-8 = 0.2)
-            parts = torch.stack([d.local(r).detach().double().abs()
-                                 for r in self.mesh.ranks])
-            mag = parts.mean(0) if any(q.is_partial() and q.reduce_op == "avg" for q in ps) \
-                else parts.sum(0)
-            # parts.mean / sum over every rank: a Partial over some mesh dims counts each
-            # part as often as it is replicated, the same factor in sum and count
+            locs = [d.local(r).detach().double().abs() for r in self.mesh.ranks]
+            avg = any(q.is_partial() and q.reduce_op == "avg" for q in ps)
+            if all(t.shape == locs[0].shape for t in locs):
+                # every rank's local elementwise (shards of other mesh dims mixed in: an
+                # upper bound, as is counting a part once per copy)
+                parts = torch.stack(locs)
+                mag = parts.mean(0) if avg else parts.sum(0)
+            else:                   # uneven shards: the largest part, times their number
+                n = math.prod(s for s, q in zip(self.mesh.shape, ps) if q.is_partial())
+                mag = torch.tensor([max((float(t.max()) for t in locs if t.numel()),
+                                        default=0.0) * (1 if avg else n)])
             if mag.numel():
                 self.part_atol = max(self.part_atol,
                                      float(mag.max()) * torch.finfo(dtype).eps / 2)
