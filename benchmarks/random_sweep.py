@@ -2,13 +2,16 @@
 library exception, grouped by kind.
 
     python benchmarks/random_sweep.py [--cases 2000] [--start 0] [--avoid slow_planning] [--wide]
+                                      [--focus NEW15,BLAS,...]
 
 Program ``i`` is ``tests.random_programs.run_program(random.Random(start + i))``, the
 generator of the property test (tests/test_random_programs.py), here with none of the
 known bugs kept off (``--avoid`` names generator guards to keep, e.g. ``slow_planning``:
 no binary op on 3-d meshes, whose strategy choice plans 125-343 candidates).  ``--wide``
 draws ``run_program(..., wide=True)``: tests/random_programs_wide.py's wider space (other
-dtypes, reshards, no_grad / autocast, more ops and backward forms).  Outcomes:
+dtypes, reshards, no_grad / autocast, more ops and backward forms); ``--focus`` (implies
+``--wide``) draws the wide kinds from the named groups / kinds of that module only
+(``NEW15``, ``BLAS``, ``NN``, ... or single kinds such as ``vdot``).  Outcomes:
 
 * wrong: the result or a gradient differs from one device, and nothing was raised (or
   torch raised for the call and the DistTensor call returned a result);
@@ -40,7 +43,11 @@ def main(argv=None) -> int:
     ap.add_argument("--avoid", default="", help="comma-separated generator guards to keep")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--wide", action="store_true", help="the wider space (random_programs_wide)")
+    ap.add_argument("--focus", default="", help="comma-separated wide kind groups / kinds")
     a = ap.parse_args(argv)
+    if a.focus:
+        _focus(a.focus.split(","))
+        a.wide = True
     import torch
     torch.set_num_threads(a.threads)
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -61,12 +68,30 @@ def main(argv=None) -> int:
         print(f"stopped after {done} cases", file=sys.stderr)
     wall = time.perf_counter() - t0
     print(f"{done} random programs (seeds {a.start}..{a.start + done - 1}, avoid "
-          f"{list(avoid)}{', wide' if a.wide else ''}): {dict(counts)} in {wall:.0f} s")
+          f"{list(avoid)}{', wide' if a.wide else ''}{', focus ' + a.focus if a.focus else ''}"
+          f"): {dict(counts)} in {wall:.0f} s")
     for (status, kind, where, what), cases in sorted(groups.items(), key=lambda kv: -len(kv[1])):
         seed, out = cases[0]
         print(f"\n== {status} {kind} {where} {what}: {len(cases)} cases "
               f"(seeds {[s for s, _ in cases[:8]]})\n{out.detail}\n{out.text[:1500]}")
     return 1 if counts["wrong"] or counts["raised"] else 0
+
+
+def _focus(names):
+    """Draw the wide kinds from ``names`` only (``random_programs._op`` reads
+    ``random_programs_wide.WIDE`` at each draw)."""
+    from tests import random_programs_wide as rw
+    kinds = []
+    for n in names:
+        group = getattr(rw, n, None)
+        if isinstance(group, tuple):
+            kinds += group
+        elif n in rw.WIDE:
+            kinds.append(n)
+        else:
+            raise SystemExit(f"--focus {n!r}: not a kind group or kind of "
+                             "tests/random_programs_wide.py (e.g. NEW15, BLAS, vdot)")
+    rw.WIDE = tuple(kinds)
 
 
 def _stop(signum, frame):

@@ -243,8 +243,8 @@ def test_constant_written_over_history_uneven_backward(op, shape, ps):
 
 def test_vdot_complex_values():
     """vdot of complex DistTensors raised NoRuleError (conj() has no rule); now
-    dot(conj(a), b) from view_as_real / complex: torch's value and dtype (a complex
-    DistTensor cannot require grad here: dist_tensor.requires_grad_ refuses it)."""
+    dot(conj(a), b) from view_as_real / complex: torch's value and dtype (its gradient:
+    tests/test_sweep17.py, since complex DistTensors require grad)."""
     g = torch.Generator().manual_seed(5)
     a = torch.randn(5, dtype=torch.complex128, generator=g)
     b = torch.randn(5, dtype=torch.complex128, generator=g)
@@ -258,7 +258,7 @@ def test_vdot_complex_values():
 def test_foreach_over_a_grad_float_and_a_complex():
     """Seed 5000724: torch._foreach_exp([t2, t1]) with t2 requiring grad and t1 complex
     raised TypeError (the complex output was marked to require grad, which a complex
-    DistTensor cannot); now torch's values and dtypes, and t2's gradient."""
+    DistTensor could not then); now torch's values and dtypes, and t2's gradient."""
     a = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64)
     c = torch.tensor([1 + 1j, -0.5j, 2.0], dtype=torch.complex128)
     ra = a.clone().requires_grad_(True)

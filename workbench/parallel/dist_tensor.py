@@ -226,9 +226,9 @@ class DistTensor:
 
     def requires_grad_(self, flag: bool = True) -> "DistTensor":
         """Make this DistTensor a leaf of autograd: its ``.grad`` becomes a DistTensor."""
-        if not self.dtype.is_floating_point and flag:
+        if not (self.dtype.is_floating_point or self.dtype.is_complex) and flag:
             raise TypeError(f"requires_grad_() on a {self.dtype} DistTensor: only floating "
-                            "point tensors can require gradients")
+                            "point and complex tensors can require gradients")
         if flag and not self.is_leaf and self.requires_grad:
             return self                 # a result of ops: torch keeps its history
         ts = storage.tensors(self._local)

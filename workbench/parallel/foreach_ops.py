@@ -90,12 +90,8 @@ def on_graph(outs, args):
     for o in outs:
         if isinstance(o, (torch.Tensor, DistTensor)) and not o.requires_grad and \
                 (o.dtype.is_floating_point or o.dtype.is_complex):
-            if o.dtype.is_complex and isinstance(o, DistTensor):
-                # a complex DistTensor cannot require grad (dist_tensor.requires_grad_): its
-                # input, of output i's gradient the only one, cannot either, so the mark is
-                # torch's flag alone (sweep15 focus seed 5000724: _foreach_exp([t2, t1])
-                # with t1 complex raised requires_grad_'s TypeError where torch runs)
-                continue
+            # (a complex one too, as torch: sweep17 lets a complex DistTensor require
+            # grad; sweep15 focus seed 5000724 had skipped it while requires_grad_ refused)
             o.requires_grad_(True)
     return outs
 

@@ -178,7 +178,16 @@ _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp
 
 def _all_reduce(t, pg, op="sum"):
     t = t.contiguous().clone()
+    nan = None
+    if op in ("max", "min") and t.is_floating_point():
+        # gloo's MAX / MIN drop a NaN (max(NaN, 0) gave 0, measured under torchrun,
+        # tests/test_sweep17.py); torch's max / amax propagate it, and so does the
+        # simulator (grid.reduce): the ranks' NaN positions reduced beside the values
+        nan = t.isnan().to(t.dtype)
+        dist.all_reduce(nan, op=dist.ReduceOp.MAX, group=pg)
     dist.all_reduce(t, op=_OPS[op], group=pg)
+    if nan is not None:
+        t = torch.where(nan > 0, nan.new_full((), float("nan")), t)
     return t
 
 
@@ -215,8 +224,12 @@ class AllReduce(torch.autograd.Function):
             g = g / ctx.n
         elif ctx.op in ("max", "min"):
             x, y = ctx.saved_tensors
-            hit = ((x == y) | (x.isnan() & y.isnan())).to(g.dtype)     # NaN: grid._Extreme
-            g = g * hit / _all_reduce(hit, ctx.pg, "sum")
+            hit = (x == y) | (x.isnan() & y.isnan())                    # NaN: grid._Extreme
+            count = _all_reduce(hit.to(g.dtype), ctx.pg, "sum")
+            # zero off the mask, not g * 0: an inf / NaN upstream gradient gave NaN at the
+            # ranks that lost (torch's evenly_distribute_backward fills zeros there, as
+            # grid._Extreme does: tests/test_sweep17.py)
+            g = torch.where(hit, g / count, g.new_zeros(()))
         return g, None, None, None, None
 
 

@@ -42,7 +42,7 @@ def _norm_dims(dim, ndim):
     return tuple(sorted(wrap_dims(dim, ndim)))
 
 
-def reduction_options(x, dim, keepdim, kind):
+def reduction_options(x, dim, keepdim, kind, dtype=None):
     dims = _norm_dims(dim, x.ndim)
     opts = [((R,), (R,), "replicated")]
     for d in range(x.ndim):
@@ -55,18 +55,33 @@ def reduction_options(x, dim, keepdim, kind):
         else:
             nd = d if keepdim else d - sum(1 for r in dims if r < d)
             opts.append(((Shard(d),), (Shard(nd),), f"kept dim {d} sharded passes through"))
-    if kind in ("sum", "mean"):
+    if kind in ("sum", "mean") and not _truncates(x.dtype, dtype):
         opts.append(((Partial("sum"),), (Partial("sum"),), "linear: P(sum) stays P(sum)"))
+        # the mean of the parts' sums is the sum of their mean: P(avg) stays, no reduction
+        # (DTensor's linear reduction strategy keeps any Partial of a sum / mean,
+        # pytorch/pytorch torch/distributed/tensor/_ops/_math_ops.py
+        # map_placements_after_reduction; was reduced first, and a bfloat16 P(avg)'s value
+        # then depended on the path: wide seed 2015043, sum over a dim of size 1)
+        opts.append(((Partial("avg"),), (Partial("avg"),), "linear: P(avg) stays P(avg)"))
     elif kind in ("amax", "amin"):
         p = "max" if kind == "amax" else "min"
         opts.append(((Partial(p),), (Partial(p),), f"P({p}) of a {kind} stays P({p})"))
     return opts
 
 
+def _truncates(src, dtype):
+    """``sum(dtype=int)`` of a float / complex: each element cast (truncated) before the
+    sum, not a linear map of the parts (a float P(sum)'s parts truncated apart gave 2 off
+    one device's sum, sweep17): no Partial passes."""
+    return dtype is not None and not (dtype.is_floating_point or dtype.is_complex) and \
+        (src.is_floating_point or src.is_complex)
+
+
 def _reduction_rule(kind):
-    def rule(x, dim=None, keepdim=False, **_):
+    def rule(x, dim=None, keepdim=False, dtype=None, **_):
         dim = _dims(dim, x.ndim)          # as the parse: () is every dim, -1 the last
-        return combine(x.mesh.ndim, [reduction_options(x, dim, keepdim, kind)] * x.mesh.ndim, 1)
+        return combine(x.mesh.ndim, [reduction_options(x, dim, keepdim, kind, dtype)]
+                       * x.mesh.ndim, 1)
     rule.__doc__ = f"{kind} over dims: sharded reduced dims give partial results."
     return rule
 
