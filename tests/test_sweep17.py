@@ -54,14 +54,16 @@ def test_simulated_extreme_is_torchs_evenly_distributed_gradient(op):
             torch.testing.assert_close(grads[r][k], col.grad[r], equal_nan=True)
 
 
-def test_torch_distributed_extreme_is_the_simulators():
+def test_torch_distributed_extreme_is_the_simulators(tmp_path_factory):
     """tests/dist_scripts/sweep17_extreme_check.py (torchrun, 2 gloo processes): the same
     parts and upstream gradient give the simulator's values and gradients.  Before: the
     losing rank's gradient was g * 0 / count, NaN under an inf / NaN upstream gradient
     (sim_mesh/backends.AllReduce), and gloo's MAX / MIN dropped a NaN part (max(NaN, 0)
     was 0, the simulator's and torch's NaN)."""
-    from tests.torchrun_support import own_launch
-    rows = own_launch("sweep17_extreme_check.py")
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "sweep17_extreme_check.py")   # one launch
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {(r["rank"], r["case"]): r for r in json_rows(text)}
     for op in ("max", "min"):
         value, grads = _simulated(op)
         for r in (0, 1):
