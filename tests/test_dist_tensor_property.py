@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import workbench as wb
+from workbench.parallel import layout
 from tests.strategies import meshes
 from tests.test_reshard import expected_local
 
@@ -89,13 +90,18 @@ def check_plan_matches_trace(plan, tr):
     assert sum(1 for _ in tr.collectives()) == sum(s.groups for s in steps)
     # an uneven all-to-all's step bytes are the busiest rank's over the mesh; each group's
     # event carries its own busiest rank's (plan16): no more, the most of them equal
-    a2a = [e.bytes for e in tr.collectives() if e.name == "all_to_all"]
-    assert sum(e.bytes for e in tr.collectives() if e.name != "all_to_all") == sum(
+    # (an uneven all-gather's / reduce-scatter's likewise, (p-1) x its group's largest
+    # piece: plan17b)
+    mesh, shape = plan.src_mesh, plan.shape
+    busy = {s.kind for s in steps if s.kind == "all_to_all" or s.kind in (
+        "all_gather", "reduce_scatter") and not layout.is_even(
+            shape, mesh, s.src if s.kind == "all_gather" else s.dst)}
+    a2a = [e.bytes for e in tr.collectives() if e.name in busy]
+    assert sum(e.bytes for e in tr.collectives() if e.name not in busy) == sum(
         (s.buffer_bytes if s.kind == "send_recv" else s.bytes) * s.groups
-        for s in steps if s.kind != "all_to_all")
-    assert max(a2a, default=0) == max((s.bytes for s in steps if s.kind == "all_to_all"),
-                                      default=0)
-    assert sum(a2a) <= sum(s.bytes * s.groups for s in steps if s.kind == "all_to_all")
+        for s in steps if s.kind not in busy)
+    assert max(a2a, default=0) == max((s.bytes for s in steps if s.kind in busy), default=0)
+    assert sum(a2a) <= sum(s.bytes * s.groups for s in steps if s.kind in busy)
     assert plan.total_bytes == max(tr.bytes_per_rank().values(), default=0)
     assert math.isclose(plan.total_time, tr.time(), rel_tol=1e-9, abs_tol=1e-15)
 

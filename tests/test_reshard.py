@@ -30,6 +30,9 @@ def expected_local(x, mesh, ps, rank):
     return t
 
 
+# the layout whose shards are an all-gather's / reduce-scatter's pieces
+GATHERS = {"all_gather": lambda s: s.src, "reduce_scatter": lambda s: s.dst}
+
 @SETTINGS
 @given(data=st.data())
 def test_shard_tensor_locals_are_torch_chunks(data):
@@ -73,17 +76,24 @@ def test_reshard_round_trip_and_plan_bytes(data):
             # uneven: the busiest rank's bytes, exact (plan16)
             assert s.bytes == layout.all_to_all_sent(tuple(shape), mesh.shape, s.src,
                                                      s.mesh_dim, s.dst[s.mesh_dim].dim, 4)[1]
+        elif s.kind in GATHERS and not layout.is_even(shape, mesh, GATHERS[s.kind](s)):
+            # uneven: (p-1) x the largest piece, padded (plan17b)
+            assert s.bytes == (mesh.shape[s.mesh_dim] - 1) * 4 * layout.local_numel_max(
+                shape, mesh, GATHERS[s.kind](s))
         else:
             assert s.bytes == cost.wire_bytes(s.kind, s.buffer_bytes, mesh.shape[s.mesh_dim])
     # and the trace recorded exactly the plan: one event per group per step (an uneven
     # all-to-all's events: each group's busiest rank, the most of them the step's)
     steps = [s for s in plan.steps if not s.kind.startswith("local")]
     assert sum(1 for _ in tr.collectives()) == sum(s.groups for s in steps)
-    a2a = [e.bytes for e in tr.collectives() if e.name == "all_to_all"]
+    # (uneven all-gathers / reduce-scatters likewise, plan17b)
+    busy = {s.kind for s in steps if s.kind == "all_to_all" or s.kind in GATHERS
+            and not layout.is_even(shape, mesh, GATHERS[s.kind](s))}
+    a2a = [e.bytes for e in tr.collectives() if e.name in busy]
     assert tr.total_bytes() - sum(a2a) == sum(s.bytes * s.groups for s in steps
-                                              if s.kind != "all_to_all")
-    assert max(a2a, default=0) == max((s.bytes for s in steps if s.kind == "all_to_all"),
-                                      default=0)
+                                              if s.kind not in busy)
+    assert max(a2a, default=0) == max((s.bytes for s in steps if s.kind in busy), default=0)
+    assert sum(a2a) <= sum(s.bytes * s.groups for s in steps if s.kind in busy)
 
 
 @SETTINGS

@@ -314,6 +314,9 @@ def check_uneven_receive(bytes_per_rank, shape=(10, 4), p: int = 4, elem: int = 
     row_bytes = math.prod(shape[1:]) * elem
     want = [(shape[0] - n) * row_bytes for n in rows]
     mean = (p - 1) * shape[0] * row_bytes // p                  # (p-1)/p n
+    # the plan's figure, the busiest rank's: p-1 shards padded to the largest
+    # (sim_mesh.grid.gather_sent)
+    plan = (p - 1) * max(rows) * row_bytes
     try:
         if isinstance(bytes_per_rank, (str, bytes)):
             raise TypeError(bytes_per_rank)
@@ -335,12 +338,16 @@ def check_uneven_receive(bytes_per_rank, shape=(10, 4), p: int = 4, elem: int = 
                             "a rank receives whole f32 values, 4 bytes each"))
     got = [int(v) for v in vals]
     if got == want:
-        _ok(f"{want}: ranks with fewer rows receive more; the plan reports the mean, {mean} B")
+        _ok(f"{want}: fewer rows, more received; the plan reports the busiest rank's {plan} B")
         return
     implied = [shape[0] - g // row_bytes for g in got]          # the rows each would hold
     if got == [mean] * p:
-        msg = (f"{mean} B is the plan's figure, (p-1)/p n: the mean over ranks. With uneven "
-               f"shards ({rows} rows) each rank receives the rows it lacks")
+        msg = (f"{mean} B is (p-1)/p n: the mean over ranks. With uneven shards ({rows} "
+               "rows) each rank receives the rows it lacks")
+    elif got == [plan] * p:
+        msg = (f"{plan} B is the plan's figure, the busiest rank's ({p - 1} shards, each "
+               f"padded to {max(rows)} rows). With uneven shards ({rows} rows) each rank "
+               "receives the rows it lacks")
     elif got == [w // elem for w in want]:
         msg = f"those are elements: multiply by {elem} bytes per f32"
     elif got == [w // row_bytes for w in want]:

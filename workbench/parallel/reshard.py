@@ -161,11 +161,30 @@ def a2a_sent(shape, dtype, mesh, ps, nxt, i) -> tuple[int, int] | None:
                                   _elem(dtype))
 
 
+def step_sent(kind, shape, dtype, mesh, ps, nxt, i) -> int | None:
+    """The bytes the busiest rank sends in step ``kind`` ``ps`` -> ``nxt`` on mesh dim
+    ``i`` where the ranks' pieces are uneven (None where the ring formula on the largest
+    buffer is exact): an all-to-all's (:func:`a2a_sent`), an all-gather's or
+    reduce-scatter's, (p-1) times the largest piece (``layout.gather_sent``: the
+    gathered shards, the kept pieces), the bytes the trace records for it on either
+    executor (``collectives.all_gather``), forward and backward."""
+    if kind == "all_to_all":
+        r = a2a_sent(shape, dtype, mesh, ps, nxt, i)
+        return None if r is None else r[1]
+    if kind in ("all_gather", "reduce_scatter"):
+        pieces = ps if kind == "all_gather" else nxt
+        if layout._is_even(tuple(shape), mesh.shape, tuple(pieces)):
+            return None
+        return layout.gather_sent(tuple(shape), mesh, tuple(pieces), i, _elem(dtype))
+    return None
+
+
 @lru_cache(maxsize=65536)
 def _price_step(kind, i, nbytes, mesh, profile, sent=None) -> tuple[int, float, int]:
     """(bytes the busiest rank sends, modeled seconds, groups) of a step whose buffer is
-    ``nbytes``; ``sent``: the busiest rank's bytes where ranks send different amounts
-    (an uneven all-to-all, :func:`a2a_sent`), priced as such (``cost.sent_buffer``)."""
+    ``nbytes``; ``sent``: the busiest rank's bytes where the pieces are uneven (an
+    all-to-all, all-gather or reduce-scatter, :func:`step_sent`), priced as such
+    (``cost.sent_buffer``)."""
     if kind in _LOCAL:
         return 0, 0.0, 0
     groups = mesh.groups(i)
@@ -205,8 +224,7 @@ def _plan_same_mesh(shape, dtype, mesh, src, dst, profile) -> list[Step]:
         if best.get(ps, cost) < cost:
             continue
         for kind, i, nxt, nb in _moves(shape, mesh, ps, dtype, profile):
-            sent = a2a_sent(shape, dtype, mesh, ps, nxt, i) if kind == "all_to_all" else None
-            sent = None if sent is None else sent[1]
+            sent = step_sent(kind, shape, dtype, mesh, ps, nxt, i)
             wire, t, ng = _price_step(kind, i, nb, mesh, profile, sent)
             exact = (_EXACT.get(kind, 0.0) * nb * (mesh.shape[i] - 1) / mesh.shape[i]
                      if sent is None else sent)

@@ -114,10 +114,13 @@ def _moves(ndim: int, mesh_shape: tuple, pops: tuple, ps: tuple) -> list:
     return out
 
 
+_SENT = ("all_to_all", "all_gather", "reduce_scatter")
+
+
 def plan_steps(shape, dtype, mesh, src, dst, profile, price_step, exact_factor) -> list:
     """``reshard._plan_same_mesh(shape, dtype, mesh, src, dst, profile)``'s steps.
     ``price_step``: reshard's ``_price_step``; ``exact_factor``: its ``_EXACT``."""
-    from .reshard import Step, a2a_sent
+    from .reshard import Step, step_sent
     if src == dst:
         return []
     mshape, elem = mesh.shape, dtype.itemsize
@@ -161,9 +164,8 @@ def plan_steps(shape, dtype, mesh, src, dst, profile, price_step, exact_factor) 
         for kind, i, nxt, whose in graph.out(k):
             nb = 0 if whose is None else nb_of(nxt if whose else k)
             sent = None
-            if kind == "all_to_all":     # uneven: the busiest rank's bytes (reshard.a2a_sent)
-                sent = a2a_sent(shape, dtype, mesh, states[k], states[nxt], i)
-                sent = None if sent is None else sent[1]
+            if kind in _SENT:            # uneven: the busiest rank's bytes (reshard.step_sent)
+                sent = step_sent(kind, shape, dtype, mesh, states[k], states[nxt], i)
             wire, t, ng, exact = price(kind, i, nb, sent)
             c = (cost[0] + t, cost[1] + exact, cost[2] + (kind == "local_pad"), cost[3] + 1)
             old = best.get(nxt)

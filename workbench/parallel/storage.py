@@ -414,7 +414,12 @@ def _per_rank(kind, x, shape, mesh, old_ps, i, new, label):
             # the bytes the simulator records: the largest rank's block (uneven: not ours)
             nb = t.numel() * t.element_size() if _is_even(shape, mesh, old_ps) else \
                 layout.local_numel_max(tuple(shape), mesh, old_ps) * t.element_size()
-            y = C._on_backward(y, "all_gather", mesh, i, nb, label, groups=[group])
+            # and, uneven, the busiest member's (grid.gather_sent), as on cells
+            sent = None if _is_even(shape, mesh, old_ps) and _is_even(shape, mesh, new_ps) \
+                else (C._dist_gather_sent(
+                y.reshape((1,) * mesh.ndim + tuple(y.shape)), mesh, i, new.dim, sizes,
+                False),)
+            y = C._on_backward(y, "all_gather", mesh, i, nb, label, groups=[group], sent=sent)
         elif kind == "partial":          # every process keeps the gradient of its copy
             y = _B.KeepOnFirst.apply(t, coord[i]) if new.reduce_op == "sum" else t
         else:
@@ -435,7 +440,12 @@ def _per_rank(kind, x, shape, mesh, old_ps, i, new, label):
             return parts[c[i]]
         y = x.with_axis(i, n, piece)
         nb = grid.CellGrid.rank_bytes(src, mesh.ndim)
-        return C._on_backward(y, "all_gather", mesh, i, nb, label)
+        if n == 1 or not (torch.is_grad_enabled() and grid.CellGrid.requires_grad(y)):
+            return y                      # no backward to record
+        # the backward all-gather: each group's busiest rank (grid.gather_sent)
+        groups = list(mesh.groups(i))
+        return C._on_backward(y, "all_gather", mesh, i, nb, label, groups=groups,
+                              sent=tuple(C._cells_gather_sent(y, mesh, i, g) for g in groups))
     if kind == "partial":
         keep_all = new.reduce_op != "sum"
         return x.with_axis(i, n, lambda c: src[c] if keep_all or c[i] == 0

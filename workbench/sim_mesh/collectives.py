@@ -24,6 +24,7 @@ compact (their gradient is already the full gradient, as in Megatron's ``g``).
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -37,6 +38,7 @@ from . import grad_record as _gr
 from .grad_record import mute_backward, on_backward_steps
 from .grid import REDUCE_OPS, Cells, CellGrid, Stacked, chunk_bounds, ops_for
 from .grid import all_to_all_sent as _a2a_sent
+from .grid import gather_sent as _gather_sent
 from .profiles import profile_memo as _profile_memo
 from .trace import current_trace
 
@@ -83,7 +85,8 @@ def record_collective(kind: str, mesh, axis: int | None, nbytes: int, label: str
 
     ``nbytes`` follows the cost model's convention (see :mod:`workbench.sim_mesh.cost`).
     ``sent``: the bytes the busiest rank sends where the ranks send different amounts
-    (an uneven all-to-all): recorded as the event's bytes and priced
+    (uneven pieces: an all-to-all's, all-gather's, reduce-scatter's): recorded as the
+    event's bytes and priced
     (``cost.sent_buffer``) in place of (p-1)/p of ``nbytes``.
     Returns the handles (empty when no trace is being recorded)."""
     tr = current_trace()
@@ -250,13 +253,19 @@ def all_gather(x, mesh, axis: int, dim: int, *, expanded: bool = False, label: s
                sizes=None, nbytes=None):
     """Concatenate the group's shards along local ``dim`` (S(dim) -> R).  ``sizes``
     (torch.distributed, uneven shards): the members' lengths along ``dim``
-    (:mod:`.padded`); ``nbytes``: as :func:`all_reduce`'s."""
+    (:mod:`.padded`); ``nbytes``: as :func:`all_reduce`'s.
+
+    Uneven shards (cells; on torch.distributed, where ``nbytes`` is given): each group's
+    event records the bytes its busiest rank sends, (p-1) times its largest shard
+    (``grid.gather_sent``: padded, as DTensor and :mod:`.padded` send it), priced as such
+    (``cost.sent_buffer``), and so does the backward reduce-scatter (``expanded``)."""
     if _B.is_distributed(mesh):
         fn = (lambda l, pg, n, k: _B.AllGather.apply(l, pg, n, dim, k, expanded)) \
             if _even(sizes) else \
             (lambda l, pg, n, k: _padded.AllGather.apply(l, pg, tuple(sizes), k, dim, expanded))
+        sent = None if nbytes is None else _dist_gather_sent(x, mesh, axis, dim, sizes, False)
         y = _dist("all_gather", x, mesh, axis, label, fn, out_bytes=True, bwd=expanded,
-                  nbytes=nbytes)
+                  nbytes=nbytes, sent=sent, grad=None if sent is None else (nbytes, sent))
         return _B.tag(y, (axis,)) if expanded else y
     F, axis = _check(x, mesh, axis, "all_gather")
     dim = _dim(x, mesh.ndim, dim, "all_gather", "dim")
@@ -265,10 +274,40 @@ def all_gather(x, mesh, axis: int, dim: int, *, expanded: bool = False, label: s
     if not expanded and current_trace() is None:
         return y                             # nothing to record
     nb = F.rank_bytes(y, nd)                 # the cost model's buffer: the gathered tensor
-    record_collective("all_gather", mesh, axis, nb, label)
+    groups = sent = None
+    if F is CellGrid and n > 1:              # uneven: each group's busiest rank
+        groups = list(mesh.groups(axis))
+        sent = tuple(_cells_gather_sent(x, mesh, axis, g) for g in groups)
+        for g, s in zip(groups, sent):
+            record_collective("all_gather", mesh, axis, nb, label, groups=[g], sent=s)
+    else:
+        record_collective("all_gather", mesh, axis, nb, label)
     if expanded:
-        return _on_backward(F.expand(y, axis, n), "reduce_scatter", mesh, axis, nb, label)
+        return _on_backward(F.expand(y, axis, n), "reduce_scatter", mesh, axis, nb, label,
+                            groups=groups, sent=sent)
     return y
+
+
+def _cells_gather_sent(x, mesh, axis, g) -> int:
+    """``grid.gather_sent`` of group ``g``'s cells of ``x`` (its members' pieces)."""
+    ts = _line(x, mesh, axis, g)
+    return _gather_sent([t.numel() for t in ts], ts[0].element_size())
+
+
+def _dist_gather_sent(x, mesh, axis, dim, sizes, whole: bool) -> int:
+    """``grid.gather_sent`` of this process's group on torch.distributed: the members'
+    pieces are this process's local ``x`` (``whole``: the reduce-scatter's input, the
+    group's block) with the ``dim`` lengths of ``sizes`` (the layout's; even where None):
+    what the simulator counts on its cells."""
+    nd = mesh.ndim
+    n = mesh.shape[mesh.dim(axis)]
+    local = list(x.shape[nd:])
+    d = dim % len(local)
+    if sizes is None:
+        sizes = [chunk_bounds(local[d], n, k)[1] for k in range(n)] if whole \
+            else [local[d]] * n
+    rest = math.prod(local[:d] + local[d + 1:])
+    return _gather_sent([rest * s for s in sizes], x.element_size())
 
 
 class _PlusZero(torch.autograd.Function):
@@ -309,17 +348,20 @@ def padded_all_reduce(x, mesh, axis: int, dim: int, *, label: str = ""):
 def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str = "",
                    sizes=None, nbytes=None):
     """Reduce over the group, then rank k keeps chunk k of local ``dim`` (P -> S(dim)).
-    ``sizes``, ``nbytes``: as :func:`all_gather`'s."""
+    ``sizes``, ``nbytes``: as :func:`all_gather`'s; uneven pieces record each group's
+    busiest rank, (p-1) times its largest kept piece, forward and backward (as there)."""
     _check_op(op)
     if _B.is_distributed(mesh):
+        sent = None if nbytes is None else _dist_gather_sent(x, mesh, axis, dim, sizes, True)
+        grad = None if sent is None else (nbytes, sent)
         if not _even(sizes):
             return _dist("reduce_scatter", x, mesh, axis, label,
                          lambda l, pg, n, k: _padded.ReduceScatter.apply(l, pg, tuple(sizes),
                                                                          dim, op),
-                         nbytes=nbytes)
+                         nbytes=nbytes, sent=sent, grad=grad)
         return _dist("reduce_scatter", x, mesh, axis, label,
                      lambda l, pg, n, k: _B.ReduceScatter.apply(l, pg, n, dim, op),
-                     nbytes=nbytes)
+                     nbytes=nbytes, sent=sent, grad=grad)
     F, axis = _check(x, mesh, axis, "reduce_scatter")
     nd, n = mesh.ndim, mesh.shape[axis]
     dim = _dim(x, nd, dim, "reduce_scatter", "dim")
@@ -328,11 +370,19 @@ def reduce_scatter(x, mesh, axis: int, dim: int, op: str = "sum", *, label: str 
     if current_trace() is None and not F.requires_grad(y):
         return y                          # nothing to record now or in backward
     nb = F.rank_bytes(x, nd)
+    groups = sent = None
+    if F is CellGrid and n > 1:           # uneven: each group's busiest rank (its kept pieces)
+        groups = list(mesh.groups(axis))
+        sent = tuple(_cells_gather_sent(y, mesh, axis, g) for g in groups)
     if not (F is Stacked and op in _rs.OPS and _rs.RUNS[0] == runs):
-        record_collective("reduce_scatter", mesh, axis, nb, label)
+        if sent is None:
+            record_collective("reduce_scatter", mesh, axis, nb, label)
+        else:
+            for g, s in zip(groups, sent):
+                record_collective("reduce_scatter", mesh, axis, nb, label, groups=[g], sent=s)
     # (else a cache served the operator's output, as selective checkpointing's recompute
     # does for a saved one: nothing moved, nothing to record; reduce_scatter_op)
-    return _on_backward(y, "all_gather", mesh, axis, nb, label)
+    return _on_backward(y, "all_gather", mesh, axis, nb, label, groups=groups, sent=sent)
 
 
 @_bytes_only

@@ -91,11 +91,14 @@ def wire_bytes(kind: str, nbytes: int, p: int) -> int:
       :func:`sent_buffer` gives; the backward all-to-all counts the gradient's own
       shards.  4 x 12288 f32 S(1) -> S(0) on 3 ranks: rank 2 sends 65,536 B, where
       (p-1)/p of the largest shard is 43,690 B.
-    * all_gather / reduce_scatter: this formula on the largest buffer (the gathered
-      output, the input), rounded down: below the busiest rank's, which sends (p-1)
-      times the largest piece (padded as DTensor and ``padded.py`` do, or not): rows
-      2, 2, 0 of f32 on 3 ranks record 10 B where a rank sends 16 B; 75 rows of 64
-      f32 on 2 ranks record 9,600 B where rank 0 sends 38 rows, 9,728 B.
+    * all_gather / reduce_scatter: not this formula on the largest buffer (the gathered
+      output, the input).  Every rank sends p-1 pieces padded to its group's largest
+      (DTensor pads them, ``sim_mesh/padded.py`` runs them so on torch.distributed), so
+      the step's and each group's event bytes are (p-1) times the group's largest piece
+      (``grid.gather_sent``; ``parallel.layout.gather_sent`` for a plan), priced as the
+      buffer :func:`sent_buffer` gives (the padded p pieces), the backward collective
+      the same: rows 2, 2, 0 of f32 on 3 ranks send 16 B (this formula on the 16 B
+      gathered buffer: 10 B); 75 rows of 64 f32 on 2 ranks, 38 rows, 9,728 B (9,600 B).
     """
     _check(kind, nbytes, p)
     n = int(nbytes)

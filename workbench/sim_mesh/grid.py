@@ -255,12 +255,31 @@ def all_to_all_sent(shapes, split_dim: int, n: int, elem: int) -> int:
     even ones all send (p-1)/p of their shard.  The one definition for the simulator's
     cells (:meth:`CellGrid.all_to_all_sent`) and a torch.distributed process, which knows
     its group's shapes from the layout (``collectives.all_to_all``'s ``sizes``)."""
-    most = 0
-    for k, shape in enumerate(shapes):
-        numel, L = math.prod(shape), shape[split_dim]
-        kept = chunk_bounds(L, n, k)[1]
-        most = max(most, (numel - (numel // L * kept if L else 0)) * elem)
-    return most
+    return max((rank_sent(shape, split_dim, n, k, elem) for k, shape in enumerate(shapes)),
+               default=0)
+
+
+def rank_sent(shape, split_dim: int, n: int, k: int, elem: int) -> int:
+    """Bytes rank ``k`` of ``n`` sends in that all-to-all (:func:`all_to_all_sent`): its
+    shard (``shape``) less the torch.chunk piece k of ``split_dim`` it keeps."""
+    numel, L = math.prod(shape), shape[split_dim]
+    kept = chunk_bounds(L, n, k)[1]
+    return (numel - (numel // L * kept if L else 0)) * elem
+
+
+def gather_sent(pieces, elem: int) -> int:
+    """Bytes the busiest of one group's ranks sends in an all-gather, or a reduce-scatter,
+    whose members' pieces are ``pieces`` (numels, in group order; the gathered shards, the
+    kept pieces): (p-1) times the largest.  Every rank sends p-1 pieces, each padded to the
+    largest as DTensor pads them (torch 2.13, git cf30153, torch/distributed/tensor/
+    placement_types.py ``_to_replicate_tensor`` :591, ``_reduce_shard_tensor`` :475) and
+    :mod:`.padded` runs them on torch.distributed; the ring formula (p-1)/p n on the padded
+    buffer p x the largest piece.  Rows 2, 2, 0 of f32 on 3 ranks: 2 x 8 = 16 B (the
+    formula on the largest unpadded buffer, 16 B, floored: 10 B).  The one definition for
+    the simulator's cells, a torch.distributed process (its shard and the layout's
+    ``sizes``) and the planner (``parallel.layout.gather_sent``)."""
+    pieces = list(pieces)
+    return (len(pieces) - 1) * max(pieces, default=0) * elem
 
 
 class CellGrid:
