@@ -107,12 +107,15 @@ class StepReport:
     kernels: int
     collectives: int
     trace: Trace = field(repr=False, default=None)
+    # what the replay cannot know, stated (the program's data_dependent: program_report.py)
+    assumed: tuple = ()
 
     def __str__(self):
         return (f"step {self.time * 1e6:.2f} us: compute {self.compute * 1e6:.2f} us "
                 f"({self.kernels} kernels, launches {self.launch * 1e6:.2f} us), "
                 f"communication {self.comm * 1e6:.2f} us ({self.collectives} collectives, "
-                f"exposed {self.exposed * 1e6:.2f} us)")
+                f"exposed {self.exposed * 1e6:.2f} us)"
+                + "".join(f"\n  assumed: {a}" for a in self.assumed))
 
 
 def _launch(profile, dtype) -> float:
