@@ -150,6 +150,10 @@ def _pick(node, strategy):
                 return c
         raise RuntimeError(f"{node.name}: the chosen strategy {strategy} is not among the "
                            "rule's candidates at run time (the inputs changed layout?)")
+    # a partial sum reduced first from its values (dispatch._unsafe_factor): the op runs as
+    # eager's, not this strategy (planned for the Partial input: it made the reduced value
+    # Partial again, compile17b)
+    pick.eager_when_reduced = True
     return pick
 
 

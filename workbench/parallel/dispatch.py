@@ -325,8 +325,10 @@ def dispatch(func, args, kwargs):
         # forced strategy (chosen for the Partial input) is not run on the reduced one (it
         # made the reduced value Partial again: O0 ``R * P(sum)`` gave P where eager gives
         # R, compile17b); the op runs as eager's, and the program goes on from that layout
-        # (compile/lower.execute_program; the step says so: program_report.data_dependent)
-        eager = bool(_FORCE)
+        # (compile/lower.execute_program; the step says so: program_report.data_dependent).
+        # Only for a pick that asks it (a compiled program's): a validator forcing each
+        # candidate in turn still runs its own
+        eager = bool(_FORCE) and getattr(_FORCE[-1], "eager_when_reduced", False)
     if plain:
         specs = []
         for x in inputs:
