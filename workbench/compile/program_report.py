@@ -30,16 +30,23 @@ class _Reading:
             n = self.graph.nodes[ins.nid]
             if n.op not in ("mul", "div") and TABLE[n.op].op_class != "matmul":
                 continue
-            summed = [f"%{vid}:{fmt_placements(req)}" for vid, req in
-                      zip(n.inputs, ins.strategy.inputs)
+            summed = [vid for vid, req in zip(n.inputs, ins.strategy.inputs)
                       if vid is not None and req is not None and
                       any(p.is_partial() and p.reduce_op in ("sum", "avg") for p in req)]
-            if summed:
-                out.append(f"data-dependent: {n.name} ({n.op}) reads the partial sum "
-                           f"{', '.join(summed)}: where a factor holds inf or 0 (a divisor "
-                           "0 or inf) at run time the dispatcher reduces it first "
-                           "(dispatch._unsafe_factor), an all-reduce the step does not "
-                           "model; modeled as not reduced")
+            if not summed:
+                continue
+            dts = [self.graph.values[v].dtype for v in summed]
+            # signed zeros: a floating partial sum of mul / div (dispatch._unsafe_factor)
+            signed = n.op in ("mul", "div") and any(d.is_floating_point or d.is_complex
+                                                    for d in dts)
+            when = ("a divisor holds 0" + (" or inf" if signed else "") if n.op == "div"
+                    else "a factor holds " + ("0 or inf" if signed else "inf"))
+            reads = ", ".join(f"%{v}:{fmt_placements(req)}" for v, req in
+                              zip(n.inputs, ins.strategy.inputs) if v in summed)
+            out.append(f"data-dependent: {n.name} ({n.op}) reads the partial sum {reads}: "
+                       f"where {when} at run time the dispatcher reduces it first "
+                       "(dispatch._unsafe_factor), an all-reduce the step does not model; "
+                       "modeled as not reduced")
         return out
 
     @property
