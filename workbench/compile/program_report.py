@@ -53,7 +53,7 @@ class _Reading:
     def notes(self) -> list:
         """What running the program does, and what only its schedule holds."""
         if self.eager or self.level != "O2":
-            return self.data_dependent
+            return []
         out = ["run: the graph is launched once (sink); gradients are all-reduced in the "
                "bucket pass's buckets, one collective per bucket when its last gradient is "
                "ready (on simulated ranks; under torch.distributed one per parameter)"]
@@ -62,7 +62,7 @@ class _Reading:
             out.append("plan only: the overlap pass's early and split collectives are "
                        "priced on the clock (prog.step()); the run issues each collective "
                        "where its consumer needs it, whole")
-        return out + self.data_dependent
+        return out
 
     # ---- reading -----------------------------------------------------------------
     def __str__(self) -> str:

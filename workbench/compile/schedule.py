@@ -114,8 +114,7 @@ class StepReport:
         return (f"step {self.time * 1e6:.2f} us: compute {self.compute * 1e6:.2f} us "
                 f"({self.kernels} kernels, launches {self.launch * 1e6:.2f} us), "
                 f"communication {self.comm * 1e6:.2f} us ({self.collectives} collectives, "
-                f"exposed {self.exposed * 1e6:.2f} us)"
-                + "".join(f"\n  assumed: {a}" for a in self.assumed))
+                f"exposed {self.exposed * 1e6:.2f} us)")
 
 
 def _launch(profile, dtype) -> float:
