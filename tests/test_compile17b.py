@@ -103,3 +103,33 @@ def test_a_later_reshard_runs_from_the_layout_made():
         assert torch.equal(got.full_tensor(), want.full_tensor()), level
         assert torch.equal(pc.grad.full_tensor(), pe.grad.full_tensor()), level
         assert torch.equal(rc.grad.full_tensor(), re.grad.full_tensor()), level
+
+
+@pytest.mark.parametrize("op", ["matmul", "div"])
+def test_o0_reduced_first_by_an_inf_or_a_zero_is_eager(op):
+    """``P(sum) @ w`` with w holding inf, ``P(sum) / d`` with d holding 0: reduced first in
+    eager (dispatch._unsafe_factor); O0's placements, values and collectives are eager's."""
+    mesh = wb.Mesh([0, 1])
+    w = torch.eye(3, dtype=torch.float64)
+    w[1, 2] = float("inf") if op == "matmul" else 0.0
+    w = w + (0 if op == "matmul" else 1) * (w == 0)
+    if op == "div":
+        w[0, 1] = 0.0
+
+    def f(p, d):
+        return p @ d if op == "matmul" else p / d
+
+    def ins():
+        return (wb.distribute_tensor(_B[:, :3] if op == "matmul" else _B[:, :3] * 0 + _B[0, :3],
+                                     mesh, [Partial("sum")]).requires_grad_(),
+                wb.distribute_tensor(w if op == "matmul" else w[:2], mesh, [Replicate()]))
+    with wb.trace() as te:
+        want = f(*ins())
+    prog = wb.compile(f, *ins(), level="O0")
+    with wb.trace() as tc:
+        got = prog(*ins())
+    assert tuple(got.placements) == tuple(want.placements) == (Replicate(),)
+    assert torch.equal(got.full_tensor().isnan(), want.full_tensor().isnan())
+    assert torch.equal(torch.nan_to_num(got.full_tensor()), torch.nan_to_num(want.full_tensor()))
+    assert _comm(tc.events) == _comm(te.events) and sum(_comm(te.events).values()) == 1
+    assert len(prog.step().assumed) == 1
