@@ -150,6 +150,10 @@ def _pick(node, strategy):
                 return c
         raise RuntimeError(f"{node.name}: the chosen strategy {strategy} is not among the "
                            "rule's candidates at run time (the inputs changed layout?)")
+    # a partial sum reduced first from its values (dispatch._unsafe_factor): the op runs as
+    # eager's, not this strategy (planned for the Partial input: it made the reduced value
+    # Partial again, compile17b)
+    pick.eager_when_reduced = True
     return pick
 
 
@@ -186,6 +190,21 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
                     if ins.why.startswith("pinned"):
                         cur[ins.vid] = ins.dst
                     continue
+            if src is None and ins.vid in cur and cur[ins.vid] in have and \
+                    ins.src not in have:
+                # the op that made it reduced a partial sum first, from the values
+                # (dispatch._unsafe_factor: a factor holding 0 or inf) and ran as eager's,
+                # so its output is in eager's layout, not the planned one: the reshard runs
+                # from the layout made (values exact; its collectives are the run's, the
+                # step states it: program_report.data_dependent)
+                made = have[cur[ins.vid]]
+                out = _trip(made, ins) if ins.via is not None else \
+                    reshard(made, made.mesh, list(ins.dst)) if cur[ins.vid] != ins.dst \
+                    else made
+                have[ins.dst] = out
+                if ins.why.startswith("pinned"):
+                    cur[ins.vid] = ins.dst
+                continue
             if src is None:
                 raise RuntimeError(f"reshard %{ins.vid}: not available in "
                                    f"{fmt_placements(ins.src)}")

@@ -11,6 +11,45 @@ class _Reading:
     """What a compiled program reports (a base of :class:`~.program.CompiledProgram`)."""
 
     @property
+    def data_dependent(self) -> list:
+        """What the step cannot know: each op that reads a partial sum (Partial sum / avg)
+        beside a factor, where the dispatcher reduces the partial sum first when a factor
+        holds inf, a divisor 0, or (mul / div of a floating partial sum) a factor 0 or a
+        divisor inf, decided from the values at run time (``dispatch._unsafe_factor``):
+        then the run makes one all-reduce per such input that :meth:`step` does not hold,
+        and the op runs as eager's from there (``lower.execute_program``).  [] where no op
+        does (or the program runs eagerly)."""
+        if self.eager:
+            return []
+        from ..parallel.ops_table.table import TABLE
+        from .lower import Run
+        out = []
+        for ins in self.program:
+            if not isinstance(ins, Run):
+                continue
+            n = self.graph.nodes[ins.nid]
+            if n.op not in ("mul", "div") and TABLE[n.op].op_class != "matmul":
+                continue
+            summed = [vid for vid, req in zip(n.inputs, ins.strategy.inputs)
+                      if vid is not None and req is not None and
+                      any(p.is_partial() and p.reduce_op in ("sum", "avg") for p in req)]
+            if not summed:
+                continue
+            dts = [self.graph.values[v].dtype for v in summed]
+            # signed zeros: a floating partial sum of mul / div (dispatch._unsafe_factor)
+            signed = n.op in ("mul", "div") and any(d.is_floating_point or d.is_complex
+                                                    for d in dts)
+            when = ("a divisor holds 0" + (" or inf" if signed else "") if n.op == "div"
+                    else "a factor holds " + ("0 or inf" if signed else "inf"))
+            reads = ", ".join(f"%{v}:{fmt_placements(req)}" for v, req in
+                              zip(n.inputs, ins.strategy.inputs) if v in summed)
+            out.append(f"data-dependent: {n.name} ({n.op}) reads the partial sum {reads}: "
+                       f"where {when} at run time the dispatcher reduces it first "
+                       "(dispatch._unsafe_factor), an all-reduce the step does not model; "
+                       "modeled as not reduced")
+        return out
+
+    @property
     def notes(self) -> list:
         """What running the program does, and what only its schedule holds."""
         if self.eager or self.level != "O2":
@@ -98,7 +137,9 @@ class _Reading:
         from .schedule import replay
         if self.eager:
             raise RuntimeError("this program runs eagerly (a graph break); trace it instead")
-        return replay(schedule or self.schedule)
+        rep = replay(schedule or self.schedule)
+        rep.assumed = tuple(self.data_dependent)      # what the replay cannot know
+        return rep
 
     def passes(self) -> str:
         """Each pass: what it changed and what it saved."""

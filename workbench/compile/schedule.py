@@ -107,6 +107,8 @@ class StepReport:
     kernels: int
     collectives: int
     trace: Trace = field(repr=False, default=None)
+    # what the replay cannot know, stated (the program's data_dependent: program_report.py)
+    assumed: tuple = ()
 
     def __str__(self):
         return (f"step {self.time * 1e6:.2f} us: compute {self.compute * 1e6:.2f} us "

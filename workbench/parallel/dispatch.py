@@ -316,10 +316,19 @@ def dispatch(func, args, kwargs):
         else:
             plain = True
     consts = ()                    # the types of constant inputs (type promotion differs)
+    eager = False                  # reduced first from the values: eager's choice, forced or not
     if entry.name in ("mul", "div") and (plain and _unsafe_scale(entry.name, inputs)
                                          or _unsafe_factor(entry.name, inputs)) or \
             entry.op_class == "matmul" and _unsafe_factor(entry.name, inputs):
         inputs = _partials_reduced(inputs)
+        # decided from the values at run time: no plan knew it, so a compiled program's
+        # forced strategy (chosen for the Partial input) is not run on the reduced one (it
+        # made the reduced value Partial again: O0 ``R * P(sum)`` gave P where eager gives
+        # R, compile17b); the op runs as eager's, and the program goes on from that layout
+        # (compile/lower.execute_program; the step says so: program_report.data_dependent).
+        # Only for a pick that asks it (a compiled program's): a validator forcing each
+        # candidate in turn still runs its own
+        eager = bool(_FORCE) and getattr(_FORCE[-1], "eager_when_reduced", False)
     if plain:
         specs = []
         for x in inputs:
@@ -338,14 +347,15 @@ def dispatch(func, args, kwargs):
     key = (entry.name, specs, tuple(sorted(attrs.items())) if attrs else (),
            tr.profile.name if tr is not None else _DEFAULT_PROFILE, consts,
            _grads(inputs) if torch.is_grad_enabled() else ())
-    prep = _PREPARED.get(key) if not _FORCE else None
+    prep = _PREPARED.get(key) if not _FORCE or eager else None
     if prep is None:
         if entry.rule is None:
             return _no_rule(func, args, kwargs, entry.name)
         # the checks run on meta tensors, not the program: hidden from dispatch modes (a
         # selective checkpoint must see the same ops in the forward and its recompute)
         with _disable_current_modes():
-            prep = _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key)
+            prep = _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key,
+                               eager)
         if prep is None:
             return _fallback(func, args, kwargs)
     if prep.int_summed:            # (rare) an integer partial sum meets another dtype
@@ -353,10 +363,11 @@ def dispatch(func, args, kwargs):
         specs = tuple(x.spec if isinstance(x, DistTensor) else _spec_of(x, mesh)
                       for x in inputs)
         key = key[:1] + (specs,) + key[2:]
-        prep = _PREPARED.get(key) if not _FORCE else None
+        prep = _PREPARED.get(key) if not _FORCE or eager else None
         if prep is None:
             with _disable_current_modes():
-                prep = _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key)
+                prep = _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key,
+                                   eager)
             if prep is None:
                 return _fallback(func, args, kwargs)
     fast = prep.fast
@@ -652,14 +663,16 @@ def _grads(inputs) -> tuple:
     return () if out is None else tuple(out)
 
 
-def _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key):
+def _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key, eager=False):
     """The first call for an input layout: torch's own checks on meta tensors of the
     global shapes, the rule, the strategy (module docstring, 2.); None: the rule found no
-    strategy and the replicate fallback is on."""
+    strategy and the replicate fallback is on.  ``eager``: the chooser's own strategy
+    even where a candidate is forced (inputs reduced first from their values)."""
     theirs = checks.torch_meta_outputs(func, args, kwargs) if entry.meta_check else None
+    forced = bool(_FORCE) and not eager
     try:
         # a new shape: free_choice's shortcut where a candidate moves nothing
-        dec = infer(entry.name, *specs, _grads=key[-1], **attrs) if _FORCE else \
+        dec = infer(entry.name, *specs, _grads=key[-1], **attrs) if forced else \
             free_choice.choose(entry.name, specs, attrs, check=VALIDATE[-1], grads=key[-1])
     except NoRuleError:
         if _FALLBACK[-1]:
@@ -669,7 +682,7 @@ def _first_call(func, args, kwargs, entry, inputs, specs, attrs, mesh, key):
     if theirs is not None:
         checks.check_outputs(entry.name, list(zip(prep.out_shapes, prep.out_dtypes)), theirs)
     prep.int_summed = _int_summed(specs, prep.out_dtypes)
-    if _FORCE:
+    if forced:
         prep = _forced(entry, prep, inputs, specs, attrs, mesh)
     else:
         if len(_PREPARED) > 20000:
