@@ -8,7 +8,8 @@ from workbench.exercises import checks as C
 from workbench.exercises import checks_layouts as L
 from workbench.exercises.feedback import reset_tries
 
-from .exercise_helpers import message, passes
+from .exercise_helpers import message, passes, fresh_tries  # noqa: F401 (autouse)
+from .exercise_helpers import ring_all_reduce as _ring_all_reduce
 
 NPU_BF16 = 313e12                        # the ascend-910b profile's bf16 peak
 FLOPS = 6 * 7e9 * 2e12                   # 01 exercise 1: 6ND
@@ -19,15 +20,6 @@ def _days(flops=FLOPS, n=1024, peak=NPU_BF16, u=0.4):
     return flops / (n * peak * u) / 86_400
 
 
-def _ring_all_reduce(bandwidth, n=14e9, p=8, alpha=3e-6):
-    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n / bandwidth
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    reset_tries()
-    yield
-    reset_tries()
 
 
 def test_training_days_names_a_forgotten_device_count():

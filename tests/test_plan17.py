@@ -4,7 +4,6 @@ the layout's ``sizes``) count them with the one rule, ``grid.all_to_all_sent``; 
 backward all-to-all (the gradient cut along the forward's concat dim) records its own
 busiest rank, not the forward's buffer (was: (p-1)/p of the forward's largest shard,
 floored: 10 B where a rank sends 16 B)."""
-import math
 
 import pytest
 import torch
@@ -14,16 +13,12 @@ from workbench.parallel import dist_uneven, layout
 from workbench.sim_mesh import collectives as C
 from workbench.sim_mesh import cost
 
+from .test_plan16 import _sent as _sent16
+
 
 def _sent(shape, mesh, src, dst, rank, elem=4):
-    """Bytes ``rank`` sends in src -> dst: its shard less the part it keeps (the
-    intersection of its shard boxes before and after), from the global bounds alone."""
-    a = layout.shard_bounds(shape, mesh, src, rank)
-    b = layout.shard_bounds(shape, mesh, dst, rank)
-    held = math.prod(n for _, n in a)
-    kept = math.prod(max(0, min(s0 + n0, s1 + n1) - max(s0, s1))
-                     for (s0, n0), (s1, n1) in zip(a, b))
-    return (held - kept) * elem
+    """test_plan16's rule (a rank's shard less the part it keeps), 4-byte elements."""
+    return _sent16(shape, mesh, src, dst, rank, elem)
 
 
 CASES = [((4, 3), [0, 1, 2], ["x"], ["S(1)"], ["S(0)"]),
