@@ -6,10 +6,11 @@ Here the shards are held in the storage's own forms (:mod:`.storage`: one stacke
 each rank's shard a view of it, or one tensor per rank), so a shard's strides tell the
 global tensor's dim order (a transpose shows as swapped strides) but not its spacing.
 The global strides are the dense strides of the global shape in that order: a contiguous
-tensor's for a contiguous layout, a transposed tensor's for a transposed one.  (A view
-that skips elements, ``x[:, ::2]``, is dense here where one device's view is not: every
-op here makes new shards.)  A dim a shard holds one element of is ambiguous in that order
-(its stride says nothing): it is put inside the dims of equal stride, which gives the
+tensor's for a contiguous layout, a transposed tensor's for a transposed one.  A view op
+(``expand``, a step slice ``x[:, ::2]``, ``diagonal``, ``unfold``) gets torch's own
+strides from :func:`track` (fsdpw17: ``expand(3, 4, 4)`` read (16, 4, 1) for torch's
+(0, 4, 1)), though its shards are new tensors here.  A dim a shard holds one element of
+is ambiguous in that order (its stride says nothing): it is put inside the dims of equal stride, which gives the
 contiguous and transposed layouts right where some shard holds more; a layout whose
 shards all hold at most one element of a dim (of more than one) has lost that dim's place: torch's ops give a
 size-1 dim any stride (``exp`` of a transposed (2, 1) shard reads (1, 1), a contiguous
@@ -225,8 +226,8 @@ def track(func, args, kwargs, result) -> None:
                 metas = _flat(func(*_meta(tuple(args)), **_meta(dict(kwargs or {}))),
                               torch.Tensor)
             if all(m.device.type == "meta" for m in metas):
-                hit = tuple((tuple(m.shape), _dense_like(tuple(m.shape), m.stride()))
-                            for m in metas)
+                # torch's strides as they are (a view's stride 0 or step too: fsdpw17)
+                hit = tuple((tuple(m.shape), tuple(m.stride())) for m in metas)
         except Exception:           # noqa: BLE001 (an unknown input, or an op meta lacks)
             pass
         if key is not None:
