@@ -330,15 +330,12 @@ WRITES = {
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 @pytest.mark.parametrize("name", sorted(WRITES))
-def test_write_into_a_parameter_between_forward_and_backward(name, kind, request):
+def test_write_into_a_parameter_between_forward_and_backward(name, kind):
     """One device raises "modified by an inplace operation" at backward (p.data aside).
-    DDP does too.  FSDP (simulated, wb.FullyShardedDataParallel) answers instead, silently:
+    DDP does too.  FSDP (simulated, wb.FullyShardedDataParallel) answered instead, silently:
     its forward used a gathered copy of the shards (strategies/fsdp.py ``_gather``), whose
-    version counter the write into the shards does not bump (found by inplace17, not
-    fixed)."""
-    if kind == "fsdp" and name != "data.mul_":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="FSDP's saved gathered "
-                                              "copy is not bumped by a write: answers"))
+    version counter the write into the shards does not bump (found by inplace17); now the
+    saved copy checks its shard's version at backward (fsdp_units.check_version: fsdpw17)."""
     one, got = _write_between_forward_and_backward(kind, WRITES[name])
     assert (one is None) == name.startswith("data.")
     assert type(got) is type(one)

@@ -55,7 +55,7 @@ from . import layout, storage
 from .dist_tensor import DistTensor, TensorSpec
 from .habits import COMPOSED, FACTORIES
 from . import strides
-from .strides import lost_layout, track as track_strides
+from .strides import lost_layout, track as track_strides, view_needs_track
 from .views import note_views
 from . import autocast as _autocast
 from .autocast import POLICY as _AUTOCAST
@@ -465,11 +465,15 @@ def dispatch(func, args, kwargs):
                 w._spec = sp
             if entry.op_class == "view" and isinstance(inputs[0], DistTensor):
                 note_views(entry.name, inputs[0], (w,), attrs)   # as run_prepared
+                if view_needs_track(func) or getattr(inputs[0], "_gstride", None) is not None:
+                    track_strides(func, args, kwargs, w)      # torch's view strides (below)
             return w
     out = run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
     # the global strides, where the outputs' shards cannot tell them (or an input's were
     # kept: its shards may tell others): torch's, from meta tensors (strides.track)
-    track = prep.lost
+    # a view's too: torch's strides of ``expand`` (0), a slice's step, ``diagonal``, which
+    # dense strides in the shards' order misstated ((16, 4, 1) for (0, 4, 1): fsdpw17)
+    track = prep.lost or (entry.op_class == "view" and view_needs_track(func))
     if not track:
         for x in inputs:
             if type(x) is DistTensor and getattr(x, "_gstride", None) is not None:

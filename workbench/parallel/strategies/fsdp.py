@@ -92,8 +92,8 @@ from .. import step_clock
 from ..load_back import flush
 from .flat_shards import flat_padded, unflat
 from .laid_out import Chunks, ProcessChunks, laid_out, module_shaped_state_dict
-from .fsdp_units import (GatheredBytes, GatherUnit, Regather, UnitCall, all_gather,
-                         plan_units, reduce_scatter, tree_cast)
+from .fsdp_units import (GatheredBytes, GatherUnit, Kept, Regather, UnitCall, all_gather,
+                         check_version, plan_units, reduce_scatter, tree_cast)
 from .fsdp_no_sync import NoSync
 from .fsdp_state import FSDPStateDict
 from .fsdp_summon import SummonFullParams
@@ -340,6 +340,7 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
         if not unit.params:
             return call, []
         cast = (lambda s: s) if self.reduce_dtype is not None else self._cast
+        call.versions[k] = [s._version for _, s, _ in unit.params]    # check_version
         flats = GatherUnit.apply(self, call, k, pre, *[cast(s) for _, s, _ in unit.params])
         if not self._reshards(unit) and torch.is_grad_enabled() and \
                 any(s.requires_grad for _, s, _ in unit.params):
@@ -390,13 +391,17 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
             return t
         call, k, i = hit
         if not self._reshards(call.unit):
-            return t                     # kept gathered: autograd saves it, no re-gather
+            return Kept(call, k, i, t)   # kept gathered: saved as is, no re-gather
         call.packed.setdefault(k, set()).add(i)
         return Regather(call, k, i, t)
 
     def _unpack(self, s):
+        if isinstance(s, Kept):
+            check_version(s.call, s.k, s.i, self._who)     # a write into its shard since: raise
+            return s.t
         if not isinstance(s, Regather):
             return s
+        check_version(s.call, s.k, s.i, self._who)
         flats = self._regather(s.call, s.k)
         if self.prefetch:                # the unit before it in forward, if not done yet
             calls = s.call.by_rank[s.k]

@@ -127,6 +127,42 @@ class UnitCall:
         self.unit, self.entered, self.grads = unit, 0, {}   # entered: ranks (simulated)
         self.cache, self.packed, self.ptrs, self.recorded, self.done = {}, {}, {}, set(), set()
         self.by_rank = {}               # rank -> its entries in forward order (prefetch)
+        self.versions = {}              # rank -> the shards' version counters at the gather
+
+
+def check_version(call, k, i, who: str = "FullyShardedDataParallel") -> None:
+    """Backward reads rank k's gathered copy of the unit's i-th parameter (kept or
+    re-gathered): raise torch's error where its shard was written since the forward gathered
+    it.  The copy has a version counter of its own, so a write into the shard
+    (``p.detach().mul_``, ``mul_`` under no_grad, ``nn.init.zeros_``) between forward and
+    backward left backward the old weights' gradient (kept root) or the new weights'
+    (re-gathered), silently, where one device's saved weight raises at backward
+    (torch/csrc/autograd/saved_variable.cpp, ``SavedVariable::unpack``) (fsdpw17).  A write
+    through ``.data`` has a counter of its own (torch's too) and is not seen.  FSDP2 itself
+    copies its gathered weights out under ``torch.autograd._unsafe_preserve_version_counter``
+    (torch 2.13 ``_fully_shard/_fsdp_collectives.py:484-499``), so, read from its code (not
+    run here), its re-gather would hand backward the written weights without a word: not
+    followed, one device's torch is the oracle."""
+    name, shard, _ = call.unit.params[i]
+    was = call.versions.get(k, ())
+    if i < len(was) and shard._version != was[i]:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: {who}'s parameter {name!r} (its shard "
+            f"{tuple(shard.shape)}) is at version {shard._version}; expected version "
+            f"{was[i]} instead (the version its forward gathered). Hint: a write into a "
+            "parameter between forward and backward (under no_grad, through detach(), "
+            "nn.init) changes the weights backward needs; write after backward (e.g. after "
+            "optimizer.step()), or run forward again after the write.")
+
+
+class Kept:
+    """What a saved weight of a unit kept gathered (the root) becomes: the weight itself
+    and where to check its shard's version (:func:`check_version`)."""
+    __slots__ = ("call", "k", "i", "t")
+
+    def __init__(self, call, k, i, t):
+        self.call, self.k, self.i, self.t = call, k, i, t
 
 
 class Regather:
