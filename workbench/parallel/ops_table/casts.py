@@ -34,13 +34,19 @@ _WIDENING = _widening()
 
 def cast_rule(x, *, dtype, **_):
     """dtype casts: R and S pass; P(max/min) pass between floating dtypes, P(sum/avg)
-    through widening float casts only."""
+    through widening float casts only; a cast to its own dtype (a copy) passes them all."""
     opts = pointwise_options([x], "none")
-    if x.dtype.is_floating_point and dtype.is_floating_point:
+    if x.dtype == dtype:
+        # a cast to its own dtype is a copy: every partial passes, as ``clone``'s (a
+        # complex P(sum) was reduce-scattered first: capture records foreach's ``to``,
+        # which eager returns as the tensor itself; wide probe seed 350)
+        opts += [((Partial(op),), (Partial(op),), f"a cast of P({op}) to its own dtype "
+                  "is a copy") for op in ("sum", "avg", "max", "min")]
+    elif x.dtype.is_floating_point and dtype.is_floating_point:
         # rounding is non-decreasing: max_i round(a_i) = round(max_i a_i), exactly
         opts += [((Partial(op),), (Partial(op),), f"a float cast of P({op}) is P({op})")
                  for op in ("max", "min")]
-        if (x.dtype, dtype) in _WIDENING or x.dtype == dtype:
+        if (x.dtype, dtype) in _WIDENING:
             # every part is exact in the wider dtype: sum_i wide(a_i) = wide(sum_i a_i)
             # up to the narrow sum's own rounding (a narrowing cast of parts would round
             # each part, errors as large as the parts)

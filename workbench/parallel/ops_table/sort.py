@@ -114,7 +114,10 @@ def kthvalue(input, k, dim=-1, keepdim=False, *, out=None):
     if input.ndim == 0:
         from .extreme_grad import no_complex_grad            # a 0-d complex requiring grad
         no_complex_grad("kthvalue", input)
-        return torch.return_types.kthvalue((input.clone(), torch.zeros_like(input).long()))
+        # (the index made long at once: ``zeros_like(x).long()`` cast a partial's zeros,
+        # a needless all-reduce of a P(min) input; wide probe seed 342)
+        return torch.return_types.kthvalue((input.clone(),
+                                                torch.zeros_like(input, dtype=torch.long)))
     # torch's kernel on whole rows: its pick among ties
     v, i = _call(_kthvalue_rows, (input, k, wrap_dim(dim, input.ndim), bool(keepdim)))
     return torch.return_types.kthvalue((v, i))
@@ -131,7 +134,8 @@ def median(input, dim=None, keepdim=False, *, out=None):
     if dim is None:                          # torch's kernel on the whole tensor: NaN
         return _call(_median_all, (input,))  # propagates, ties share the gradient evenly
     if input.ndim == 0:
-        return torch.return_types.median((input.clone(), torch.zeros_like(input).long()))
+        return torch.return_types.median((input.clone(),
+                                              torch.zeros_like(input, dtype=torch.long)))
     # torch's kernel on whole rows: its pick among ties
     v, i = _call(_median_rows, (input, wrap_dim(dim, input.ndim), bool(keepdim)))
     return torch.return_types.median((v, i))

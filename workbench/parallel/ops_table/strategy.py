@@ -434,10 +434,15 @@ def _infer_cached(op, specs, frozen_attrs, profile, grads=()) -> Decision:
         # Not elsewhere: the rule's order, as before (on every tie it moved a choice where
         # O0 and eager then record other gradient reductions: test_compile11's MoE + SP)
         fw = (t + dt, b + db) if ways else (0.0, 0)
-        cands.append((t + dt + bt, b + db + bb) + fw + (order,
+        # (an empty tensor's reshards cost nothing: a tie broken by the rule's order sent
+        # a needless collective, ``x.contiguous()`` of an empty P(sum) all-reduced it,
+        # narrow probe seed 236: fewer collectives first, then the rule's order)
+        moves = sum(len(p.collectives()) for p in plans if p is not None) \
+            if t + dt + bt == 0 else 0
+        cands.append((t + dt + bt, b + db + bb) + fw + (moves, order,
                       Candidate(st, tuple(plans), t, b, dt, db, bt, bb)))
-    cands.sort(key=lambda c: c[:5])
-    ranked = tuple(c[5] for c in cands)
+    cands.sort(key=lambda c: c[:6])
+    ranked = tuple(c[6] for c in cands)
     return Decision(op, specs, ranked, _reason(op, specs, ranked))
 
 
