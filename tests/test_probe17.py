@@ -126,3 +126,14 @@ def test_global_dist_index_o0_collectives_are_eager():
     assert torch.equal(got.full(), want.full())
     assert torch.equal(want.full(), x.full()[torch.tensor([2, 3, 4])] * 2)
     assert _comm(tc) == _comm(te) == Counter({"all_gather": 1})
+
+
+@pytest.mark.xfail(strict=True, reason="O0 reduces vector_norm's sum twice: vector_norm._root's "
+                   "_reduced(s) is a no-op under capture (plain meta tensors), so the greedy "
+                   "choice keeps where(nz, s, 1) P(sum) and sqrt all-reduces it again")
+@pytest.mark.parametrize("seed", [308, 325])
+def test_probe_seeds_norm_root_reduced_twice(seed):
+    """Wide 308 (matrix_norm 'fro'), 325 (torch.dist): O0 all_reduce 3 where eager sends 2."""
+    from tests.compile_probe import probe
+    p, out = probe(seed, True)
+    assert out["O0"][0] == "compiled", "\n".join(p.lines) + f"\n{out}"
