@@ -127,3 +127,25 @@ def test_on_torch_distributed_processes():
         assert row["diff"] < 1e-6, row
         assert row["regather"] == 1, row
     assert len(rows) == 4
+
+
+@pytest.mark.parametrize("wrap", ["fsdp-root", "fully_shard-root"])
+def test_second_backward_after_a_data_write_matches_one_device(wrap):
+    """``retain_graph=True``, then ``.data.mul_(3)``, then a second backward: the first
+    backward's check found the copy unchanged; the second finds the write and re-gathers."""
+    ref = _mlp()
+    loss = _loss(ref, None)
+    loss.backward(retain_graph=True)
+    ref[2].weight.data.mul_(3)
+    ref.zero_grad()
+    loss.backward()
+    mesh = wb.Mesh.grid(3, ["dp"])
+    m = _mlp()
+    w = WRAPS[wrap](m, mesh)
+    loss = _loss(w, mesh)
+    loss.backward(retain_graph=True)
+    m[2].weight.data.mul_(3)
+    w.zero_grad()
+    loss.backward()
+    for (name, p), q in zip(w.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(_grad(p), q.grad, rtol=1e-5, atol=1e-6, msg=name)
