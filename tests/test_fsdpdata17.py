@@ -118,11 +118,13 @@ def test_data_write_over_disttensors_matches_one_device(kind):
 
 
 @pytest.mark.slow
-def test_on_torch_distributed_processes():
+def test_on_torch_distributed_processes(tmp_path_factory):
     """The same ``.data`` write on gloo processes: written on every rank, or on rank 0's
     chunk alone (rank 1's kept copy holds that chunk too: both ranks gather again)."""
-    from tests.torchrun_support import own_launch
-    rows = own_launch("fsdpdata17_check.py", nproc=2)
+    from tests.torchrun_support import json_rows, two_proc
+    out, text = two_proc(tmp_path_factory, "fsdpdata17_check.py")   # one launch
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {(r["rank"], r["case"]): r for r in json_rows(text)}
     for (rank, case), row in rows.items():
         assert row["diff"] < 1e-6, row
         assert row["regather"] == 1, row
