@@ -284,6 +284,7 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
             queued.clear()
             for c in calls:
                 c.cache.clear()
+                c.fresh.clear()
 
         def hook(grad):
             if not queued:
@@ -398,7 +399,7 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
     def _unpack(self, s):
         if isinstance(s, Kept):
             check_version(s.call, s.k, s.i, self._who)     # a write into its shard since: raise
-            return s.t
+            return self._kept(s)
         if not isinstance(s, Regather):
             return s
         check_version(s.call, s.k, s.i, self._who)
@@ -409,6 +410,42 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
             if at > 0 and s.k not in calls[at - 1].done:
                 self._regather(calls[at - 1], s.k)
         return flats[s.i].as_strided(s.shape, s.stride, s.offset)
+
+    def _kept(self, s):
+        """The kept (root's) gathered weight ``s`` saved, as its shard holds it now.  A write
+        through ``p.data`` (``p.data.mul_(2)``) between forward and backward has a version
+        counter of its own (torch's too: no error), and one device's backward reads the
+        written values from the weight it saved (the same storage); the kept copy held the
+        old ones, silently (fsdpdata17: ``0.weight``'s gradient off by 0.17).  So the copy
+        is compared with the shard (``torch.equal``, one read of the parameter), and where
+        they differ the parameter is gathered again (recorded: ``fsdp re-gather``) and
+        backward reads that, as a unit resharded after forward does.  On torch.distributed a
+        rank holds its own chunk only, so each compares that and one all-reduce of the flag
+        (4 bytes, not recorded: FSDP2 has no such check) tells every rank whether any chunk
+        changed; the ranks unpack the same saved weights in the same order (one program)."""
+        call, k, i, t = s.call, s.k, s.i, s.t
+        shard = self._cast(call.unit.params[i][1].detach())
+        g = self.group
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            flat = call.fresh.get((k, i))
+            if flat is None:        # the gathered flat: a storage of its own (all_gather)
+                flat = t.new_empty(0).set_(t.untyped_storage())
+            now = shard.reshape(-1)
+            if g.distributed:       # this rank's chunk; a write on any rank: all gather again
+                old = flat.view(g.n, -1)[g.k] if flat.numel() == now.numel() * g.n else None
+                changed = torch.tensor(
+                    [0 if old is not None and torch.equal(now, old) else 1], device=now.device)
+                dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=g.pg)
+                changed = bool(changed.item())
+            else:
+                changed = not (now.shape == flat.shape and torch.equal(now, flat))
+        if changed:
+            with torch.no_grad():
+                flat = self._all_gather(call, k, [shard], "re-gather")[0]
+            call.fresh[(k, i)] = flat
+        if flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            return t
+        return flat.as_strided(t.shape, t.stride(), t.storage_offset())
 
     def _regather(self, call, k):
         flats = call.cache.setdefault(k, {})
@@ -421,6 +458,8 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
         """Rank k's part of the unit's gradient reduction; the re-gathered weights freed."""
         g = self.group
         call.cache.pop(k, None)
+        for key in [x for x in call.fresh if x[0] == k]:
+            del call.fresh[key]
         call.done.add(k)
         todo = [i for i, (gr, need) in enumerate(zip(grads, needs)) if need and gr is not None]
         grads = self._to_reduce_dtype(grads)

@@ -128,6 +128,7 @@ class UnitCall:
         self.cache, self.packed, self.ptrs, self.recorded, self.done = {}, {}, {}, set(), set()
         self.by_rank = {}               # rank -> its entries in forward order (prefetch)
         self.versions = {}              # rank -> the shards' version counters at the gather
+        self.fresh = {}                 # (rank, i) -> kept weight gathered again (.data write)
 
 
 def check_version(call, k, i, who: str = "FullyShardedDataParallel") -> None:
@@ -138,7 +139,9 @@ def check_version(call, k, i, who: str = "FullyShardedDataParallel") -> None:
     backward left backward the old weights' gradient (kept root) or the new weights'
     (re-gathered), silently, where one device's saved weight raises at backward
     (torch/csrc/autograd/saved_variable.cpp, ``SavedVariable::unpack``) (fsdpw17).  A write
-    through ``.data`` has a counter of its own (torch's too) and is not seen.  FSDP2 itself
+    through ``.data`` has a counter of its own (torch's too): not an error; the kept copy is
+    compared with its shard instead and gathered again where they differ (the fsdp wrapper's
+    ``_kept``, fsdpdata17), a re-gather reads the shard anyway.  FSDP2 itself
     copies its gathered weights out under ``torch.autograd._unsafe_preserve_version_counter``
     (torch 2.13 ``_fully_shard/_fsdp_collectives.py:484-499``), so, read from its code (not
     run here), its re-gather would hand backward the written weights without a word: not
