@@ -99,9 +99,7 @@ def test_marked_copy_on_torchrun_as_simulated(name, level, torchrun_rows):
 
 # ---- O0: a per-rank reader's use noted as eager notes it ------------------------------------
 
-def _v(shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(-4, 5, shape, generator=g).double()    # small integers: exact sums
+from tests.test_chooser17 import _v  # noqa: E402  (small integers: exact sums)
 
 
 def _mixed(mesh):
