@@ -336,9 +336,21 @@ def scale_assumption(profile: Profile, nodes: int) -> tuple:
     src/enqueue.cc:348-351, :377-379, :419-420) cuts a ring collective into nRanks chunks a
     channel and loop and runs (nRanks - 1) steps a loop, the steps the tuning model's
     latency counts; its chunk shrinking with the depth (:383-387, :404-409) is the tree's
-    and LL128 tree's, all_reduce only.  The line itself is unchanged (notebook 17 stores it), so its "no bus
-    bandwidth measured at that scale on A100" stands: true of A100 still.  () for other
-    libraries or at most two nodes."""
+    and LL128 tree's, all_reduce only.  Every at-scale figure found is now one row of
+    ``benchmarks/nccl_scale_audit.py`` (measured against this pricing for the same
+    collective; tests/test_i2118.py; searched again 2026-11-30, branch i2118: Azure NDv4
+    posts, Selene / SuperPOD material, MegaScale, Alibaba HPN, Meta's RoCE paper, Llama 3,
+    the PCCL paper on Perlmutter, NCCL's trackers).  They split by fabric, not by
+    algorithm: the tree latency (#652) and an H100 ring over 4-128 nodes (#1229) agree;
+    rings on three other fabrics fall below it: NVIDIA/nccl #1218 (H100 over RoCE, 32
+    nodes, all_gather of 2 GiB at 200 GB/s: 0.64 of this pricing's 312), nccl-tests #169
+    (A100 over 8 x 100G RoCE, all_reduce of 8 GiB: 0.73 / 0.61 / 0.42 at 3 / 4 / 6 nodes),
+    the Playbook's fall (0.34 / 0.20 / 0.11 at 8 / 32 / 64 nodes); NCCL's maintainer:
+    "Rings degrade at scale" (#1649, 2025-03), no figure.  What the ZeRO-3 530B rows would
+    need (0.27-0.40 of the priced rate) lies inside that span, as does 1: not one figure,
+    none on A100 / HDR, so nothing is applied.  The line itself is unchanged (notebook 17
+    stores it), so its "no bus bandwidth measured at that scale on A100" stands: true of
+    A100 still.  () for other libraries or at most two nodes."""
     if profile.topology.library != "nccl" or not profile.topology.protocols or nodes <= 2:
         return ()
     nic = profile.inter_node.effective_bandwidth / 1e9
