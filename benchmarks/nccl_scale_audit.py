@@ -41,7 +41,10 @@ docs, on top of the searches recorded in ``nccl_tuning.scale_assumption``,
   reachable; Azure's AI-benchmarking-guide runs all_reduce_perf on one host only (its
   issue #7);
 - NVIDIA Selene / DGX SuperPOD material (a SuperPOD reference-architecture deck: MLPerf
-  gains from 8 HCAs against 1 at 128-230 nodes, no collective figure);
+  gains from 8 HCAs against 1 at 128-230 nodes, no collective figure); NVIDIA's GTC24
+  S62129 and GTC25 S72583 "Collective Communication Bandwidth" slides (as reproduced in
+  stas00/ml-engineering): DGX A100 / H100 all_reduce across nodes at 32 GPUs (rows
+  below), nothing at more nodes;
 - MegaScale (ByteDance 2024), Alibaba HPN (SIGCOMM 2024: its published notes, no
   figure), Meta's RoCE paper (SIGCOMM 2024: summaries only), Llama 3: no collective figure
   reachable;
@@ -58,7 +61,11 @@ e.g. rings at scale ... Rings degrade at scale" (S. Jeaugey, #1649, 2025-03-20);
 all-gather performance": a SHARP-based allgather / reduce_scatter in 2.20 "should
 substantially help performance at your scale" (J. Bachan, #1123, 2023-12-22).
 
-Reading (the script's table, 2026-11-30).  For A100 over HDR InfiniBand at 48-420 nodes no
+Reading (the script's table, 2026-11-30).  NVIDIA's own reference figure for a DGX A100
+across nodes is a 32-GPU one: GTC25 S72583 slide 12, "NCCL Tests Allreduce Bus Bandwidth in
+GB/s, 32 GPUs", 192 GB/s for "NVL3 + 8x 200Gb RDMA (DGX A100)" (370 for DGX H100), which
+the model gives within 1% at 4 nodes: the profiles' per-NIC rate is that few-node figure,
+as the estimate's UNCERTAIN line says.  For A100 over HDR InfiniBand at 48-420 nodes no
 bus bandwidth against the node count was found: the figure the rows turn on is still
 unmeasured.  At scale elsewhere the figures split by algorithm and fabric:
 
@@ -136,7 +143,22 @@ PLAYBOOK_AG = {1: 249.8, 8: 69.0, 32: 28.0, 64: 11.0}
 # -b 1G -e 8G: busbw by nodes as the post states it ("around 100", 70, "about 58", 40)
 NCCLT169 = {2: 100.0, 3: 70.0, 4: 58.0, 5: 58.0, 6: 40.0}
 
+# NVIDIA GTC25 session S72583, slide 12 "Collective Communication Bandwidth" (NCCL Tests
+# Allreduce Bus Bandwidth in GB/s, 32 GPUs; the slide as stas00/ml-engineering@744d01e
+# network/images/all-reduce-bw-2025.png reproduces it, its README citing the session)
+GTC25 = {"a100": 192.0, "h100": 370.0}
+
 FIGURES = (
+    Figure("gtc25-a100@4", "NVIDIA GTC25 S72583 slide 12", "NVIDIA reference (32 GPUs)",
+           "A100 x8 (DGX A100)", "NVL3 + 8 x 200Gb RDMA (IB/RoCE)",
+           "not stated (ASSUMED 2.21.5; at 8 GiB the release does not matter)", "2.21.5",
+           "all_reduce", 8.0 * GIB, 4, 8, "model's choice", "busbw", GTC25["a100"], "a100",
+           note="the few-node anchor: size not stated (a peak figure: 8 GiB ASSUMED)"),
+    Figure("gtc25-h100@4", "NVIDIA GTC25 S72583 slide 12", "NVIDIA reference (32 GPUs)",
+           "H100 x8 (DGX H100)", "NVL4 + 8 x 400Gb RDMA (IB/RoCE), no SHARP",
+           "not stated (ASSUMED 2.21.5)", "2.21.5", "all_reduce", 8.0 * GIB, 4, 8,
+           "model's choice", "busbw", GTC25["h100"], "h100",
+           note="as the row above; with SHARP the slide gives 480 (not modeled)"),
     Figure("nccl652", "NVIDIA/nccl #652 (2022-03-18)", "32-node cluster", "A100-SXM4 x8",
            "4 HDR NICs a node", "not stated (2.8.3 .. 2.13.4 price it alike)", "2.12.7",
            "all_reduce", 64.0, 32, 8, "model's choice", "time_us",

@@ -341,7 +341,9 @@ def scale_assumption(profile: Profile, nodes: int) -> tuple:
     collective; tests/test_i2118.py; searched again 2026-11-30, branch i2118: Azure NDv4
     posts, Selene / SuperPOD material, MegaScale, Alibaba HPN, Meta's RoCE paper, Llama 3,
     the PCCL paper on Perlmutter, NCCL's trackers).  They split by fabric, not by
-    algorithm: the tree latency (#652) and an H100 ring over 4-128 nodes (#1229) agree;
+    algorithm: NVIDIA's own DGX A100 reference, 192 GB/s all_reduce over 32 GPUs (GTC25
+    S72583), is this pricing at 4 nodes (the few-node figure the line names); the tree
+    latency (#652) and an H100 ring over 4-128 nodes (#1229) agree;
     rings on three other fabrics fall below it: NVIDIA/nccl #1218 (H100 over RoCE, 32
     nodes, all_gather of 2 GiB at 200 GB/s: 0.64 of this pricing's 312), nccl-tests #169
     (A100 over 8 x 100G RoCE, all_reduce of 8 GiB: 0.73 / 0.61 / 0.42 at 3 / 4 / 6 nodes),
