@@ -90,6 +90,10 @@ the priced ring rate at 80-280 nodes.  That lies inside the span measured on oth
 fabrics (0.11 .. 0.73 of the model), as does the model itself (#1229, 0.96-1.03): a fall of that
 size is possible, not measured where the rows ran.  So NOTHING IS CHANGED: no figure
 transfers to the a100 profile, and a bound from other fabrics would be a guess.  The
+MT-NLG rows are not this question's: their data-parallel sync is a ring of one rank a node
+over 8-12 nodes, 0.50-0.52 s a step, and their 6.4 s a step left unexplained would need
+it about 14x slower than priced (``benchmarks/mtnlg_audit.py``), beyond the lowest ratio
+measured here (0.11, 9x): no collective figure found explains them.  The
 estimate's UNCERTAIN line stays (``nccl_tuning.scale_assumption``; notebook 17 stores it);
 its docstring names this audit.  Published summary unchanged: 46 rows, median 1.078, 32
 within 15%, 3 beyond 30%.
@@ -290,6 +294,10 @@ def main() -> None:
               f"{n['busbw'] * ratios['nccl1229@128']:5.1f}")
     print("  the rows would need 0.27-0.40 of the priced rate (benchmarks/zero3_audit.py): "
           "inside the measured span, not one figure; nothing changed")
+    low = min(ratios.values())
+    print(f"MT-NLG: its DP sync (8-12 nodes, one rank a node, 0.50-0.52 s a step) would need "
+          f"x14 (benchmarks/mtnlg_audit.py); the lowest measured ratio here, {low:.2f}, "
+          f"gives x{1 / low:.1f}")
 
 
 if __name__ == "__main__":
