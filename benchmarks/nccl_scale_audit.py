@@ -1,7 +1,7 @@
 """NCCL collectives at cluster scale: every component figure found, measured against what
 the planner's NCCL model gives for the same collective (issue 21; helper i2118).
 
-    PYTHONPATH=$PWD python -m benchmarks.nccl_scale_audit        # ~1 s
+    PYTHONPATH=$PWD python -m benchmarks.nccl_scale_audit        # ~2 s
 
 The question (issue 21's communication-bound rows: ZeRO-3 GPT 530B at 640 / 1,120 / 2,240
 A100s 1.341 / 1.364 / 1.352, MT-NLG 530B at 2,240-3,360 A100s 1.20-1.26, ZeRO-3 175B at 384
@@ -69,7 +69,7 @@ as the estimate's UNCERTAIN line says.  For A100 over HDR InfiniBand at 48-420 n
 bus bandwidth against the node count was found: the figure the rows turn on is still
 unmeasured.  At scale elsewhere the figures split by algorithm and fabric:
 
-- they AGREE with the model where the tree or the latency decides: #652's 32-node A100
+- they AGREE with the model where the tree's or the ring's latency decides: #652's 32-node A100
   all_reduce of 8-128 B (0.94 of the model's time) and #1229's H100 reduce-scatter over
   4-128 nodes (within 5% at every node count, but only at 2 GiB, the one of five sizes
   that fits: the issue gives none, so that agreement is weak);
@@ -87,12 +87,12 @@ unmeasured.  At scale elsewhere the figures split by algorithm and fabric:
 
 What the rows would need (``benchmarks/zero3_audit.py``): the ZeRO-3 530B rows 0.27-0.40 of
 the priced ring rate at 80-280 nodes.  That lies inside the span measured on other
-fabrics (0.11 .. 0.73 of the model), as does the model itself (#1229, 0.96-1.03): a fall of that
-size is possible, not measured where the rows ran.  So NOTHING IS CHANGED: no figure
+fabrics (0.11 .. 0.73 of the model), as does the model itself (#1229, 0.96-1.03): a fall
+of that size is possible, not measured where the rows ran.  So NOTHING IS CHANGED: no figure
 transfers to the a100 profile, and a bound from other fabrics would be a guess.  The
 MT-NLG rows are not this question's: their data-parallel sync is a ring of one rank a node
 over 8-12 nodes, 0.50-0.52 s a step, and their 6.4 s a step left unexplained would need
-it about 14x slower than priced (``benchmarks/mtnlg_audit.py``), beyond the lowest ratio
+it about 14x slower than priced at nccl-tests' HDR rate (``benchmarks/mtnlg_audit.py``), beyond the lowest ratio
 measured here (0.11, 9x): no collective figure found explains them.  The
 estimate's UNCERTAIN line stays (``nccl_tuning.scale_assumption``; notebook 17 stores it);
 its docstring names this audit.  Published summary unchanged: 46 rows, median 1.078, 32
