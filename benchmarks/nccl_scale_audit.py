@@ -92,11 +92,11 @@ of that size is possible, not measured where the rows ran.  So NOTHING IS CHANGE
 transfers to the a100 profile, and a bound from other fabrics would be a guess.  The
 MT-NLG rows are not this question's: their data-parallel sync is a ring of one rank a node
 over 8-12 nodes, 0.50-0.52 s a step, and their 6.4 s a step left unexplained would need
-it about 14x slower than priced at nccl-tests' HDR rate (``benchmarks/mtnlg_audit.py``), beyond the lowest ratio
-measured here (0.11, 9x): no collective figure found explains them.  The
-estimate's UNCERTAIN line stays (``nccl_tuning.scale_assumption``; notebook 17 stores it);
-its docstring names this audit.  Published summary unchanged: 46 rows, median 1.078, 32
-within 15%, 3 beyond 30%.
+it about 14x slower than priced at nccl-tests' HDR rate (``benchmarks/mtnlg_audit.py``),
+beyond the lowest ratio measured here (0.11, 9x): no collective figure found explains
+them.  The estimate's UNCERTAIN line stays (``nccl_tuning.scale_assumption``; notebook
+17 stores it); its docstring names this audit.  Published summary unchanged: 46 rows,
+median 1.078, 32 within 15%, 3 beyond 30%.
 
 Nothing here feeds the planner; ``tests/test_i2118.py`` holds each row to the model.
 """
