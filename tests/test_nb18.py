@@ -40,24 +40,38 @@ def _passes(check, value, capsys) -> str:
     return capsys.readouterr().out
 
 
-# ---- 01: each exercise's precision, in its prompt and in its check ----------------------------
+# ---- 01, 11: each exercise's precision, in its prompt and in its check-------------------------
 
-def _prompt(check_name: str) -> str:
+def _prompt(check_name: str, notebook: str = "01_why_distribute") -> str:
     """The markdown cell that states the exercise whose check cell calls ``check_name``."""
-    cells = _cells(ROOT / "notebooks" / "01_why_distribute.ipynb")
+    cells = _cells(ROOT / "notebooks" / f"{notebook}.ipynb")
     i = next(i for i, c in enumerate(cells) if f"check_{check_name}(" in _source(c))
     return _source(cells[i - 2])
 
 
-@pytest.mark.parametrize("check_name, phrase, step", [
-    ("training_days", "(to 0.1 day)", C.DAYS_STEP),
-    ("zero2_memory_gb", "Give it to 0.01 GB.", C.GB_STEP),
-    ("allreduce_seconds", "(to 0.01 s)", C.SECONDS_STEP),
+@pytest.mark.parametrize("notebook, check_name, phrase, step", [
+    ("01_why_distribute", "training_days", "(to 0.1 day)", C.DAYS_STEP),
+    ("01_why_distribute", "zero2_memory_gb", "Give it to 0.01 GB.", C.GB_STEP),
+    ("01_why_distribute", "allreduce_seconds", "(to 0.01 s)", C.SECONDS_STEP),
+    ("11_memory_and_recompute", "zero_states_gb", "(to 0.01 GB)", C.GB_STEP),
 ])
-def test_01_prompts_say_the_precision_the_checks_hold(check_name, phrase, step):
-    text = _prompt(check_name)
+def test_prompts_say_the_precision_the_checks_hold(notebook, check_name, phrase, step):
+    text = _prompt(check_name, notebook)
     assert phrase in text, text
     assert f"{step:g}" in phrase
+
+
+def test_11_exercise1_to_the_hundredth(capsys):
+    """21.6 passed for 21.5625 and 21 read "you left out the 16-bit gradients" (20.625 lies
+    1.8% from 21)."""
+    from workbench.exercises import checks_plan as P
+    for ok in (21.5625, 21.56):
+        assert "Correct" in _passes(P.check_zero_states_gb, ok, capsys)
+    for rounded in (21, 21.6, 21.5, 22):
+        msg = _message(P.check_zero_states_gb, rounded)
+        assert "rounded too far" in msg and "gradients" not in msg, msg
+    assert "not the nearest 0.01 GB" in _message(P.check_zero_states_gb, 21.57)
+    assert "left out the 16-bit gradients" in _message(P.check_zero_states_gb, 20.625)
 
 
 def test_01_exercise2_accepts_026_25_only_to_the_hundredth(capsys):
@@ -82,14 +96,14 @@ def test_01_exercises_1_and_3_name_rounding_instead_of_the_formula(capsys):
     for rounded in (8, 7, 10):
         msg = _message(C.check_training_days, rounded)
         assert "rounded too far" in msg and "0.1 days" in msg and "compare each factor" not in msg
-    assert "cut, not rounded" in _message(C.check_training_days, 7.5)
+    assert "not the nearest" in _message(C.check_training_days, 7.5)
     # the A100-peak slip (7.608, 0.3% off) stays named, not read as a rounding
     assert "A100" in _message(C.check_training_days, days * 313e12 / 312e12)
 
     seconds = 2 * 7 * 3e-6 + 2 * 7 / 8 * 14e9 / 28e9
     for ok in (seconds, 0.88, 0.875):
         assert "Correct" in _passes(C.check_allreduce_seconds, ok, capsys)
-    assert "cut, not rounded" in _message(C.check_allreduce_seconds, 0.87)   # 1% passed it
+    assert "not the nearest" in _message(C.check_allreduce_seconds, 0.87)   # 1% passed it
     for rounded in (0.9, 1, 0.8):
         assert "rounded too far" in _message(C.check_allreduce_seconds, rounded)
     assert "p = 7" in _message(C.check_allreduce_seconds, 2 * 6 * 3e-6 + 2 * 6 / 7 * 14e9 / 28e9)
@@ -216,6 +230,8 @@ def test_the_handler_in_a_kernel(tmp_path):
     shown = "\n".join(hint.traceback)
     assert "Not yet:" in shown and "answer the exercise above first" in shown
     assert "Traceback" not in shown and "Cell In[" not in shown
+    assert any("raise NotImplementedError()" in line for line in shown.splitlines()), shown
+    assert "\u00a0" not in shown                              # printed as a plain space
     (other,) = err(3)
     assert other.ename == "NameError" and "answer the exercise" not in "\n".join(other.traceback)
     assert "typo_name" in "\n".join(other.traceback)

@@ -163,10 +163,11 @@ def _apart(got: float, want: float) -> tuple:
 
 
 def _rounded_too_far(want: float, step: float, unit: str) -> list:
-    """Hints for ``want`` cut to the ``step`` an exercise asks for, or rounded (up or down)
-    to 10, 100 or 1,000 times it: 8 days for 7.583 asked to 0.1 day read "too high: compare each
-    factor", which sent the student to a formula that was right (browser review nb18).
-    Each is matched only at its own value (tolerance 1e-9)."""
+    """Hints for ``want`` cut (or rounded the wrong way) to the ``step`` an exercise asks
+    for, or rounded (up or down) to 10, 100 or 1,000 times it: 8 days for 7.583 asked to
+    0.1 day read "too high: compare each factor", which sent the student to a formula that
+    was right (browser review nb18).  Each is matched only at its own value (tolerance
+    1e-9)."""
     out, seen = [], set()
     for k in (0, 1, 2, 3):
         coarse = step * 10 ** k
@@ -174,11 +175,11 @@ def _rounded_too_far(want: float, step: float, unit: str) -> list:
             value = round(value, 12)
             if value and value not in seen and abs(value - want) > step / 2:
                 seen.add(value)
-                # k = 0: cut (0.87 for 0.875042), not rounded to the nearest
+                # k = 0: cut (0.87 for 0.875042) or rounded the wrong way
                 out.append((value, (f"that is rounded too far: give it to {step:g} {unit}, as "
                                     "the exercise asks") if k else
-                            (f"that is cut, not rounded: round to the nearest {step:g} {unit}"),
-                            1e-9))
+                            (f"that is not the nearest {step:g} {unit}: round to the nearest, "
+                             "do not cut"), 1e-9))
     return out
 
 
@@ -257,7 +258,8 @@ def check_tp_group(group, rank: int = 5) -> None:
 # the precision notebook 01's exercises ask for (its prompts say it); tests/test_nb18.py
 # holds each prompt to its constant
 DAYS_STEP = 0.1      # exercise 1, check_training_days (accepted within 0.25%, see there)
-GB_STEP = 0.01       # exercise 2, check_zero2_memory_gb (accepted within GB_STEP / 2)
+GB_STEP = 0.01       # exercise 2, check_zero2_memory_gb (accepted within GB_STEP / 2); also
+                     # notebook 11's exercise 1, checks_plan.check_zero_states_gb
 SECONDS_STEP = 0.01  # exercise 3, check_allreduce_seconds (accepted within SECONDS_STEP / 2)
 
 

@@ -199,7 +199,11 @@ def _name_handler(shell, etype, value, tb, tb_offset=None):
     if text is None:
         stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
     else:
-        text = wrap(f"Not yet: {text}", keep_parens=True)
+        # the stub's line kept whole ("raise" ended one line, NotImplementedError() began
+        # the next): a no-break space, which wrap prints as a space
+        text = wrap("Not yet: " + text.replace("raise NotImplementedError()",
+                                               "raise\u00a0NotImplementedError()"),
+                    keep_parens=True)
         stb = ["\x1b[1;31mNot yet:\x1b[0m" + text[len("Not yet:"):]]
     shell._showtraceback(etype, value, stb)
     return None
