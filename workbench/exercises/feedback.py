@@ -11,6 +11,11 @@ value is shown too, so that the value is not the first thing a student reads::
     Not yet: your training time is 11 days, too high: ... (try 1; ...)
     >>> wb.exercises.reveal("check_training_days")      # doctest: +SKIP
     check_training_days expects 7.583 days
+
+A check cell run before its exercise is answered (a student version's stub raises before
+it sets the answer) fails with NameError before any check runs; in IPython the message is
+"Not yet: gb is not defined yet: answer the exercise above first ..." (:func:`unanswered_name`,
+through an IPython custom exception handler registered when this module is imported).
 """
 from __future__ import annotations
 
