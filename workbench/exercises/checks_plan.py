@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from ..sim_mesh.profiles import get_profile
-from .checks import _check_number, _hint, _number, _ok, _whole
+from .checks import GB_STEP, _check_number, _hint, _number, _ok, _rounded_too_far, _whole
 from .feedback import CheckError, exercise
 
 __all__ = ["check_zero_states_gb", "check_least_recompute", "check_biggest_micro_batch",
@@ -79,7 +79,11 @@ def check_zero_states_gb(gb, stage: int = 2, psi: float = 7.5e9, n_d: int = 16) 
         wrong.append((_zero_states(psi, 64, stage) / 1e9,
                       f"that is N_d = 64, the paper's Figure 1 printed above; this cluster "
                       f"has N_d = {n_d}"))
-    _check_number(f"ZeRO-{stage} model states", gb, want, "GB", wrong, rel=0.01, verb="are")
+    # notebook 11 asks for 0.01 GB: the 1% tolerance passed 21.6 for 21.5625, and 21 read
+    # "you left out the 16-bit gradients" (20.625, 1.8% away; browser review nb18)
+    wrong += _rounded_too_far(want, GB_STEP, "GB")
+    _check_number(f"ZeRO-{stage} model states", gb, want, "GB", wrong, rel=GB_STEP / 2 / want,
+                  verb="are")
 
 
 def gpt3_first_stage_gb(recompute: str, micro_batch: int = 1, tp: int = 8, pp: int = 16,

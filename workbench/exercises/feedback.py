@@ -11,16 +11,25 @@ value is shown too, so that the value is not the first thing a student reads::
     Not yet: your training time is 11 days, too high: ... (try 1; ...)
     >>> wb.exercises.reveal("check_training_days")      # doctest: +SKIP
     check_training_days expects 7.583 days
+
+A check cell run before its exercise is answered (a student version's stub raises before
+it sets the answer) fails with NameError before any check runs; in IPython the message is
+"Not yet: gb is not defined yet: answer the exercise above first ..." (:func:`unanswered_name`,
+through an IPython custom exception handler registered when this module is imported).
 """
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
+import linecache
 import re
+import sys
 
 from ..text_width import wrap
 
-__all__ = ["CheckError", "REVEAL_AFTER", "exercise", "raised", "reveal", "reset_tries"]
+__all__ = ["CheckError", "REVEAL_AFTER", "exercise", "raised", "reveal", "reset_tries",
+           "unanswered_name"]
 
 REVEAL_AFTER = 3            # the wrong try from which the expected value is shown
 _tries: dict = {}           # check name -> wrong tries since its last right answer
@@ -135,3 +144,90 @@ def reset_tries() -> None:
     """Forget every count and expected value (a fresh start, e.g. between tests)."""
     _tries.clear()
     _expected.clear()
+
+
+# ---- a check run before its exercise is answered ----------------------------------------------
+# In a student version (student.py) the answer cell holds nbgrader's stub, which raises
+# NotImplementedError before it sets the answer's name; the check cell run next failed with
+# a bare "NameError: name 'gb' is not defined" (browser review nb18).  The NameError is
+# raised by the cell's own code, before any check runs, so only IPython can tell the
+# student: a custom exception handler (IPython's InteractiveShell.set_custom_exc), for a
+# NameError raised in a cell's own line that passes the undefined name to a
+# wb.exercises.check_*; every other NameError gets IPython's usual traceback.
+
+
+def _check_arguments(source: str) -> set:
+    """The names passed (as arguments, or inside them) to ``exercises.check_*(...)`` calls
+    in the cell ``source``; empty where it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr.startswith("check_") \
+                and isinstance(node.func.value, (ast.Attribute, ast.Name)) \
+                and getattr(node.func.value, "attr", getattr(node.func.value, "id", "")) \
+                == "exercises":
+            for arg in [*node.args, *(k.value for k in node.keywords)]:
+                names |= {n.id for n in ast.walk(arg) if isinstance(n, ast.Name)}
+    return names
+
+
+def unanswered_name(err: BaseException, tb=None) -> str | None:
+    """What to tell a student whose check cell failed with NameError ``err`` (traceback
+    ``tb``, by default ``err.__traceback__``) because an exercise's answer is not defined
+    yet; None where the NameError is another one (raised in a function the cell called, or
+    for a name no check is given)."""
+    tb = tb if tb is not None else err.__traceback__
+    name = getattr(err, "name", None)
+    if not isinstance(err, NameError) or not name or tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    if code.co_name != "<module>":          # raised inside a function: not the cell's line
+        return None
+    if name not in _check_arguments("".join(linecache.getlines(code.co_filename))):
+        return None
+    return (f"{name} is not defined yet: answer the exercise above first. Replace its "
+            f"raise NotImplementedError() with code that sets {name}, run that cell, then "
+            "this check")
+
+
+def _name_handler(shell, etype, value, tb, tb_offset=None):
+    """IPython's custom exception handler for NameError: the hint of
+    :func:`unanswered_name` instead of a traceback (the cell still fails, with NameError),
+    else IPython's own traceback."""
+    text = unanswered_name(value, tb)
+    if text is None:
+        stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
+    else:
+        # the stub's line kept whole ("raise" ended one line, NotImplementedError() began
+        # the next): a no-break space, which wrap prints as a space
+        text = wrap("Not yet: " + text.replace("raise NotImplementedError()",
+                                               "raise\u00a0NotImplementedError()"),
+                    keep_parens=True)
+        stb = ["\x1b[1;31mNot yet:\x1b[0m" + text[len("Not yet:"):]]
+    shell._showtraceback(etype, value, stb)
+    return None
+
+
+def _install_name_handler() -> bool:
+    """Register :func:`_name_handler` with the running IPython shell, if any; a handler
+    another tool set is kept (IPython holds one).  True when ours is in place."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None or not hasattr(shell, "set_custom_exc"):
+        return False
+    if getattr(shell, "_workbench_name_handler", False):
+        return True
+    if shell.custom_exceptions not in ((), None):
+        return False
+    shell.set_custom_exc((NameError,), _name_handler)
+    shell._workbench_name_handler = True
+    return True
+
+
+_install_name_handler()

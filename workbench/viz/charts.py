@@ -15,7 +15,7 @@ import math
 
 from .bar_labels import end_label, place_labels
 from .placements import RC, show, to_png
-from .ticks import log_axis
+from .ticks import log_axis, point_ticks
 
 __all__ = ["SERIES_COLORS", "TILE_COLORS", "bars", "lines", "roofline", "tile_grid", "show",
            "to_png"]
@@ -151,6 +151,7 @@ def lines(x, series: dict, *, xlabel: str = "", ylabel: str = "", title: str = "
         if logx:
             ax.set_xscale("log", base=2)
             log_axis(ax.xaxis, 2)
+            point_ticks(ax.xaxis, x)            # each label under its points, not between
         if logy:
             ax.set_yscale("log")
             log_axis(ax.yaxis, 10)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["BINARY_UNITS", "tick_label", "log_axis"]
+__all__ = ["BINARY_UNITS", "tick_label", "log_axis", "point_ticks"]
 
 # (suffix, value): the binary prefixes of IEC 80000-13 (Ki, Mi, Gi, Ti), written K, M, G, T
 BINARY_UNITS = (("T", 2 ** 40), ("G", 2 ** 30), ("M", 2 ** 20), ("K", 2 ** 10))
@@ -60,3 +60,24 @@ def log_axis(axis, base: int) -> None:
     axis.set_minor_formatter(NullFormatter())
     if base == 2:
         axis.set_minor_locator(NullLocator())
+
+
+POINT_TICKS = 12        # the most labels point_ticks puts under a 7-inch chart
+
+
+def point_ticks(axis, values, most: int = POINT_TICKS) -> list:
+    """Put the major ticks of ``axis`` at the data's own ``values`` (the x of a chart's
+    points), so that each label sits under a marker: a base-2 log axis's locator ticks
+    every other octave where the points sweep every other one, and the labels fell between
+    the points (notebook 12's 1K, 4K ... 256M under ticks 2K, 8K ..., browser review nb18).
+    Over ``most`` distinct values, every k-th from the first (k the least that leaves at
+    most ``most``), so the labels stay apart.  Returns the tick values; labels are left to
+    the axis's formatter (:func:`log_axis`)."""
+    from matplotlib.ticker import FixedLocator
+    if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+        raise ValueError(f"point_ticks(most={most!r}): give a positive int")
+    xs = sorted({float(v) for v in values})
+    step = -(-len(xs) // most)
+    ticks = xs[::step]
+    axis.set_major_locator(FixedLocator(ticks))
+    return ticks
