@@ -1,0 +1,168 @@
+"""speed18: torch.optim (and the references and decompositions that run as meta kernels)
+run in eager mode without importing ``torch._dynamo``
+(workbench/parallel/lazy_dynamo.py), with torch's own numbers; once ``torch._dynamo`` is
+imported every call goes through torch's guards again.  And tests/torch_references.py
+runs the fresh-python torch references once a session."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench.parallel import lazy_dynamo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A fresh process (the test session imports torch._dynamo itself): a simulated training
+# run through the library's paths that imported torch._dynamo before (an optimizer's
+# constructor, step, zero_grad, state_dict and load_state_dict; the dispatcher's shape
+# checks on meta tensors, whose kernels are torch's Python references; rms_norm), then
+# the same steps again after ``import torch._dynamo``.
+_PROBE = r"""
+import json, sys
+import torch
+import workbench as wb
+
+def run():
+    torch.manual_seed(0)
+    mesh = wb.Mesh.grid((2,), ["dp"])
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    dp = wb.DistributedDataParallel(model, mesh)
+    opt = torch.optim.AdamW(dp.parameters(), lr=0.05)
+    x = torch.randn(8, 6)
+    w = torch.ones(4)
+    for _ in range(2):
+        y = dp(x)
+        loss = wb.ops.rms_norm(y, w).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    opt.load_state_dict(sd)
+    meta = torch.rsqrt(torch.ones(3, 4, device="meta") + 1)
+    return [p.detach().full().tolist() if hasattr(p, "full") else p.detach().tolist()
+            for p in dp.parameters()], list(meta.shape), torch.is_grad_enabled()
+
+first = run()
+before = "torch._dynamo" in sys.modules
+import torch._dynamo
+second = run()
+print(json.dumps({"dynamo_before": before, "same": first == second,
+                  "grad_mode": [first[2], second[2]], "meta": first[1]}))
+"""
+
+
+def test_a_simulated_training_run_imports_no_dynamo_and_is_the_same_after():
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["dynamo_before"] is False     # before: imported by the optimizer's constructor
+    assert got["same"] is True               # the same numbers through torch's guards
+    assert got["grad_mode"] == [True, True] and got["meta"] == [3, 4]
+
+
+_OPTIMIZERS = [(torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+               (torch.optim.Adam, dict(lr=0.01, amsgrad=True)),
+               (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+               (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5)),
+               (torch.optim.Adagrad, dict(lr=0.1)),
+               (torch.optim.NAdam, dict(lr=0.01)),
+               (torch.optim.RAdam, dict(lr=0.01)),
+               (torch.optim.Adamax, dict(lr=0.01)),
+               (torch.optim.Adadelta, dict(lr=1.0)),
+               (torch.optim.ASGD, dict(lr=0.01)),
+               (torch.optim.Rprop, dict(lr=0.01))]
+
+
+def _steps(cls, kw, step_of, foreach):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(5, 3)
+    opt = cls(m.parameters(), foreach=foreach, **kw)
+    x = torch.randn(7, 5)
+    for _ in range(3):
+        m(x).pow(2).sum().backward()
+        with torch.no_grad():              # step restores the caller's grad mode
+            step_of(opt)
+            assert not torch.is_grad_enabled()
+        assert torch.is_grad_enabled()
+        opt.zero_grad()
+    return [p.detach().clone() for p in m.parameters()], opt.state_dict()
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("cls,kw", _OPTIMIZERS, ids=[c.__name__ for c, _ in _OPTIMIZERS])
+def test_each_optimizers_step_is_torchs_guarded_step(cls, kw, foreach):
+    """The installed step (cls.step: the stand-in) against torch's own (the guarded
+    ``_use_grad`` step it wraps, kept as ``_wb_eager``): the same parameters and
+    states, bit for bit, and the grad mode restored."""
+    mine = cls.step if "step" in vars(cls) else next(
+        vars(k)["step"] for k in cls.__mro__ if "step" in vars(k))
+    assert hasattr(mine, "_wb_eager"), f"{cls.__name__}.step was not installed"
+    torchs = mine._wb_eager
+    a, sa = _steps(cls, kw, lambda o: o.step(), foreach)
+    b, sb = _steps(cls, kw, lambda o: torchs(o), foreach)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q), cls.__name__
+    assert repr(sa) == repr(sb)
+
+
+def test_a_step_with_differentiable_true_keeps_the_grad_mode_on_inside():
+    """``_use_grad`` runs the step with grad mode set to the ``differentiable`` default:
+    the stand-in does too (the step's in-place update of a non-leaf parameter is
+    recorded, so the result has a grad_fn)."""
+    seen = {}
+    for name, step in (("mine", torch.optim.SGD.step),
+                       ("torch's", torch.optim.SGD.step._wb_eager)):
+        w0 = torch.ones(3, requires_grad=True)
+        w = w0.clone()                         # a non-leaf "parameter", as torch's tests
+        opt = torch.optim.SGD([w], lr=0.5, differentiable=True)
+        w.grad = torch.full((3,), 2.0)
+        with torch.no_grad():
+            step(opt)
+        seen[name] = (w.grad_fn is not None, w.detach().tolist())
+    assert seen["mine"] == seen["torch's"] == (True, [0.0, 0.0, 0.0])
+
+
+def test_the_guarded_methods_call_torchs_function_and_hand_over_to_dynamo():
+    """A ``torch._disable_dynamo`` method (Optimizer.zero_grad) holds the stand-in in
+    torch's cache; called with torch._dynamo imported (this session imports it), the
+    stand-in removes itself and torch builds its own ``disable``."""
+    import torch._dynamo  # noqa: F401
+    guarded = torch.optim.Optimizer.zero_grad
+    fn = guarded.__wrapped__
+    lazy_dynamo.install()                      # idempotent: seeds only an empty cache
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.ones(1, 2)).sum().backward()
+    opt.zero_grad()
+    assert all(p.grad is None for p in m.parameters())
+    cached = fn.__dict__.get("__dynamo_disable")
+    assert cached is not None and cached.__name__ != "stand_in"
+
+
+def test_install_seeds_the_references_that_run_as_meta_kernels():
+    guarded = lazy_dynamo._guarded_functions(lazy_dynamo._code_of_disable())
+    modules = {f.__wrapped__.__module__ for f in guarded}
+    assert {"torch._refs", "torch._refs.nn.functional", "torch.optim.optimizer"} <= modules
+    assert len(guarded) > 100
+
+
+def test_torch_references_name_an_unknown_script(tmp_path_factory):
+    from tests.torch_references import reference
+    with pytest.raises(ValueError, match="'nope' is not in tests/torch_references.py"):
+        reference("nope", tmp_path_factory)
+
+
+def test_torch_references_report_a_failing_scripts_own_error(monkeypatch, tmp_path_factory):
+    """A script that raises fails its own test with its traceback; the others still
+    run in the same process (a fresh key: not the session's shared run)."""
+    import tests.torch_references as R
+    monkeypatch.setattr(R, "SCRIPTS", {"bad": "raise KeyError('boom')\n",
+                                       "good": "print(6 * 7)\n"})
+    assert R.reference("good", tmp_path_factory).strip() == "42"
+    with pytest.raises(AssertionError, match="KeyError: 'boom'"):
+        R.reference("bad", tmp_path_factory)
