@@ -43,15 +43,29 @@ def run():
     sd = opt.state_dict()
     opt.load_state_dict(sd)
     meta = torch.rsqrt(torch.ones(3, 4, device="meta") + 1)
+    # dispatch modes: torch's FlopCounterMode (made before workbench), one made after
+    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+    with FlopCounterMode(display=False) as fc, Count():
+        torch.nn.Linear(4, 3)(torch.ones(2, 4)).sum().backward()
     return [p.detach().full().tolist() if hasattr(p, "full") else p.detach().tolist()
-            for p in dp.parameters()], list(meta.shape), torch.is_grad_enabled()
+            for p in dp.parameters()], list(meta.shape), torch.is_grad_enabled(), \
+        fc.get_total_flops(), Count.n > 0
 
 first = run()
 before = "torch._dynamo" in sys.modules
 import torch._dynamo
 second = run()
 print(json.dumps({"dynamo_before": before, "same": first == second,
-                  "grad_mode": [first[2], second[2]], "meta": first[1]}))
+                  "grad_mode": [first[2], second[2]], "meta": first[1],
+                  "flops": first[3], "counted": first[4]}))
 """
 
 
@@ -63,6 +77,8 @@ def test_a_simulated_training_run_imports_no_dynamo_and_is_the_same_after():
     assert got["dynamo_before"] is False     # before: imported by the optimizer's constructor
     assert got["same"] is True               # the same numbers through torch's guards
     assert got["grad_mode"] == [True, True] and got["meta"] == [3, 4]
+    # the forward mm and the weight's gradient mm, 2*m*k*n FLOPs each (the input needs none)
+    assert got["flops"] == 2 * (2 * 2 * 4 * 3) and got["counted"]
 
 
 _OPTIMIZERS = [(torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
@@ -142,6 +158,22 @@ def test_the_guarded_methods_call_torchs_function_and_hand_over_to_dynamo():
     assert all(p.grad is None for p in m.parameters())
     cached = fn.__dict__.get("__dynamo_disable")
     assert cached is not None and cached.__name__ != "stand_in"
+
+
+@pytest.mark.parametrize("form", ["plain", "recursive=False"])
+def test_a_function_guarded_later_is_seeded_then_handed_to_torchs_guard(form):
+    """torch._disable_dynamo is the seeding one (a dispatch mode made after workbench, a
+    custom op): its result calls the function, and with torch._dynamo imported (here)
+    the first call hands over to torch's own ``disable``."""
+    import torch._dynamo  # noqa: F401
+
+    def f(x):
+        return x + 1
+    g = torch._disable_dynamo(f) if form == "plain" else \
+        torch._disable_dynamo(recursive=False)(f)
+    assert f.__dict__["__dynamo_disable"].__name__ == "stand_in"
+    assert g(1) == 2 and g(2) == 3
+    assert f.__dict__["__dynamo_disable"].__name__ != "stand_in"
 
 
 def test_install_seeds_the_references_that_run_as_meta_kernels():

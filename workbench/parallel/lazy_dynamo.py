@@ -16,17 +16,30 @@ worker, notebook kernel and subprocess that trains anything, none of which compi
 Nothing can be compiling while ``torch._dynamo`` was never imported (``torch.compile``
 and ``torch.export`` import it before they trace), and both guards only matter under
 tracing: ``graph_break()`` does nothing in eager mode and ``disable(fn)`` runs ``fn``
-with no frame callback to remove.  So each wrapper here, while ``"torch._dynamo"`` is not
-in ``sys.modules``, runs what torch's guard runs in eager mode and nothing more:
+with no frame callback to remove.  So, while ``"torch._dynamo"`` is not in
+``sys.modules``, each guarded call here runs what torch's guard runs in eager mode and
+nothing more:
 
-* a ``_use_grad`` step: grad mode set to the group defaults' ``differentiable`` around
-  the undecorated step, restored after (as ``_use_grad`` does), then the step;
-* a ``_disable_dynamo`` method: the undecorated method (``__wrapped__``).
+* a ``_use_grad`` step (every torch.optim class's): grad mode set to the group defaults'
+  ``differentiable`` around the undecorated step, restored after (as ``_use_grad``
+  does); the class's ``step`` is replaced by :func:`_lazy_step`;
+* a ``torch._disable_dynamo`` function: torch's wrapper reads its
+  ``torch._dynamo.disable(fn)`` from ``fn.__dynamo_disable`` before importing dynamo to
+  build one, so a stand-in that calls ``fn`` is put there (:func:`_seed`); the functions
+  are torch's own objects, unchanged.  Seeded: those reachable from torch.optim, from
+  torch's Python references and decompositions, which run as the meta kernels of many
+  ops (the dispatcher's shape checks on meta tensors), and DTensor's; every
+  TorchDispatchMode subclass's ``__torch_dispatch__`` (FlopCounterMode's...); and
+  whatever ``torch._disable_dynamo`` guards after this is installed (:func:`_seeding`:
+  a dispatch mode made later, as the planner's meta run).
 
-Once ``torch._dynamo`` is imported (anything compiled, in this process, before or
-after), every call goes through torch's own guard, unchanged.  Only functions whose
-code is exactly torch's guard's (checked by code object, so another torch that changes
-the guards is left alone) are wrapped; nothing else of torch is touched.
+Once ``torch._dynamo`` is imported (anything compiled in this process, before or
+after), every call goes through torch's own guard, unchanged: the stand-in removes
+itself and torch builds its own.  Only functions whose code is exactly torch's guard's
+(checked by code object: another torch that changes the guards is left alone) are
+touched.  Still imported by torch itself in eager mode: the non-reentrant
+``torch.utils.checkpoint`` (reads ``torch._dynamo.config``) and torch's own DDP
+constructor (``get_optimize_ddp_mode``).
 """
 from __future__ import annotations
 
@@ -43,15 +56,14 @@ __all__ = ["install"]
 _DYNAMO = "torch._dynamo"
 _CACHE = "__dynamo_disable"      # torch/_compile.py: _disable_dynamo's per-function cache
 # the modules whose guarded functions the eager paths here meet: torch.optim's methods,
-# and torch's Python references and decompositions, which run as the meta kernels of many
-# ops (the dispatcher's shape checks on meta tensors).  Not torch.utils.checkpoint: its
-# non-reentrant checkpoint reads torch._dynamo.config itself (torch 2.13
-# torch/utils/checkpoint.py, _checkpoint_without_reentrant_generator), so a run with
-# recompute imports torch._dynamo whatever is done here; so does torch's own DDP
-# constructor (torch/nn/parallel/distributed.py: get_optimize_ddp_mode) and FSDP2's
-# DTensor parameters (DTensor.__init__ is guarded).
+# torch's Python references and decompositions, which run as the meta kernels of many
+# ops (the dispatcher's shape checks on meta tensors), DTensor's constructor.  Not
+# torch.utils.checkpoint: its non-reentrant checkpoint reads torch._dynamo.config itself
+# (torch 2.13 torch/utils/checkpoint.py, _checkpoint_without_reentrant_generator), so a
+# run with recompute imports torch._dynamo whatever is done here; so does torch's own
+# DDP constructor (torch/nn/parallel/distributed.py: get_optimize_ddp_mode).
 _MODULES = ("torch.optim", "torch._refs", "torch._prims", "torch._decomp",
-            "torch._meta_registrations")
+            "torch._meta_registrations", "torch.distributed.tensor")
 
 
 def _code_of_use_grad():
@@ -59,7 +71,8 @@ def _code_of_use_grad():
 
 
 def _code_of_disable():
-    return torch._disable_dynamo(lambda: None).__code__
+    return getattr(torch._disable_dynamo, "_wb_eager", torch._disable_dynamo)(
+        lambda: None).__code__
 
 
 def _lazy_step(guarded):
@@ -132,10 +145,45 @@ def _guarded_functions(code) -> list:
     return found
 
 
+def _seeding(orig, code):
+    """``torch._disable_dynamo`` that seeds what it makes (:func:`_seed`): the functions
+    torch guards after this is installed (a ``TorchDispatchMode`` subclass's
+    ``__torch_dispatch__``, wrapped when the class is made, as FlopCounterMode's and the
+    planner's meta run's; a custom op's kernel)."""
+    @functools.wraps(orig)
+    def _disable_dynamo(fn=None, recursive=True):
+        if fn is None:                   # @torch._disable_dynamo(recursive=False)
+            return functools.partial(_disable_dynamo, recursive=recursive)
+        out = orig(fn, recursive)
+        if type(out) is types.FunctionType and out.__code__ is code:
+            _seed(out)
+        return out
+    _disable_dynamo._wb_eager = orig
+    return _disable_dynamo
+
+
+def _dispatch_modes() -> list:
+    """``__torch_dispatch__`` of every TorchDispatchMode subclass made so far."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    out, todo, seen = [], [TorchDispatchMode], set()
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        todo.extend(cls.__subclasses__())
+        f = cls.__dict__.get("__torch_dispatch__")
+        if type(f) is types.FunctionType:
+            out.append(f)
+    return out
+
+
 def install() -> None:
     """Put the stand-ins in (idempotent; before :mod:`.optim_dist` wraps its own methods
     around torch's)."""
-    use_grad = _code_of_use_grad()
+    use_grad, code = _code_of_use_grad(), _code_of_disable()
+    if not hasattr(torch._disable_dynamo, "_wb_eager"):
+        torch._disable_dynamo = _seeding(torch._disable_dynamo, code)
     seen = set()
     todo = [Optimizer]
     while todo:                          # torch.optim's classes: their _use_grad steps
@@ -148,5 +196,6 @@ def install() -> None:
         if f is not None and getattr(f, "__code__", None) is use_grad and \
                 "__wrapped__" in f.__dict__:
             cls.step = _lazy_step(f)
-    for f in _guarded_functions(_code_of_disable()):
-        _seed(f)
+    for f in _guarded_functions(code) + _dispatch_modes():
+        if f.__code__ is code:
+            _seed(f)
