@@ -42,6 +42,7 @@ def run():
         opt.zero_grad()
     sd = opt.state_dict()
     opt.load_state_dict(sd)
+    keys = sorted(wb.checkpoint.get_model_state_dict(dp))      # its prefixes' check
     meta = torch.rsqrt(torch.ones(3, 4, device="meta") + 1)
     # dispatch modes: torch's FlopCounterMode (made before workbench), one made after
     from torch.utils.flop_counter import FlopCounterMode
@@ -57,7 +58,7 @@ def run():
         torch.nn.Linear(4, 3)(torch.ones(2, 4)).sum().backward()
     return [p.detach().full().tolist() if hasattr(p, "full") else p.detach().tolist()
             for p in dp.parameters()], list(meta.shape), torch.is_grad_enabled(), \
-        fc.get_total_flops(), Count.n > 0
+        fc.get_total_flops(), Count.n > 0, keys
 
 first = run()
 before = "torch._dynamo" in sys.modules
@@ -65,7 +66,7 @@ import torch._dynamo
 second = run()
 print(json.dumps({"dynamo_before": before, "same": first == second,
                   "grad_mode": [first[2], second[2]], "meta": first[1],
-                  "flops": first[3], "counted": first[4]}))
+                  "flops": first[3], "counted": first[4], "keys": first[5]}))
 """
 
 
@@ -79,6 +80,16 @@ def test_a_simulated_training_run_imports_no_dynamo_and_is_the_same_after():
     assert got["grad_mode"] == [True, True] and got["meta"] == [3, 4]
     # the forward mm and the weight's gradient mm, 2*m*k*n FLOPs each (the input needs none)
     assert got["flops"] == 2 * (2 * 2 * 4 * 3) and got["counted"]
+    assert got["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+def test_a_compiled_modules_state_dict_keys_are_still_its_modules():
+    """workbench.checkpoint drops torch.compile's ``_orig_mod.`` (the check no longer
+    imports torch._dynamo itself: a compiled module exists only once it is imported)."""
+    m = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
+    c = torch.compile(m)
+    assert "_orig_mod.0.weight" in c.state_dict()
+    assert sorted(wb.checkpoint.get_model_state_dict(c)) == sorted(m.state_dict())
 
 
 _OPTIMIZERS = [(torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
