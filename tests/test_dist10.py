@@ -52,10 +52,11 @@ def test_simulated_programs_are_one_devices(name):
 
 
 @pytest.fixture(scope="module")
-def rows():
-    """tests/dist_scripts/dist10_check.py's rows: one 4-process launch for this module."""
+def rows(tmp_path_factory):
+    """tests/dist_scripts/dist10_check.py's rows: one 4-process launch a session, whichever
+    pytest-xdist worker runs this module's tests first."""
     from tests.torchrun_support import own_launch
-    return own_launch("dist10_check.py", nproc=4)
+    return own_launch("dist10_check.py", nproc=4, tmp_path_factory=tmp_path_factory)
 
 
 @pytest.mark.slow

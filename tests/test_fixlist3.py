@@ -177,43 +177,18 @@ def test_infer_takes_torchs_own_arguments_through_the_ops_parse():
 
 # ---- 4. set_model_state_dict with an empty state dict --------------------------------------
 
-_TORCH_EMPTY = r"""
-import json, torch, torch.distributed as dist
-from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-out = {}
-for name, kw in %s:
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
-    before = [v.clone() for v in m.state_dict().values()]
-    try:
-        r = set_model_state_dict(m, {}, options=StateDictOptions(**kw))
-        res = [list(r.missing_keys), list(r.unexpected_keys)]
-    except Exception as e:
-        res = type(e).__name__
-    same = all(torch.equal(a, b) for a, b in zip(before, m.state_dict().values()))
-    out[name] = [res, same]
-dist.destroy_process_group()
-print(json.dumps(out))
-"""
-
-_EMPTY_CASES = [("strict", {}), ("not strict", dict(strict=False)),
-                ("strict, frozen ignored", dict(ignore_frozen_params=True))]
+from tests.torch_references import EMPTY_CASES as _EMPTY_CASES  # noqa: E402
 
 
-def test_set_model_state_dict_with_an_empty_dict_does_what_torch_does():
+def test_set_model_state_dict_with_an_empty_dict_does_what_torch_does(tmp_path_factory):
     # torch 2.13: strict (the default) raises RuntimeError; strict=False loads nothing and
     # reports no key; here strict=False reported every key missing
+    # torch's answers in a fresh process: tests/torch_references.py's TORCH_EMPTY
     import json
-    import subprocess
-    import sys
     from torch import nn
+    from tests.torch_references import reference as torch_reference
     from workbench.checkpoint import StateDictOptions
-    run = subprocess.run([sys.executable, "-c", _TORCH_EMPTY % repr(_EMPTY_CASES)],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    want = json.loads(run.stdout.strip().splitlines()[-1])
+    want = json.loads(torch_reference("torch_empty", tmp_path_factory).strip().splitlines()[-1])
     for name, kw in _EMPTY_CASES:
         torch.manual_seed(0)
         m = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))

@@ -4,8 +4,6 @@ the whole backward.  Held to PyTorch's own FSDP2 (a one-rank gloo group on the C
 fresh process), by hand on the stream model, and on the estimate."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -15,61 +13,17 @@ from workbench.plan import fsdp2_cost as FS
 from workbench.plan import fsdp2_root as FR
 from workbench.plan.zero_cost import Block, zero_exposed
 
-# torchtitan's wrapping (fully_shard per block, then the model) on a toy Llama-like
-# model; the order in which FSDP2 unshards and runs post-backward for each group, and
-# which parameters the root's group holds
-_ORDER = r'''
-import tempfile, torch, torch.nn as nn, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.fsdp._fully_shard import _fsdp_param_group as PG
-dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0,
-                        world_size=1)
-mesh = init_device_mesh("cpu", (1,))
-torch.manual_seed(0)
-class Block(nn.Module):
-    def __init__(s):
-        super().__init__(); s.l = nn.Linear(8, 8, bias=False)
-    def forward(s, x):
-        return x + s.l(x)
-class Model(nn.Module):
-    def __init__(s):
-        super().__init__()
-        s.tok_embeddings = nn.Embedding(16, 8)
-        s.layers = nn.ModuleList([Block(), Block()])
-        s.norm = nn.LayerNorm(8)
-        s.output = nn.Linear(8, 16, bias=False)
-    def forward(s, t):
-        h = s.tok_embeddings(t)
-        for b in s.layers:
-            h = b(h)
-        return s.output(s.norm(h)).float()
-m = Model()
-for b in m.layers:
-    fully_shard(b, mesh=mesh)
-fully_shard(m, mesh=mesh)
-log = []
-def wrap(name):
-    orig = getattr(PG.FSDPParamGroup, name)
-    def f(self, *a, **k):
-        log.append((name, self._module_fqn or "root"))
-        return orig(self, *a, **k)
-    setattr(PG.FSDPParamGroup, name, f)
-wrap("unshard"); wrap("post_backward")
-t = torch.randint(0, 16, (2, 4))
-m(t).sum().backward()
-names = sorted(p._param_fqn for p in m._get_fsdp_state()._fsdp_param_group.fsdp_params)
-print(repr((log, names)))
-dist.destroy_process_group()
-'''
 
 
 @pytest.fixture(scope="module")
-def fsdp2_order():
-    out = subprocess.run([sys.executable, "-c", _ORDER], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return eval(out.stdout.strip().splitlines()[-1])       # noqa: S307 (our own repr)
+def fsdp2_order(tmp_path_factory):
+    """torchtitan's wrapping (fully_shard per block, then the model) on a toy Llama-like
+    model in PyTorch's FSDP2 (tests/torch_references.py's FSDP2_ORDER, in a fresh
+    process): the order in which it unshards and runs post-backward for each group, and
+    which parameters the root's group holds."""
+    from tests.torch_references import reference
+    out = reference("fsdp2_order", tmp_path_factory)
+    return eval(out.strip().splitlines()[-1])       # noqa: S307 (our own repr)
 
 
 def test_pytorch_root_group_holds_embedding_norm_and_output(fsdp2_order):

@@ -6,8 +6,6 @@ autograd (PyTorch on the CPU; FSDP2 on a one-rank gloo group) and held to the pl
 (c) a tied embedding's head gradient waits in autograd until the embedding's backward.
 FSDP2 also keeps the previous unit's fp32 reduce-scatter input through a block's backward.
 """
-import subprocess
-import sys
 import weakref
 
 import pytest
@@ -235,55 +233,13 @@ def test_tied_head_gradient_is_held_through_the_layers_measured_and_planned():
 
 # ---- FSDP2: the previous unit's reduce-scatter input ------------------------------------
 
-_FSDP2 = r'''
-import tempfile, torch, torch.nn as nn, torch.nn.functional as F, torch.distributed as dist
-from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
-from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
-from torch.utils.checkpoint import checkpoint
-dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0,
-                        world_size=1)
-torch.manual_seed(0)
-h, f, V, n = 32, 128, 256, 16
-class Block(nn.Module):
-    def __init__(s):
-        super().__init__(); s.fc1 = nn.Linear(h, f); s.fc2 = nn.Linear(f, h)
-    def forward(s, x):
-        return x + checkpoint(lambda y: s.fc2(F.gelu(s.fc1(y))), x, use_reentrant=False)
-class M(nn.Module):
-    def __init__(s):
-        super().__init__(); s.emb = nn.Embedding(V, h)
-        s.blocks = nn.ModuleList([Block() for _ in range(3)])
-        s.ln = nn.LayerNorm(h); s.head = nn.Linear(h, V, bias=False)
-    def forward(s, idx):
-        x = s.emb(idx)
-        for b in s.blocks: x = b(x)
-        return s.head(s.ln(x))
-m = M()
-mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-for b in m.blocks: fully_shard(b, mp_policy=mp)
-fully_shard([m.ln, m.head], mp_policy=mp)
-fully_shard(m, mp_policy=mp)
-seen = []
-def hook(mod, gout):
-    c = _get_module_fsdp_state(m.blocks[0])._fsdp_param_group.comm_ctx
-    held = getattr(c, "reduce_scatter_states", None)
-    if held is None:
-        held = [c.reduce_scatter_state] if c.reduce_scatter_state is not None else []
-    seen.append([(s.reduce_scatter_input.numel(), str(s.reduce_scatter_input.dtype))
-                 for s in held])
-for b in m.blocks: b.fc2.register_full_backward_pre_hook(hook)
-idx = torch.randint(0, V, (2, n)); tgt = torch.randint(0, V, (2 * n,))
-F.cross_entropy(m(idx).float().flatten(0, 1), tgt).backward()
-print(seen)
-dist.destroy_process_group()
-'''
 
 
-def test_fsdp2_keeps_the_previous_reduce_scatter_input_measured_and_planned():
-    out = subprocess.run([sys.executable, "-c", _FSDP2], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    seen = eval(out.stdout.strip().splitlines()[-1])
+def test_fsdp2_keeps_the_previous_reduce_scatter_input_measured_and_planned(tmp_path_factory):
+    # PyTorch's FSDP2 in a fresh process: tests/torch_references.py's FSDP2_REDUCE_SCATTER
+    from tests.torch_references import reference
+    out = reference("fsdp2_reduce_scatter", tmp_path_factory)
+    seen = eval(out.strip().splitlines()[-1])
     h, f, V = 32, 128, 256
     head_unit, block = V * h + 2 * h, 2 * h * f + f + h
     # at each block's first backward op (fc2's, its recompute run): one fp32 input held,

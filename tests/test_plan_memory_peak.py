@@ -97,45 +97,16 @@ def test_the_peak_decides_fits():
     assert "workspace" in est.explain()
 
 
-_LOSS_PARALLEL = r'''
-import tempfile, torch, torch.nn.functional as F, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard, Replicate, distribute_tensor
-from torch.distributed.tensor.parallel import loss_parallel
-from torch.distributed._tools.mem_tracker import MemTracker
-dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0,
-                        world_size=1)
-mesh = init_device_mesh("cpu", (1,))
-N, V, H = 2048, 1024, 16
-g = torch.Generator().manual_seed(0)
-x = torch.randn(N, H, generator=g, dtype=torch.bfloat16).requires_grad_(True)
-w = torch.randn(V, H, generator=g, dtype=torch.bfloat16).requires_grad_(True)
-t = torch.randint(0, V, (N,), generator=g)
-mt = MemTracker()
-mt.track_external(x, w)
-with mt:
-    pred = x @ w.t()
-    dpred = DTensor.from_local(pred, mesh, [Shard(1)], run_check=False)
-    with loss_parallel():
-        loss = F.cross_entropy(dpred.float(), distribute_tensor(t, mesh, [Replicate()]))
-        del pred, dpred
-        loss.backward()
-peak = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-print((peak - 4 * (x.numel() + w.numel())) / (N * V))
-dist.destroy_process_group()
-'''
 
 
-def test_torchtitan_loss_parallel_holds_sixteen_bytes_per_logit():
+def test_torchtitan_loss_parallel_holds_sixteen_bytes_per_logit(tmp_path_factory):
     """torchtitan with tensor parallelism computes the loss under DTensor's
     ``loss_parallel`` (its own log-softmax and fused backward), measured on a one-rank
-    gloo mesh in a fresh process: 16 bytes per vocabulary-sharded logit at the peak."""
-    import subprocess
-    import sys
-    out = subprocess.run([sys.executable, "-c", _LOSS_PARALLEL], capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    per_logit = float(out.stdout.strip().splitlines()[-1])
+    gloo mesh in a fresh process (tests/torch_references.py's LOSS_PARALLEL, with the
+    session's other torch references): 16 bytes per vocabulary-sharded logit at the peak."""
+    from tests.torch_references import reference
+    out = reference("loss_parallel", tmp_path_factory)
+    per_logit = float(out.strip().splitlines()[-1])
     assert per_logit == pytest.approx(4 + loss_extra_bytes("fsdp", tp=8), rel=0.02)
     assert loss_extra_bytes("fsdp", tp=1) == 8 and loss_extra_bytes("megatron", tp=8) == 2
 

@@ -29,16 +29,24 @@ def run_job(cmd, **kwargs):
     return out
 
 
-def own_launch(script: str, nproc: int = 2, timeout: int = 240) -> dict:
+def own_launch(script: str, nproc: int = 2, timeout: int = 240, tmp_path_factory=None) -> dict:
     """``tests/dist_scripts/<script>`` in its own torchrun job (``nproc`` processes,
-    standalone), which must end well; its JSON rows keyed ``(rank, case)``."""
+    standalone), which must end well; its JSON rows keyed ``(rank, case)``.  With
+    ``tmp_path_factory`` (the fixture) the job runs once a test session (:func:`run_once`):
+    pytest-xdist's load scheduling may hand one module's tests to both workers, each
+    running the module's fixture (test_dist10's 4-process job ran twice so: 10.9 + 10.7 s
+    of CPU, task speed18)."""
     import os
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", os.path.join(root, "tests", "dist_scripts", script)]
-    out = run_job(cmd, timeout=timeout, cwd=root,
+    kwargs = dict(timeout=timeout, cwd=root,
                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root))
+    if tmp_path_factory is None:
+        out = run_job(cmd, **kwargs)
+    else:
+        out = run_once(cmd, tmp_path_factory, "own-launch", [script, nproc], **kwargs)
     assert out.returncode == 0, out.stderr[-3000:]
     return {(r["rank"], r["case"]): r for r in json_rows(out.stdout)}
 

@@ -51,6 +51,7 @@ layouts with
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Iterable
 
 import torch
@@ -74,12 +75,15 @@ def _prefixes(model: nn.Module) -> tuple[str, ...]:
     """The prefixes ``model``'s own state-dict keys carry before the FQN: DDP's ``module.``
     (torch's and workbench's), ``torch.compile``'s ``_orig_mod.``."""
     from ..parallel.strategies.ddp import DistributedDataParallel
+    # a torch.compile'd module exists only once torch._dynamo is imported: not imported
+    # here for the check (about 1 s of CPU: parallel/lazy_dynamo.py)
+    dynamo = sys.modules.get("torch._dynamo")
     out = []
     while True:
         if isinstance(model, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
             out.append("module.")
             model = model.module
-        elif isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        elif dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
             out.append("_orig_mod.")
             model = model._orig_mod
         else:

@@ -15,6 +15,8 @@ from . import clip_grad_torch as _clip_grad_torch  # noqa: E402
 _clip_grad_torch.install()      # torch.nn.utils.clip_grad_norm_ & co. take DistTensors
 from . import foreach_ops as _foreach_ops  # noqa: E402
 _foreach_ops.install()          # torch._foreach_* / AveragedModel's grouping take DistTensors
+from . import lazy_dynamo as _lazy_dynamo  # noqa: E402
+_lazy_dynamo.install()          # torch.optim in eager mode without importing torch._dynamo
 from . import optim_dist as _optim_dist  # noqa: E402
 _optim_dist.install()           # torch.optim steps DistTensor parameters, as DTensor ones
 from .tp_styles import ParallelStyle, ColwiseParallel, RowwiseParallel, SequenceParallel
