@@ -124,6 +124,8 @@ running statistics, and its ``eval()`` output, are torch DDP's.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -290,6 +292,9 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
         # rank k's row of each parameter: the module's tensor on that rank (its forward's
         # reductions of it are one device's, laid_out_views)
         params = [{n: rank_row(p, k) for n, p in named.items()} for k in range(g.n)]
+        if torch.is_grad_enabled():     # p.data = t before backward: these too (laid_out_draws)
+            for n, p in named.items():
+                p._wb_row_views = [weakref.ref(ps[n]) for ps in params]
         out = run_per_rank(g, self.module, params, args, kwargs, self.broadcast_from)
         book = self._book
         if book.recording and torch.is_grad_enabled():
