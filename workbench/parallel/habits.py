@@ -131,6 +131,18 @@ def _set_data(self, value) -> None:
         stale = getattr(t, "_wb_stale", None)   # a ZeRO-3 template or gathered copy
         if stale:                               # (fsdp_dist_habits): new data would not
             raise RuntimeError(f"DistTensor.data = ...: {stale}")   # reach the shards
+    held = [t for t in storage.tensors(self._local) if getattr(t, "_wb_full", None) is not None]
+    if held:        # DDP's replica storage over DistTensors (strategies/laid_out_replicas)
+        # new local tensors would leave the storage DDP reduces and the optimizer steps:
+        # the gradient norm 4.33 for one device's 1.68 after d.data = t before forward
+        # (fsdpdata18), silently
+        raise RuntimeError(
+            "DistTensor.data = ... on a parameter a wrapper holds as its own storage "
+            f"(DistributedDataParallel's replicas, shape {tuple(self.shape)}): new data would "
+            "not reach that storage (its gradient and the optimizer's step would miss it). "
+            "Write the values instead: p.data.copy_(value) or, under torch.no_grad(), "
+            "p.copy_(value), before forward or after backward (a write between them changes "
+            "what backward reads, as on one device)")
     keep = self.requires_grad
     if _same_form(self, value):
         # torch's assignment on each local tensor (set_data: the same tensor object, its
