@@ -220,6 +220,40 @@ def test_ddp_parameter_write_hint_names_the_parameter_fix(write):
     assert "write after backward" in msg, msg
 
 
+class WritesSaved(nn.Module):
+    """Writes a value ``sigmoid`` saved (its output) in place: torch raises at backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 5)
+
+    def forward(self, x):
+        h = torch.sigmoid(self.lin(x))
+        h.mul_(2)
+        return h
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp-root", "fully_shard-root"])
+def test_plain_tensor_write_in_the_module_gets_torchs_fix(wrap):
+    """A write into a saved plain tensor inside the wrapped module (one device raises the
+    same): torch's words, type and fix (clone / out-of-place), no DistTensor hint."""
+    torch.manual_seed(0)
+    ref = WritesSaved()
+    x, y = _xy()
+    with pytest.raises(RuntimeError) as one:
+        ((ref(x) - y) ** 2).mean().backward()
+    mesh = wb.Mesh.grid(3, ["dp"])
+    torch.manual_seed(0)
+    m = WritesSaved()
+    w = WRAPS[wrap](m, mesh)
+    with pytest.raises(RuntimeError) as e:
+        _loss(w, mesh).backward()
+    msg = str(e.value)
+    assert type(e.value) is type(one.value)
+    assert str(one.value).split(":")[0] in msg
+    assert "On DistTensors" not in msg and "clone() before writing" in msg, msg
+
+
 def test_disttensor_write_keeps_its_hint():
     """A write into a saved DistTensor value keeps the DistTensor hint (once)."""
     mesh = wb.Mesh.grid((2,), ["tp"])

@@ -37,7 +37,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import storage
 
 __all__ = ["bump", "derive", "unversioned", "explained", "saved_check", "data_of",
-           "param_written", "OWN_FIX"]
+           "param_written", "plain_forward", "OWN_FIX"]
 
 # The hint of an error that names its fix itself (FSDP's version check of a gathered
 # weight, strategies/fsdp_units.check_version): :class:`explained` adds nothing to it
@@ -93,7 +93,18 @@ def bump(ts, what: str) -> None:
 
 
 _PARAMS_WRITTEN = WeakIdKeyDictionary()     # a wrapper's parameter -> (version, what, seq)
-_SEQ = [0, 0]           # writes counted (parameters' and DistTensors'), the last bump's count
+# writes and plain-module forwards counted; the count at the last DistTensor write (bump);
+# the count at the last forward of a plain module on simulated ranks (plain_forward)
+_SEQ = [0, 0, 0]
+
+
+def plain_forward() -> None:
+    """A wrapper ran a plain module on simulated ranks (DDP's / FSDP's forward: each rank's
+    plain tensors).  A version error that no DistTensor write since explains is then a
+    write into one of those tensors: :class:`explained` gives torch's own fix for it, not
+    the DistTensor hint (it said "an in-place write into a DistTensor")."""
+    _SEQ[0] += 1
+    _SEQ[2] = _SEQ[0]
 
 
 def param_written(p, layout: str) -> None:
@@ -117,9 +128,10 @@ def _param_hint(msg: str):
         return None
     now = int(m.group(1))
     with torch._C.DisableTorchFunctionSubclass():
-        # written since the last DistTensor write (bump), at the version torch names
+        # written since the last plain-module forward and the last DistTensor write (bump),
+        # at the version torch names
         hit = [lay for p, (v, lay, seq) in list(_PARAMS_WRITTEN.items())
-               if seq > _SEQ[1] and v == now and p._version == now]
+               if seq > max(_SEQ[1], _SEQ[2]) and v == now and p._version == now]
     if not hit:
         return None
     return (f"{msg}\nOn a wrapper's parameter: the value backward needs is a parameter "
@@ -287,7 +299,8 @@ class explained:
             return False
         msg = str(e)
         if not ("modified by an inplace operation" in msg or "been modified inplace" in msg) \
-                or "On DistTensors" in msg or OWN_FIX in msg or "On a wrapper's parameter" in msg:
+                or "On DistTensors" in msg or OWN_FIX in msg or "On a wrapper's parameter" in msg \
+                or "On simulated ranks: the wrapped module" in msg:
             return False        # not a version error, or its hint names the fix already
         if "modified by an inplace operation" not in msg and "custom Function" in msg:
             # the saved value is a view that one of the simulator's identity Functions
@@ -307,6 +320,13 @@ class explained:
             hint = _param_hint(msg)     # a wrapper's parameter written: its own fix
             if hint is not None:
                 raise RuntimeError(hint) from None
+            if _SEQ[2] > _SEQ[1]:       # no DistTensor written since a plain module ran
+                raise RuntimeError(
+                    f"{msg}\nOn simulated ranks: the wrapped module ran on each rank's plain "
+                    "tensors, and one an op had saved for backward was written in place "
+                    "(torch raises the same on one device). Fix: clone() before writing "
+                    "(y = y.clone(); then write y), or use the out-of-place op (y = y + 1 for "
+                    "y.add_(1))") from None
         which = f"the DistTensor write {what}" if what else "an in-place write into a DistTensor"
         raise RuntimeError(
             f"{msg}\nOn DistTensors: {which} changed a value that an op had saved for "

@@ -90,9 +90,10 @@ from torch import nn
 from ...ops.moe import loss_share, one_batch
 from .. import step_clock
 from ..load_back import flush
+from ..versions import plain_forward
 from .flat_shards import flat_padded, unflat
 from .laid_out import Chunks, ProcessChunks, laid_out, module_shaped_state_dict
-from .fsdp_units import (GatheredBytes, GatherUnit, Kept, Regather, UnitCall, all_gather,
+from .fsdp_units import (GatheredBytes, GatherUnit, Kept, Regather, Saved, UnitCall, all_gather,
                          check_version, plan_units, reduce_scatter, tree_cast)
 from .fsdp_kept import kept_changes, note_kept, regather_sources, source_alias
 from .fsdp_no_sync import NoSync
@@ -224,6 +225,7 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
             args, kwargs = tree_cast(args, cd), tree_cast(kwargs, cd)
         if not g.distributed:       # checkpoint(fsdp, x, use_reentrant=True): untracked
             refuse_outer_reentrant(self._who, args, kwargs)
+            plain_forward()         # its version errors' hint (versions.explained)
         per, dim = ([(args, kwargs)], None) if g.distributed else g.split(args, kwargs)
         ks = [g.k] if g.distributed else range(g.n)
         self._hook_shards()
@@ -388,11 +390,11 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
         return unit.index != 0
 
     def _pack(self, t):
-        if not self._owners or t.layout != torch.strided:
+        if t.layout != torch.strided:
             return t
-        hit = self._owners.get(t.untyped_storage().data_ptr())
+        hit = self._owners.get(t.untyped_storage().data_ptr()) if self._owners else None
         if hit is None:
-            return t
+            return Saved(t)     # its version checked at unpack, as torch's (fsdp_units.Saved)
         call, k, i, view = hit
         own = id(t) == view     # autograd saved the parameter itself, not a view (.fsdp_kept)
         if not self._reshards(call.unit):
@@ -402,6 +404,8 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
         return Regather(call, k, i, t, own)
 
     def _unpack(self, s):
+        if isinstance(s, Saved):
+            return s.check()
         if isinstance(s, Kept):
             check_version(s.call, s.k, s.i, self._who)     # a write into its shard since: raise
             return self._kept(s)

@@ -23,11 +23,13 @@ kept gathered: :func:`kept_changes` compares it with its source once per backwar
 every kept weight at once, and gathers again those that differ (one all-gather,
 recorded ``fsdp re-gather root``).  On torch.distributed a rank holds its own chunk
 only, so the flags of all kept weights go through ONE all-reduce (MAX) per backward,
-recorded ``fsdp kept-check root`` (``all_reduce``, 4 bytes a flag; FSDP2 has no such
-check, torch 2.13 ``_fully_shard/_fsdp_param_group.py``: its root keeps its unsharded
-parameters and backward reads them, so a ``.data`` write into the sharded parameter is
-lost there, silently).  Simulated ranks hold every chunk: the comparison needs no
-collective and none is recorded.
+recorded ``fsdp kept-check root`` (``all_reduce``, 4 bytes a flag).  FSDP2 has no such
+check: its root keeps its unsharded parameters registered on the module from forward to
+backward, so between them ``p.data = t`` goes to the unsharded parameter (measured, torch
+2.13 ``fully_shard`` on 2 gloo processes, a ``Linear`` weight: the gradients one
+device's, but after backward the sharded parameter still holds the old values, silently;
+before forward the assignment to its DTensor parameter is ignored, silently).  Simulated
+ranks hold every chunk: the comparison needs no collective and none is recorded.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from .flat_shards import pack, pack_rank_major, tensor_places, unpack
 from .laid_out_whole import storage_numel
 from .replaced_params import mark_successor
 
-__all__ = ["Unit", "UnitCall", "Regather", "GatherUnit", "all_gather", "reduce_scatter",
+__all__ = ["Unit", "UnitCall", "Regather", "Saved", "GatherUnit", "all_gather", "reduce_scatter",
            "plan_units", "GatheredBytes", "tree_cast"]
 
 
@@ -172,6 +172,29 @@ class Kept:
 
     def __init__(self, call, k, i, t, own=False):
         self.call, self.k, self.i, self.t, self.own = call, k, i, t, own
+
+
+class Saved:
+    """Any other tensor saved while the wrapper's saved-tensor hooks run (an activation),
+    with the version it was saved at: torch checks no version of a tensor its pack hook
+    took, so a write into a saved activation inside the module (``h = sigmoid(x);
+    h.mul_(2)``) gave a wrong gradient, silently, where one device's backward raises
+    (fsdpdata18).  :meth:`check` raises torch's error in torch's words."""
+    __slots__ = ("t", "version")
+
+    def __init__(self, t):
+        self.t, self.version = t, t._version
+
+    def check(self):
+        t = self.t
+        if t._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+                f"{t._version}; expected version {self.version} instead. Hint: enable "
+                "anomaly detection to find the operation that failed to compute its "
+                "gradient, with torch.autograd.set_detect_anomaly(True).")
+        return t
 
 
 class Regather:
