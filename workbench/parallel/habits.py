@@ -131,13 +131,53 @@ def _set_data(self, value) -> None:
         stale = getattr(t, "_wb_stale", None)   # a ZeRO-3 template or gathered copy
         if stale:                               # (fsdp_dist_habits): new data would not
             raise RuntimeError(f"DistTensor.data = ...: {stale}")   # reach the shards
+    held = [t for t in storage.tensors(self._local) if getattr(t, "_wb_full", None) is not None]
+    if held:        # DDP's replica storage over DistTensors (strategies/laid_out_replicas)
+        # new local tensors would leave the storage DDP reduces and the optimizer steps:
+        # the gradient norm 4.33 for one device's 1.68 after d.data = t before forward
+        # (fsdpdata18), silently
+        raise RuntimeError(
+            "DistTensor.data = ... on a parameter a wrapper holds as its own storage "
+            f"(DistributedDataParallel's replicas, shape {tuple(self.shape)}): new data would "
+            "not reach that storage (its gradient and the optimizer's step would miss it). "
+            "Write the values instead: p.data.copy_(value) or, under torch.no_grad(), "
+            "p.copy_(value), before forward or after backward (a write between them changes "
+            "what backward reads, as on one device)")
     keep = self.requires_grad
+    if _same_form(self, value):
+        # torch's assignment on each local tensor (set_data: the same tensor object, its
+        # storage replaced, its version counter kept): a leaf keeps its gradient edge and
+        # hooks, so a backward of a forward before the assignment still accumulates into
+        # this parameter (new leaves left the DistTensor parameter with no gradient,
+        # silently: 0.43 off the total norm for a Linear weight, fsdpdata18), a view saved
+        # in forward keeps the old storage and the tensor saved itself reads the new one,
+        # as one device's
+        with torch.no_grad():
+            for t, v in zip(storage.tensors(self._local), storage.tensors(value._local)):
+                torch.Tensor.data.__set__(t, v.detach())
+        self._gstride = getattr(value, "_gstride", None)
+        return
     loc = storage.map_tensors(value._local, lambda t: t.detach())
     if keep:
         loc = storage.map_tensors(loc, lambda t: t.requires_grad_())
     self._local, self.mesh, self.placements = loc, value.mesh, value.placements
     self.shape, self.dtype, self.names, self._spec = value.shape, value.dtype, value.names, None
     self._gstride = getattr(value, "_gstride", None)
+
+
+def _same_form(d, value) -> bool:
+    """Whether ``value``'s local tensors match ``d``'s one for one (mesh, layout, shape,
+    dtype and form): ``d.data = value`` then sets each of ``d``'s local tensors' data."""
+    if (value.mesh, tuple(value.placements), tuple(value.shape), value.dtype) != \
+            (d.mesh, tuple(d.placements), tuple(d.shape), d.dtype):
+        return False
+    a, b = d._local, value._local
+    if type(a) is not type(b) or getattr(a, "lead", None) != getattr(b, "lead", None):
+        return False
+    mine, theirs = storage.tensors(a), storage.tensors(b)
+    return len(mine) == len(theirs) and all(
+        type(t) is torch.Tensor and t.shape == v.shape and t.dtype == v.dtype
+        for t, v in zip(mine, theirs))
 
 
 def _set_requires_grad(self, flag) -> None:

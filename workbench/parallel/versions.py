@@ -32,10 +32,17 @@ import re
 import weakref
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import storage
 
-__all__ = ["bump", "derive", "unversioned", "explained", "saved_check", "data_of"]
+__all__ = ["bump", "derive", "unversioned", "explained", "saved_check", "data_of",
+           "param_written", "plain_forward", "OWN_FIX"]
+
+# The hint of an error that names its fix itself (FSDP's version check of a gathered
+# weight, strategies/fsdp_units.check_version): :class:`explained` adds nothing to it
+OWN_FIX = ("Hint: a write into a parameter between forward and backward (under no_grad, "
+           "through detach(), nn.init) changes the weights backward needs")
 
 _WRITES: dict = {}      # (node name, output nr, local shape) -> "y.add_() on R[4, 4]"
 _KEEP = 256             # the most recent writes remembered for the message
@@ -51,6 +58,8 @@ def bump(ts, what: str) -> None:
     """Bump the version counter of each tensor in ``ts`` (old local tensors of a DistTensor
     written in place; ``what`` names the write for :func:`explained`)."""
     from .dist_tensor import DETACHED
+    _SEQ[0] += 1
+    _SEQ[1] = _SEQ[0]       # a DistTensor write: older parameter writes are not the error's
     seen, ts = set(), list(ts)
     for t in list(ts):
         for _ in range(8):
@@ -81,6 +90,54 @@ def bump(ts, what: str) -> None:
             _WRITES[key] = what
             while len(_WRITES) > _KEEP:
                 del _WRITES[next(iter(_WRITES))]
+
+
+_PARAMS_WRITTEN = WeakIdKeyDictionary()     # a wrapper's parameter -> (version, what, seq)
+# writes and plain-module forwards counted; the count at the last DistTensor write (bump);
+# the count at the last forward of a plain module on simulated ranks (plain_forward)
+_SEQ = [0, 0, 0]
+
+
+def plain_forward() -> None:
+    """A wrapper ran a plain module on simulated ranks (DDP's / FSDP's forward: each rank's
+    plain tensors).  A version error that no DistTensor write since explains is then a
+    write into one of those tensors: :class:`explained` gives torch's own fix for it, not
+    the DistTensor hint (it said "an in-place write into a DistTensor")."""
+    _SEQ[0] += 1
+    _SEQ[2] = _SEQ[0]
+
+
+def param_written(p, layout: str) -> None:
+    """A wrapper's laid-out parameter ``p`` (DDP's rows, FSDP's chunks) was written in
+    place (``p.mul_`` under no_grad, ``p.detach().zero_()``, ``p[0].fill_``): where a
+    backward then raises torch's version error for it (autograd saved a view of ``p``,
+    sharing its counter), :class:`explained` names that write and its fix, not a
+    DistTensor's (it said "an in-place write into a DistTensor" for DDP's rows)."""
+    shape = getattr(p, "_wb_shape", None)
+    what = f"of the module's shape {tuple(shape)}: {layout}" if shape is not None else layout
+    _SEQ[0] += 1
+    with torch._C.DisableTorchFunctionSubclass():
+        _PARAMS_WRITTEN[p] = (p._version, what, _SEQ[0])
+
+
+def _param_hint(msg: str):
+    """The hint for torch's version error ``msg`` where its version is that of a wrapper's
+    parameter written in place since (:func:`param_written`); None where none is."""
+    m = re.search(r"is at version (\d+); expected version (\d+)", msg)
+    if m is None:
+        return None
+    now = int(m.group(1))
+    with torch._C.DisableTorchFunctionSubclass():
+        # written since the last plain-module forward and the last DistTensor write (bump),
+        # at the version torch names
+        hit = [lay for p, (v, lay, seq) in list(_PARAMS_WRITTEN.items())
+               if seq > max(_SEQ[1], _SEQ[2]) and v == now and p._version == now]
+    if not hit:
+        return None
+    return (f"{msg}\nOn a wrapper's parameter: the value backward needs is a parameter "
+            f"written in place since forward (one {hit[-1]}); as on one device, the write changed "
+            "the weights backward needs. Fix: write after backward (e.g. after "
+            "optimizer.step()), or run forward again after the write")
 
 
 _DATA_OF: dict = {}     # id(a ``.data`` alias's local tensor) -> (weakref to it, to its source)
@@ -242,8 +299,9 @@ class explained:
             return False
         msg = str(e)
         if not ("modified by an inplace operation" in msg or "been modified inplace" in msg) \
-                or "On DistTensors" in msg:
-            return False
+                or "On DistTensors" in msg or OWN_FIX in msg or "On a wrapper's parameter" in msg \
+                or "On simulated ranks: the wrapped module" in msg:
+            return False        # not a version error, or its hint names the fix already
         if "modified by an inplace operation" not in msg and "custom Function" in msg:
             # the saved value is a view that one of the simulator's identity Functions
             # (grad_record, reshard_backward: ``x.view_as(x)``) made of a local tensor the
@@ -258,6 +316,17 @@ class explained:
             shape = tuple(int(s) for s in m.group(1).split(",") if s.strip())
             nr = int(m.group(2)) if m.group(2) is not None else None
             what = _WRITES.get((m.group(3) or "", nr, shape))
+        if what is None:
+            hint = _param_hint(msg)     # a wrapper's parameter written: its own fix
+            if hint is not None:
+                raise RuntimeError(hint) from None
+            if _SEQ[2] > _SEQ[1]:       # no DistTensor written since a plain module ran
+                raise RuntimeError(
+                    f"{msg}\nOn simulated ranks: the wrapped module ran on each rank's plain "
+                    "tensors, and one an op had saved for backward was written in place "
+                    "(torch raises the same on one device). Fix: clone() before writing "
+                    "(y = y.clone(); then write y), or use the out-of-place op (y = y + 1 for "
+                    "y.add_(1))") from None
         which = f"the DistTensor write {what}" if what else "an in-place write into a DistTensor"
         raise RuntimeError(
             f"{msg}\nOn DistTensors: {which} changed a value that an op had saved for "

@@ -124,6 +124,8 @@ running statistics, and its ``eval()`` output, are torch DDP's.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -131,6 +133,7 @@ from torch import nn
 from .. import step_clock
 from ..dist_tensor import DistTensor
 from ..load_back import mark
+from ..versions import plain_forward
 from .laid_out import Rows, laid_out, module_shaped, module_shaped_state_dict, rank_row
 from .laid_out_hooks import check_hooks
 from .replaced_params import check_named, mark_successor, snapshot
@@ -285,11 +288,15 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
             self._sync_buffers_next = torch.is_grad_enabled() and self._sync_enabled
             return out
         close_open_scopes()     # a backward that raised in a recompute: stacked ones back
+        plain_forward()         # its version errors' hint (versions.explained)
         named = dict(self.module.named_parameters())
         sync_rows(named.items())            # a write through one row's handle: every row
         # rank k's row of each parameter: the module's tensor on that rank (its forward's
         # reductions of it are one device's, laid_out_views)
         params = [{n: rank_row(p, k) for n, p in named.items()} for k in range(g.n)]
+        if torch.is_grad_enabled():     # p.data = t before backward: these too (laid_out_draws)
+            for n, p in named.items():
+                p._wb_row_views = [weakref.ref(ps[n]) for ps in params]
         out = run_per_rank(g, self.module, params, args, kwargs, self.broadcast_from)
         book = self._book
         if book.recording and torch.is_grad_enabled():

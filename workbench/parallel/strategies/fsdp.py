@@ -90,10 +90,12 @@ from torch import nn
 from ...ops.moe import loss_share, one_batch
 from .. import step_clock
 from ..load_back import flush
+from ..versions import plain_forward
 from .flat_shards import flat_padded, unflat
 from .laid_out import Chunks, ProcessChunks, laid_out, module_shaped_state_dict
-from .fsdp_units import (GatheredBytes, GatherUnit, Kept, Regather, UnitCall, all_gather,
+from .fsdp_units import (GatheredBytes, GatherUnit, Kept, Regather, Saved, UnitCall, all_gather,
                          check_version, plan_units, reduce_scatter, tree_cast)
+from .fsdp_kept import kept_changes, note_kept, regather_sources, source_alias
 from .fsdp_no_sync import NoSync
 from .fsdp_state import FSDPStateDict
 from .fsdp_summon import SummonFullParams
@@ -182,6 +184,7 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
                          f"it holds each rank's flat chunk of the {tuple(p.shape)} parameter "
                          f"(shape {tuple(shard.shape)})", p.shape, how)
         self._meta[id(shard)] = (tuple(p.shape), p.numel())
+        shard._wb_swaps_data = True     # p.data = t: a storage of its own (.laid_out_draws)
         if not g.distributed:           # a row per rank: an optimizer's step on their clock
             step_clock.hold([shard], g.ranks, 1)
         return shard
@@ -222,6 +225,7 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
             args, kwargs = tree_cast(args, cd), tree_cast(kwargs, cd)
         if not g.distributed:       # checkpoint(fsdp, x, use_reentrant=True): untracked
             refuse_outer_reentrant(self._who, args, kwargs)
+            plain_forward()         # its version errors' hint (versions.explained)
         per, dim = ([(args, kwargs)], None) if g.distributed else g.split(args, kwargs)
         ks = [g.k] if g.distributed else range(g.n)
         self._hook_shards()
@@ -273,7 +277,7 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
         trainable parameter of it reached the loss): FSDP2 reshards in the root's final
         callback (``_root_post_backward_final_callback``, queued by its pre-backward hook
         on the outputs), here queued by a hook on each output likewise."""
-        calls = [c for c in self._calls.values() if c.cache]
+        calls = [c for c in self._calls.values() if c.cache or c.kept]
         if not calls:
             return
         from torch.autograd import Variable
@@ -284,7 +288,7 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
             queued.clear()
             for c in calls:
                 c.cache.clear()
-                c.fresh.clear()
+                c.checked.clear()       # the next backward checks the kept copies again
 
         def hook(grad):
             if not queued:
@@ -342,6 +346,7 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
             return call, []
         cast = (lambda s: s) if self.reduce_dtype is not None else self._cast
         call.versions[k] = [s._version for _, s, _ in unit.params]    # check_version
+        call.src[k] = [source_alias(s) for _, s, _ in unit.params]     # .fsdp_kept
         flats = GatherUnit.apply(self, call, k, pre, *[cast(s) for _, s, _ in unit.params])
         if not self._reshards(unit) and torch.is_grad_enabled() and \
                 any(s.requires_grad for _, s, _ in unit.params):
@@ -350,10 +355,10 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
         views, ptrs = [], []
         for i, ((_, s, _), f) in enumerate(zip(unit.params, flats)):
             shape, _ = self._meta[id(s)]
+            views.append(unflat(f, shape))
             if f.numel():
                 ptrs.append(f.untyped_storage().data_ptr())
-                self._owners[ptrs[-1]] = (call, k, i)
-            views.append(unflat(f, shape))
+                self._owners[ptrs[-1]] = (call, k, i, id(views[-1]))
         call.ptrs[k] = ptrs
         return call, views
 
@@ -385,18 +390,22 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
         return unit.index != 0
 
     def _pack(self, t):
-        if not self._owners or t.layout != torch.strided:
+        if t.layout != torch.strided:
             return t
-        hit = self._owners.get(t.untyped_storage().data_ptr())
+        hit = self._owners.get(t.untyped_storage().data_ptr()) if self._owners else None
         if hit is None:
-            return t
-        call, k, i = hit
+            return Saved(t)     # its version checked at unpack, as torch's (fsdp_units.Saved)
+        call, k, i, view = hit
+        own = id(t) == view     # autograd saved the parameter itself, not a view (.fsdp_kept)
         if not self._reshards(call.unit):
-            return Kept(call, k, i, t)   # kept gathered: saved as is, no re-gather
-        call.packed.setdefault(k, set()).add(i)
-        return Regather(call, k, i, t)
+            note_kept(call, k, (i, own), t)
+            return Kept(call, k, i, t, own)   # kept gathered: saved as is, no re-gather
+        call.packed.setdefault(k, set()).add((i, own))
+        return Regather(call, k, i, t, own)
 
     def _unpack(self, s):
+        if isinstance(s, Saved):
+            return s.check()
         if isinstance(s, Kept):
             check_version(s.call, s.k, s.i, self._who)     # a write into its shard since: raise
             return self._kept(s)
@@ -409,48 +418,24 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
             at = next((x for x, c in enumerate(calls) if c is s.call), 0)
             if at > 0 and s.k not in calls[at - 1].done:
                 self._regather(calls[at - 1], s.k)
-        return flats[s.i].as_strided(s.shape, s.stride, s.offset)
+        return flats[(s.i, s.own)].as_strided(s.shape, s.stride, s.offset)
 
     def _kept(self, s):
-        """The kept (root's) gathered weight ``s`` saved, as its shard holds it now.  A write
-        through ``p.data`` (``p.data.mul_(2)``) between forward and backward has a version
-        counter of its own (torch's too: no error), and one device's backward reads the
-        written values from the weight it saved (the same storage); the kept copy held the
-        old ones, silently (fsdpdata17: ``0.weight``'s gradient off by 0.17).  So the copy
-        is compared with the shard (``torch.equal``, one read of the parameter), and where
-        they differ the parameter is gathered again (recorded: ``fsdp re-gather``) and
-        backward reads that, as a unit resharded after forward does.  On torch.distributed a
-        rank holds its own chunk only, so each compares that and one all-reduce of the flag
-        (4 bytes, not recorded: FSDP2 has no such check) tells every rank whether any chunk
-        changed; the ranks unpack the same saved weights in the same order (one program)."""
-        call, k, i, t = s.call, s.k, s.i, s.t
-        shard = self._cast(call.unit.params[i][1].detach())
-        g = self.group
-        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-            flat = call.fresh.get((k, i))
-            if flat is None:        # the gathered flat: a storage of its own (all_gather)
-                flat = t.new_empty(0).set_(t.untyped_storage())
-            now = shard.reshape(-1)
-            if g.distributed:       # this rank's chunk; a write on any rank: all gather again
-                old = flat.view(g.n, -1)[g.k] if flat.numel() == now.numel() * g.n else None
-                changed = torch.tensor(
-                    [0 if old is not None and torch.equal(now, old) else 1], device=now.device)
-                dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=g.pg)
-                changed = bool(changed.item())
-            else:
-                changed = not (now.shape == flat.shape and torch.equal(now, flat))
-        if changed:
-            with torch.no_grad():
-                flat = self._all_gather(call, k, [shard], "re-gather")[0]
-            call.fresh[(k, i)] = flat
-        if flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+        """The kept (root's) gathered weight ``s`` saved, as one device's backward reads it
+        after a ``p.data`` write or assignment since forward: the copy itself, or the
+        parameter gathered again where they differ (:mod:`.fsdp_kept`: one check per
+        backward for every kept weight; on torch.distributed one recorded all-reduce of
+        their flags)."""
+        flat = kept_changes(self, s.call, s.k).get((s.i, s.own))
+        t = s.t
+        if flat is None:
             return t
         return flat.as_strided(t.shape, t.stride(), t.storage_offset())
 
     def _regather(self, call, k):
         flats = call.cache.setdefault(k, {})
-        todo = [i for i in sorted(call.packed.get(k, ())) if i not in flats]
-        shards = [self._cast(call.unit.params[i][1].detach()) for i in todo]
+        todo = [key for key in sorted(call.packed.get(k, ())) if key not in flats]
+        shards = regather_sources(self, call, k, todo)     # (.fsdp_kept: p.data = t since)
         flats.update(zip(todo, self._all_gather(call, k, shards, "re-gather")))
         return flats
 
@@ -458,8 +443,7 @@ class FullyShardedDataParallel(SummonFullParams, FSDPStateDict, NoSync, ModuleWr
         """Rank k's part of the unit's gradient reduction; the re-gathered weights freed."""
         g = self.group
         call.cache.pop(k, None)
-        for key in [x for x in call.fresh if x[0] == k]:
-            del call.fresh[key]
+        call.checked.pop(k, None)
         call.done.add(k)
         todo = [i for i, (gr, need) in enumerate(zip(grads, needs)) if need and gr is not None]
         grads = self._to_reduce_dtype(grads)

@@ -23,11 +23,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..versions import OWN_FIX
 from .flat_shards import pack, pack_rank_major, tensor_places, unpack
 from .laid_out_whole import storage_numel
 from .replaced_params import mark_successor
 
-__all__ = ["Unit", "UnitCall", "Regather", "GatherUnit", "all_gather", "reduce_scatter",
+__all__ = ["Unit", "UnitCall", "Regather", "Saved", "GatherUnit", "all_gather", "reduce_scatter",
            "plan_units", "GatheredBytes", "tree_cast"]
 
 
@@ -128,7 +129,11 @@ class UnitCall:
         self.cache, self.packed, self.ptrs, self.recorded, self.done = {}, {}, {}, set(), set()
         self.by_rank = {}               # rank -> its entries in forward order (prefetch)
         self.versions = {}              # rank -> the shards' version counters at the gather
-        self.fresh = {}                 # (rank, i) -> kept weight gathered again (.data write)
+        # a kept (root) unit: rank -> {(i, own): [weakref to a saved copy]} (.fsdp_kept), and
+        # rank -> {(i, own): flat gathered again} worked out once per backward
+        self.kept, self.checked = {}, {}
+        self.src = {}                   # rank -> a plain alias of each shard's storage at the
+        #                                 gather (a later p.data = t swaps the shard's)
 
 
 def check_version(call, k, i, who: str = "FullyShardedDataParallel") -> None:
@@ -139,9 +144,11 @@ def check_version(call, k, i, who: str = "FullyShardedDataParallel") -> None:
     backward left backward the old weights' gradient (kept root) or the new weights'
     (re-gathered), silently, where one device's saved weight raises at backward
     (torch/csrc/autograd/saved_variable.cpp, ``SavedVariable::unpack``) (fsdpw17).  A write
-    through ``.data`` has a counter of its own (torch's too): not an error; the kept copy is
-    compared with its shard instead and gathered again where they differ (the fsdp wrapper's
-    ``_kept``, fsdpdata17), a re-gather reads the shard anyway.  FSDP2 itself
+    through ``.data`` (or ``p.data = t``: torch's assignment, the version counter kept) has a
+    counter of its own (torch's too): not an error; the kept copy is compared with what one
+    device's backward would read and gathered again where they differ (:mod:`.fsdp_kept`,
+    fsdpdata17/18), a re-gather reads that anyway.  The error's hint is its own
+    (``versions.OWN_FIX``: no DistTensor hint is added to it).  FSDP2 itself
     copies its gathered weights out under ``torch.autograd._unsafe_preserve_version_counter``
     (torch 2.13 ``_fully_shard/_fsdp_collectives.py:484-499``), so, read from its code (not
     run here), its re-gather would hand backward the written weights without a word: not
@@ -153,27 +160,50 @@ def check_version(call, k, i, who: str = "FullyShardedDataParallel") -> None:
             "one of the variables needed for gradient computation has been modified by an "
             f"inplace operation: {who}'s parameter {name!r} (its shard "
             f"{tuple(shard.shape)}) is at version {shard._version}; expected version "
-            f"{was[i]} instead (the version its forward gathered). Hint: a write into a "
-            "parameter between forward and backward (under no_grad, through detach(), "
-            "nn.init) changes the weights backward needs; write after backward (e.g. after "
-            "optimizer.step()), or run forward again after the write.")
+            f"{was[i]} instead (the version its forward gathered). {OWN_FIX}; write after "
+            "backward (e.g. after optimizer.step()), or run forward again after the write.")
 
 
 class Kept:
-    """What a saved weight of a unit kept gathered (the root) becomes: the weight itself
-    and where to check its shard's version (:func:`check_version`)."""
-    __slots__ = ("call", "k", "i", "t")
+    """What a saved weight of a unit kept gathered (the root) becomes: the weight itself,
+    where to check its shard's version (:func:`check_version`) and whether autograd saved
+    the installed parameter itself (``own``) or a view of it (:mod:`.fsdp_kept`)."""
+    __slots__ = ("call", "k", "i", "t", "own")
 
-    def __init__(self, call, k, i, t):
-        self.call, self.k, self.i, self.t = call, k, i, t
+    def __init__(self, call, k, i, t, own=False):
+        self.call, self.k, self.i, self.t, self.own = call, k, i, t, own
+
+
+class Saved:
+    """Any other tensor saved while the wrapper's saved-tensor hooks run (an activation),
+    with the version it was saved at: torch checks no version of a tensor its pack hook
+    took, so a write into a saved activation inside the module (``h = sigmoid(x);
+    h.mul_(2)``) gave a wrong gradient, silently, where one device's backward raises
+    (fsdpdata18).  :meth:`check` raises torch's error in torch's words."""
+    __slots__ = ("t", "version")
+
+    def __init__(self, t):
+        self.t, self.version = t, t._version
+
+    def check(self):
+        t = self.t
+        if t._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+                f"{t._version}; expected version {self.version} instead. Hint: enable "
+                "anomaly detection to find the operation that failed to compute its "
+                "gradient, with torch.autograd.set_detect_anomaly(True).")
+        return t
 
 
 class Regather:
-    """What a saved gathered weight becomes: where to find it again."""
-    __slots__ = ("call", "k", "i", "shape", "stride", "offset")
+    """What a saved gathered weight becomes: where to find it again (``own``: as
+    :class:`Kept`)."""
+    __slots__ = ("call", "k", "i", "shape", "stride", "offset", "own")
 
-    def __init__(self, call, k, i, t):
-        self.call, self.k, self.i = call, k, i
+    def __init__(self, call, k, i, t, own=False):
+        self.call, self.k, self.i, self.own = call, k, i, own
         self.shape, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
 
 

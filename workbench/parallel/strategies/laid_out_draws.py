@@ -49,7 +49,10 @@ def _module_shaped_data(p, value) -> bool:
     rank's row or chunk, as ``p.copy_(value)`` (one device's values; ``p`` keeps its own
     storage, so a later in-place write into ``value`` does not reach it, unlike torch's
     alias): True.  A ``value`` of the storage's shape (the wrappers' own swaps,
-    ``Module._apply``'s casts) is torch's assignment: False.  Any other raises naming
+    ``Module._apply``'s casts) is torch's assignment: False.  FSDP's chunks
+    (``_wb_swaps_data``) get a storage of their own laid out from ``value`` instead of the
+    write, as torch's assignment (between forward and backward: one device's saved tensors'
+    values, :mod:`.fsdp_kept`; the write bumped the version and backward raised).  Any other raises naming
     the fix, nothing assigned."""
     if not isinstance(value, torch.Tensor):
         return False
@@ -60,6 +63,9 @@ def _module_shaped_data(p, value) -> bool:
         return False
     if got == tuple(shape) and value.dtype == p.dtype and value.device == p.device and \
             _draw_store(p) is not None:
+        if getattr(p, "_wb_swaps_data", False) or getattr(p, "_wb_rows", None):
+            _swap_data(p, value)
+            return True
         with torch.no_grad():
             p.copy_(value.detach())     # laid out as p is (_module_shaped_operands)
         return True
@@ -69,6 +75,25 @@ def _module_shaped_data(p, value) -> bool:
         f"parameter is {tuple(shape)}, {p.dtype}).  Write values of the module's shape and "
         "dtype with p.data.copy_(t) (or p.data = t of that shape and dtype), change the "
         "dtype with model.to(dtype), or load tensors with the wrapper's load_state_dict")
+
+
+def _swap_data(p, value) -> None:
+    """``p.data = value`` (the module's shape) as torch's assignment: ``p`` gets a storage of
+    its own laid out from ``value`` (``set_data``: its version counter kept, no bump), so
+    what a forward saved reads as one device's saved tensors do: a view made in forward
+    (``F.linear``'s ``w.t()``) the old storage, the parameter saved itself (``h @ w``,
+    LayerNorm's weight) the new values.  FSDP's chunks (``_wb_swaps_data``): its gathered
+    copies are checked at backward (:mod:`.fsdp_kept`).  DDP's rows: each rank's row the
+    last forward handed the module (``_wb_row_views``, weakly; alive while a graph saved
+    it) gets its row of the new storage too, as one device's parameter would (before, the
+    write bumped the version: backward raised)."""
+    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+        new = _draw_store(p)(value.detach()).clone()
+        torch.Tensor.data.__set__(p, new)
+        for k, ref in enumerate(getattr(p, "_wb_row_views", ())):
+            view = ref()
+            if view is not None:
+                torch.Tensor.data.__set__(view, new[k])
 
 
 def _draw_store(p):

@@ -22,6 +22,7 @@ from .laid_out_shape import module_shape_read, module_view
 from .laid_out_views import (gradient_edges, mark_module_view, read_value, users_call,
                              refuse_storage_leaf, refuse_storage_read)
 from .replica_writes import after_write, before_write
+from ..versions import param_written
 
 
 _T = torch.Tensor
@@ -182,6 +183,8 @@ class LaidOutParameter(nn.Parameter):
             return keep_layout(out, keep)
         if written and not view:
             after_write(_owner(p))      # the rows now, written alike: what is seen (DDP)
+        if written:                     # a backward's version error names it (versions)
+            param_written(_owner(p), p._wb_layout)
         if func == _DATA_GET and args and isinstance(args[0], LaidOutParameter):
             return _data_alias(args[0], out)
         if func in _DETACH and args and isinstance(args[0], (LaidOutParameter, _LaidOutData)):
