@@ -88,3 +88,105 @@ def test_zero3_2021_post_step_gather_is_the_rule():
     _, sent = Z.post_step_gather(tr, p, lambda k: 1e-6)
     part = sum(_deepspeed_pieces(n, p)[1] for n in (7, 5))      # 3 + 2
     assert sent == (p - 1) * part * 2 == 20
+
+
+# ---- a reshard's way back over uneven pieces, and uneven runs on torch.distributed ------------
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+import workbench as wb  # noqa: E402
+from workbench.sim_mesh.grid import chunk_bounds  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "dist_scripts"))
+import uneven18_check as chk  # noqa: E402
+
+CASES = [p[0] for p in chk.PROGRAMS] + ["sp-uneven-rows"]
+
+
+def _sizes(n, p):
+    return [chunk_bounds(n, p, k)[1] for k in range(p)]
+
+
+def simulated(name):
+    if name == "sp-uneven-rows":
+        return chk.run_sp(wb.Mesh.grid((4,), ["tp"]))
+    _, shape, names, *_ = next(p for p in chk.PROGRAMS if p[0] == name)
+    return chk.run(wb.Mesh.grid(shape, list(names)), name)
+
+
+def test_way_back_records_each_groups_busiest_rank():
+    """x (8, 10) f64 S(1) on 4 ranks (columns 3, 3, 3, 1), ``redistribute`` to R, then read:
+    the way back records what the busiest rank sends (the plan's bytes, plan17b's rule),
+    where it recorded (p-1)/p of the largest buffer: a column-parallel matmul's Partial
+    gradient reduce-scattered back, 480 -> 576 B; a slice to S(0) sent back by one
+    all-to-all, 120 -> 144 B."""
+    cols, e = _sizes(10, 4), 8
+    assert cols == [3, 3, 3, 1]
+    r = simulated("uneven-S1-R-matmul")
+    # every rank sends 3 pieces padded to the largest kept one: 8 rows x 3 columns
+    assert r["bwd"] == [["reduce_scatter", 640, 3 * 8 * max(cols) * e]] == \
+        [["reduce_scatter", 640, 576]]
+    r = simulated("uneven-S1-R-mul-S0")
+    # the gradient S(0) (2 rows of 10 a rank) to S(1): a rank keeps its columns of its rows
+    sent = max(2 * (10 - c) * e for c in cols)
+    assert r["bwd"] == [["all_to_all", 160, sent]] == [["all_to_all", 160, 144]]
+    assert r["diff_out"] == 0 and r["diff_grad"] == 0
+    # the plan the chooser and the planner see says the same bytes
+    from workbench.parallel.reshard import plan_reshard
+    from workbench.parallel.spec import TensorSpec
+    mesh = wb.Mesh([0, 1, 2, 3])
+    for grad, kind, want in (([wb.Partial()], "reduce_scatter", 576),
+                             ([wb.Shard(0)], "all_to_all", 144)):
+        plan = plan_reshard(TensorSpec((8, 10), mesh, grad, torch.float64), mesh,
+                            [wb.Shard(1)], profile="a100")
+        assert [(s.kind, s.bytes) for s in plan.steps] == [(kind, want)]
+
+
+def test_sp_uneven_rows_simulated():
+    """Megatron's f / g under sequence parallelism on 6 rows over 4 tp ranks (2, 2, 2, 0):
+    each collective's busiest rank sends 3 pieces of 2 rows x 4 (f64), 192 B; regather
+    refused (the simulator cannot keep one shard of cells)."""
+    r = simulated("sp-uneven-rows")
+    rows = _sizes(6, 4)
+    assert rows == [2, 2, 2, 0]
+    b = 3 * max(rows) * 4 * 8
+    assert r["fwd"] == [["all_gather", 192, b], ["reduce_scatter", 192, b]]
+    assert r["bwd"] == [["all_gather", 192, b], ["reduce_scatter", 192, b]]
+    assert r["diff_out"] == 0 and r["diff_grad"] == 0
+    assert r["regather"].startswith("megatron_f(sp=True, regather=True): the input (6, 4)")
+
+
+@pytest.fixture(scope="module")
+def torchrun_rows(tmp_path_factory):
+    """tests/dist_scripts/uneven18_check.py's rows (4 gloo processes; the shared FOUR_PROC
+    launch, tests/torchrun_support.py)."""
+    from tests.torchrun_support import four_proc, json_rows
+    out, text = four_proc(tmp_path_factory, "uneven18_check.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json_rows(text)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_torchrun_as_simulated(name, torchrun_rows):
+    """Every process's row equals the simulator's run of the program: placements,
+    collectives (kind, buffer bytes, bytes sent) forward and backward, exact values and
+    gradients.  Before (measured on 4 gloo processes, rank 0): the uneven marked copies
+    took the ordinary path (gather_backward_dist.mark refused an uneven source):
+    uneven-S1-R-mul-S0 gathered the other operand (output Replicate, forward
+    [all_gather 576, all_gather 480], for the simulator's [all_gather 576] and backward
+    all_to_all), uneven-S1-R-mul-S1 backward [all_gather 576] for nothing,
+    uneven-S1-R-matmul [all_reduce 960] for [reduce_scatter 576]; sp-uneven-rows aborted
+    the processes (gloo: "Received data size doesn't match expected size")."""
+    sim = simulated(name)
+    mine = [r for r in torchrun_rows if r["case"] == name]
+    assert sorted(r["rank"] for r in mine) == [0, 1, 2, 3], mine
+    assert not [r for r in mine if "raised" in r], mine
+    assert sim["diff_out"] == 0 and sim["diff_grad"] == 0, sim
+    for r in mine:          # (the programs are symmetric: every group's as rank 0's)
+        for k in ("placements", "grad_placements", "fwd", "bwd", "regather"):
+            assert r.get(k) == sim.get(k), (name, r["rank"], k, r.get(k), sim.get(k))
+        assert r["diff_out"] == 0 and r["diff_grad"] == 0, r

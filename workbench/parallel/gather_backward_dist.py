@@ -104,7 +104,7 @@ class _Use(torch.autograd.Function):
 
 
 def _redistribute(way, g, record=True):
-    from .reshard import execute, plan_reshard_cached    # (reshard imports dispatch)
+    from .reshard import execute, plan_reshard_cached, step_records  # (imports dispatch)
     tr = current_trace()
     plan = plan_reshard_cached(TensorSpec(way.shape, way.mesh, way.grad, way.dtype,
                                           _trusted=True), way.back,
@@ -114,9 +114,12 @@ def _redistribute(way, g, record=True):
         for s in plan.steps:
             if s.bytes:
                 d = s.mesh_dim
-                C.record_collective(s.kind, way.mesh, d, s.buffer_bytes,
-                                    f"{way.label} {s.src[d]}->{s.dst[d]} on {names[d]}",
-                                    groups=[_B.group(way.mesh, d)[1]])
+                # this process's group (uneven: its busiest rank's bytes, the simulator's)
+                for kw in step_records(s, way.shape, way.dtype, way.mesh,
+                                       [_B.group(way.mesh, d)[1]]):
+                    C.record_collective(s.kind, way.mesh, d, s.buffer_bytes,
+                                        f"{way.label} {s.src[d]}->{s.dst[d]} on {names[d]}",
+                                        **kw)
     with suspend(), torch.no_grad():       # recorded above, once
         t = DistTensor(g.contiguous(), way.mesh, way.grad, way.shape, way.dtype)
         return execute(plan, t)._local
@@ -241,7 +244,6 @@ def mark(out: DistTensor, t: DistTensor, src) -> DistTensor:
     tl = t._local
     if type(tl) is not torch.Tensor or not tl.requires_grad or \
             tuple(src) != tuple(t.placements) or \
-            not layout.is_even(t.shape, t.mesh, t.placements) or \
             not any(a.is_shard() and b.is_replicate() for a, b in zip(src, out.placements)):
         return out
     # its way back by the simulator's rule (reshard_backward.way_key; the dims held once:
@@ -271,7 +273,7 @@ def use_marked(x: DistTensor, plan, expand, mesh, even: bool, label: str):
     (the caller runs the ordinary path)."""
     t, tl, ver, src, way = x._local.__dict__[KEY]
     steps = plan is not None and bool(plan.steps)
-    if not even or not torch.is_grad_enabled() or \
+    if not torch.is_grad_enabled() or \
             t._local is not tl or tl._version != ver or \
             not (x.mesh is mesh or x.mesh == mesh):
         return None
