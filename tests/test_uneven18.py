@@ -190,3 +190,26 @@ def test_torchrun_as_simulated(name, torchrun_rows):
         for k in ("placements", "grad_placements", "fwd", "bwd", "regather"):
             assert r.get(k) == sim.get(k), (name, r["rank"], k, r.get(k), sim.get(k))
         assert r["diff_out"] == 0 and r["diff_grad"] == 0, r
+
+
+def test_chooser_prices_an_uneven_backward_step_as_sent():
+    """``strategy.step_price``, the chooser's and wb.compile's price of a backward step:
+    x (8, 10) f64 R on 4 ranks sliced to S(1) (columns 3, 3, 3, 1): its backward all-gather
+    sends 3 pieces of 8 x 3, 576 B, priced as the padded buffer of 4 such pieces (768 B);
+    was the ring formula on the 640 B gathered buffer, 480 B.  Even pieces: unchanged."""
+    from workbench.parallel.ops_table.strategy import step_price
+    from workbench.parallel.reshard import plan_reshard
+    from workbench.parallel.spec import TensorSpec
+    from workbench.sim_mesh import cost
+    from workbench.sim_mesh.profiles import get_profile
+    prof = get_profile("a100")
+    mesh = wb.Mesh([0, 1, 2, 3])
+    for shape, want, buf in (((8, 10), 3 * 8 * max(_sizes(10, 4)) * 8, 4 * 8 * 3 * 8),
+                             ((8, 12), 3 * 8 * 3 * 8, 8 * 12 * 8)):
+        spec = TensorSpec(shape, mesh, [wb.Replicate()], torch.float64)
+        (s,) = plan_reshard(spec, mesh, [wb.Shard(1)], profile="a100").steps
+        assert s.kind == "local_slice"
+        t, b = step_price(s, spec, prof, back=True, nbytes=8 * shape[0] * shape[1])
+        assert b == want
+        assert t == max(cost.price("all_gather", buf, g, prof) for g in mesh.groups(0))
+    assert cost.wire_bytes("all_gather", 640, 4) == 480

@@ -31,7 +31,7 @@ from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import Trace, suspend
 from .lower import Reshard
 from .kernels import launch_time, op_kernels
-from ..parallel.ops_table.strategy import way_steps
+from ..parallel.ops_table.strategy import back_step, way_steps
 from ..parallel.reshard_backward import per_rank_dims, way_noted
 from .propagate import BACKWARD_OF, _local_bytes, pinned_way
 from .grad_ways import GradWays, sent_by_group as _sent
@@ -233,7 +233,7 @@ def build_schedule(prog) -> Schedule:
                     nb = s.buffer_bytes or _local_bytes(v.shape, mesh, s.src, v.dtype)
                     items.append(Item("comm", f"%{ins.vid}", "backward", coll=kind,
                                       mesh_dim=s.mesh_dim, nbytes=nb, after=last,
-                                      sent=_sent(_back(s, kind), v.shape, v.dtype, mesh)))
+                                      sent=_sent(back_step(s), v.shape, v.dtype, mesh)))
         here = len(items)
         if kn.backward:
             kern, nl = kn.backward
@@ -286,7 +286,7 @@ def build_schedule(prog) -> Schedule:
                     nb = s.buffer_bytes or _local_bytes(spec.shape, mesh, s.src, spec.dtype)
                     items.append(Item("comm", f"%{vid}", "backward", coll=kind,
                                       mesh_dim=s.mesh_dim, nbytes=nb, after=here,
-                                      sent=_sent(_back(s, kind), spec.shape, spec.dtype,
+                                      sent=_sent(back_step(s), spec.shape, spec.dtype,
                                                  mesh)))
     # a backward collective is needed by the next backward kernel
     nxt = None
@@ -350,14 +350,6 @@ def replay(schedule: Schedule) -> StepReport:
             for h in hs:
                 tr.wait(h)
     return _report(tr, ranks[0], launch_total, kernels)
-
-
-def _back(s, kind):
-    """Step ``s``'s backward collective ``kind`` (``BACKWARD_OF``) as a step: from its
-    target's pieces to its source's (an all-gather of a local slice's or a
-    reduce-scatter's pieces, the all-to-all reversed)."""
-    from dataclasses import replace
-    return replace(s, kind=kind, src=s.dst, dst=s.src)
 
 
 def _record(tr, it, mesh):
