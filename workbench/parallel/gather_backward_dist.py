@@ -235,7 +235,10 @@ def mark(out: DistTensor, t: DistTensor, src) -> DistTensor:
     The mark carries the simulator's way (:func:`.reshard_backward.way_key`), what the
     dispatcher's chooser prices its readers by.  Other uses (the one copy used as it is,
     or resharded further by the op off the gathered dims) keep the ordinary path, the
-    all-gather's own backward."""
+    all-gather's own backward.  An uneven source is marked too, as the simulator marks
+    its cells (uneven18: x (8, 10) S(1) on 4 gloo processes, gathered and read by a
+    column-parallel matmul, went back by an all-reduce of 960 B where the simulator
+    reduce-scatters, 576 B; sliced to S(0), the chooser gathered the other operand)."""
     loc = out._local
     if type(loc) is not torch.Tensor or not loc.requires_grad or not torch.is_grad_enabled() \
             or not _B.is_distributed(out.mesh) or t is None or t is out or \
@@ -269,8 +272,9 @@ def use_marked(x: DistTensor, plan, expand, mesh, even: bool, label: str):
     dim than the source's, nothing where it is the source's), the reader's layout noted on
     the way (:func:`.reshard_backward.way_use`, the chooser's price of it).  Before
     (tdway17) a slice kept its own backward here, an all-gather of the gradient, where the
-    simulator and DTensor send the all-to-all or nothing.  None where that is not the case
-    (the caller runs the ordinary path)."""
+    simulator and DTensor send the all-to-all or nothing.  Uneven pieces too (``even``,
+    the op's layouts, is not needed: the padded collectives run the way back; uneven18).
+    None where that is not the case (the caller runs the ordinary path)."""
     t, tl, ver, src, way = x._local.__dict__[KEY]
     steps = plan is not None and bool(plan.steps)
     if not torch.is_grad_enabled() or \

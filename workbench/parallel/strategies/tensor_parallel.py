@@ -105,7 +105,7 @@ def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1,
         # "Received data size doesn't match expected size" abort (5 rows on 3 processes)
         loc = C.all_gather(loc, mesh, tp_axis, seq_dim, expanded=True, label="f: all-gather",
                            **_uneven.step_kwargs("all_gather", x.shape, x.dtype, mesh,
-                                                 x.placements, ps_replicated(x, tp_axis),
+                                                 x.placements, _ps_replicated(x, tp_axis),
                                                  tp_axis, own_coord(mesh)))
     elif dist or ops_for(loc) is not Stacked:                    # blocking
         if sp and dist:                         # S(seq_dim) on tp -> the whole sequence
@@ -134,7 +134,7 @@ def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1,
     return out
 
 
-def ps_replicated(x: DistTensor, tp_axis: int) -> tuple:
+def _ps_replicated(x: DistTensor, tp_axis: int) -> tuple:
     """``x``'s placements with Replicate on ``tp_axis`` (f's output layout)."""
     ps = list(x.placements)
     ps[tp_axis] = Replicate()
