@@ -44,6 +44,10 @@ PROGRAMS = [
     # gathered dim, and slices tp (R -> S(0))
     ("S0S1-S0R-mul-S1S0", (2, 2), ("dp", "tp"), (8, 16), (S(0), S(1)), (S(0), R()), _mul,
      [((8, 16), (S(1), S(0)))]),
+    # gathered over tp only; the matmul's own plan gathers dp (S(0) -> R, off the marked
+    # dim) and slices tp: not yet as simulated (test_uneven18's strict xfail)
+    ("S0S1-S0R-w-mm-gathers-dp", (2, 2), ("dp", "tp"), (8, 16), (S(0), S(1)), (S(0), R()),
+     lambda y, w: w @ y, [((32, 8), (S(0), R()))]),
     # uneven output: 10 columns of the product S(1) over dp x tp (3, 3, 3, 1)
     ("S0S1-RR-mul-S1S0-uneven-out", (2, 2), ("dp", "tp"), (6, 10), (S(0), S(1)), None, _mul,
      [((6, 10), (S(1), S(0)))]),
