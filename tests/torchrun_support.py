@@ -161,7 +161,7 @@ FOUR_PROC = ["pipeline_clip_eval_check.py {dir}"] + TP_2X2 + [
     "-m workbench train --preset tiny --seed 0 --steps 2 --backend torch --cp 2 --tp 2 --sp "
     "--cp-comm a2a",
     "wrappers_check.py", "sp_norms_check.py {dir}/torchrun.pt", "fixlist14_check.py",
-    "tdway17_check.py"]
+    "tdway17_check.py", "uneven18_check.py"]
 # (wrappers_check not last: its 4-process job ended in TEARDOWN_ABORT about 1 in 6, and a
 # job that ends so is run again whole)
 # The 8-process parts (test_tdreshard's programs and test_distributed_engine's dp 2 x tp 2

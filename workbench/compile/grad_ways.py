@@ -24,7 +24,16 @@ from ..parallel.placement import Partial
 from ..parallel.reshard import plan_reshard_cached
 from ..parallel.spec import TensorSpec
 
-__all__ = ["GradWays"]
+__all__ = ["GradWays", "sent_by_group"]
+
+
+def sent_by_group(s, shape, dtype, mesh) -> tuple:
+    """``schedule.Item.sent`` of plan step ``s`` of a tensor ``shape`` / ``dtype``: each
+    group's busiest rank, ((group, bytes), ...), where the pieces are uneven
+    (``reshard.step_records``, what the run records on either executor); () where even."""
+    from ..parallel.reshard import step_records
+    return tuple((tuple(kw["groups"][0]), kw["sent"])
+                 for kw in step_records(s, tuple(shape), dtype, mesh) if "sent" in kw)
 
 
 class GradWays:
@@ -127,7 +136,9 @@ class GradWays:
                 bucket = leaf and s.kind == "all_reduce" and back[s.mesh_dim].is_replicate()
                 members = tuple(m for m in grp["members"] if m[2] == s.mesh_dim) \
                     if bucket else ()
-                out.append((s.kind, s.mesh_dim, s.buffer_bytes, vid, members))
+                # (uneven pieces: each group's busiest rank, as the run records it)
+                out.append((s.kind, s.mesh_dim, s.buffer_bytes, vid, members,
+                            sent_by_group(s, v.shape, v.dtype, self.mesh)))
         return out
 
 

@@ -126,7 +126,8 @@ class _Reading:
         from ..sim_mesh.cost import wire_bytes
         shape = self.mesh.shape
         r0 = self.mesh.ranks[0]
-        return sum((it.wire if r0 in it.ranks else 0) if it.ranks else   # (a round trip's)
+        return sum(sum(b for grp, b in it.sent if r0 in grp) if it.sent else  # (uneven)
+                   (it.wire if r0 in it.ranks else 0) if it.ranks else   # (a round trip's)
                    wire_bytes(it.coll, it.nbytes, shape[it.mesh_dim])
                    for it in self.schedule.items
                    if it.kind == "comm" and it.phase == "backward")

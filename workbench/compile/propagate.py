@@ -37,14 +37,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..parallel.ops_table.strategy import (BACKWARD_OF, _way_price, grad_reduction_steps,
-                                                 infer_on)
+                                                 infer_on, step_price)
 from ..parallel.ops_table.table import TABLE
 from ..parallel.placement import Partial, Replicate, normalize_placements
 from ..parallel.reshard import plan_reshard_cached
 from ..parallel.reshard_backward import per_rank_dims, way_noted
 from .extrema import as_run, inner_bytes, runs_even
 from ..parallel.spec import TensorSpec
-from ..sim_mesh import cost as _cost
 from ..sim_mesh.profiles import get_profile
 from .kernels import op_kernels
 from .int_partials import reduced_first
@@ -254,8 +253,7 @@ class _Pricer:
                     if kind is None or s.mesh_dim is None or s.mesh_dim in skip:
                         continue
                     nb = s.buffer_bytes or _local_bytes(spec.shape, self.mesh, s.src, spec.dtype)
-                    t += max(_cost.price(kind, nb, g, self.profile)
-                             for g in self.mesh.groups(s.mesh_dim))
+                    t += step_price(s, spec, self.profile, back=True, nbytes=nb)[0]
             # (a parameter held once per rank along a mesh dim, a data-parallel optimizer's
             # replicas or a sequence-parallel norm's copies: its gradient stays each rank's
             # there and the optimizer reduces it once per step, whatever the layout:
@@ -273,10 +271,9 @@ class _Pricer:
         (:func:`pinned_way`): read as it is, its gradient goes back to the reshard's
         source, as eager's marked copy's (``grad_ways.py``: a reduce-scatter, not the
         all-reduce of the gathered bytes)."""
-        return sum(max(_cost.price(s.kind, s.buffer_bytes, g, self.profile)
-                       for g in self.mesh.groups(s.mesh_dim))
-                   for s in grad_reduction_steps(self.spec(vid, req), plan, dims, way,
-                                                 self.pname))
+        spec = self.spec(vid, req)
+        return sum(step_price(s, spec, self.profile)[0]     # (uneven: the busiest rank's)
+                   for s in grad_reduction_steps(spec, plan, dims, way, self.pname))
 
     def shared_reads(self, node, in_ps, cand, seen):
         """The input positions of ``node`` that read per rank a copy an earlier op read
@@ -368,8 +365,7 @@ class _Pricer:
                 if kind is not None and s.mesh_dim is not None:
                     # (a local slice's backward all_gather: the gathered size, as above)
                     nb = s.buffer_bytes or _local_bytes(v.shape, self.mesh, s.src, v.dtype)
-                    t += max(_cost.price(kind, nb, g, self.profile)
-                             for g in self.mesh.groups(s.mesh_dim))
+                    t += step_price(s, spec, self.profile, back=True, nbytes=nb)[0]
         return t
 
 

@@ -31,10 +31,10 @@ from ..sim_mesh.profiles import get_profile
 from ..sim_mesh.trace import Trace, suspend
 from .lower import Reshard
 from .kernels import launch_time, op_kernels
-from ..parallel.ops_table.strategy import way_steps
+from ..parallel.ops_table.strategy import back_step, way_steps
 from ..parallel.reshard_backward import per_rank_dims, way_noted
 from .propagate import BACKWARD_OF, _local_bytes, pinned_way
-from .grad_ways import GradWays
+from .grad_ways import GradWays, sent_by_group as _sent
 from .mesh_trips import trip_events
 
 __all__ = ["Item", "Schedule", "build_schedule", "replay", "StepReport"]
@@ -66,6 +66,9 @@ class Item:
     #                             mesh's, or a send's pair: mesh_trips.trip_events), with
     wire: int = 0               # its wire bytes and
     dur: float = 0.0            # its duration as recorded (not the mesh dim's groups)
+    sent: tuple = ()            # comm, uneven pieces: ((group, its busiest rank's bytes),
+    #                             ...), recorded and priced so (grad_ways.sent_by_group);
+    #                             () the ring formula on nbytes
 
 
 @dataclass
@@ -158,9 +161,11 @@ def build_schedule(prog) -> Schedule:
                 pending.extend(_trip_items(ins, fw, "forward", made.get(ins.vid, -1)))
             for s in ins.plan.steps if ins.via is None else ():
                 if s.kind in _COLL:
+                    v = g.values[ins.vid]
                     pending.append(Item("comm", f"%{ins.vid}", "forward", coll=s.kind,
                                         mesh_dim=s.mesh_dim, nbytes=s.buffer_bytes,
-                                        after=made.get(ins.vid, -1)))
+                                        after=made.get(ins.vid, -1),
+                                        sent=_sent(s, v.shape, v.dtype, mesh)))
             if not ins.why.startswith("pinned") and own:
                 attached.append(ins)
             if ins.why.startswith("pinned"):
@@ -227,7 +232,8 @@ def build_schedule(prog) -> Schedule:
                 if kind is not None and s.mesh_dim is not None:
                     nb = s.buffer_bytes or _local_bytes(v.shape, mesh, s.src, v.dtype)
                     items.append(Item("comm", f"%{ins.vid}", "backward", coll=kind,
-                                      mesh_dim=s.mesh_dim, nbytes=nb, after=last))
+                                      mesh_dim=s.mesh_dim, nbytes=nb, after=last,
+                                      sent=_sent(back_step(s), v.shape, v.dtype, mesh)))
         here = len(items)
         if kn.backward:
             kern, nl = kn.backward
@@ -236,11 +242,11 @@ def build_schedule(prog) -> Schedule:
         st = c.strategy
         # the gradients of the inputs read per rank, once per input copy after its last
         # reader's backward (grad_ways.py: eager's reshard_backward)
-        for kind, i, nb, vid, members in ways.steps(n.nid):
+        for kind, i, nb, vid, members, sent in ways.steps(n.nid):
             leaf = g.values[vid].kind in ("param", "input")
             items.append(Item("comm", f"grad %{vid}" if leaf else f"%{vid}", "backward",
                               coll=kind, mesh_dim=i, nbytes=nb, grad=bool(members),
-                              after=here, members=members))
+                              after=here, members=members, sent=sent))
         for pos, (vid, spec, plan, req) in enumerate(zip(n.inputs, specs_in, c.plans,
                                                          st.inputs)):
             if vid is None or not g.values[vid].requires_grad:
@@ -271,14 +277,17 @@ def build_schedule(prog) -> Schedule:
                     for s in back:
                         items.append(Item("comm", f"%{vid}", "backward", coll=s.kind,
                                           mesh_dim=s.mesh_dim, nbytes=s.buffer_bytes,
-                                          after=here))
+                                          after=here,
+                                          sent=_sent(s, spec.shape, spec.dtype, mesh)))
                 for s in reversed(plan.steps):
                     kind = BACKWARD_OF.get(s.kind)
                     if kind is None or s.mesh_dim is None or s.mesh_dim in moved:
                         continue
                     nb = s.buffer_bytes or _local_bytes(spec.shape, mesh, s.src, spec.dtype)
                     items.append(Item("comm", f"%{vid}", "backward", coll=kind,
-                                      mesh_dim=s.mesh_dim, nbytes=nb, after=here))
+                                      mesh_dim=s.mesh_dim, nbytes=nb, after=here,
+                                      sent=_sent(back_step(s), spec.shape, spec.dtype,
+                                                 mesh)))
     # a backward collective is needed by the next backward kernel
     nxt = None
     for k in range(len(items) - 1, -1, -1):
@@ -346,6 +355,13 @@ def replay(schedule: Schedule) -> StepReport:
 def _record(tr, it, mesh):
     from ..sim_mesh import cost as _c
     hs = []
+    if it.sent:                  # uneven pieces: each group's busiest rank (Item.sent)
+        return [tr.record_collective(grp, it.coll, _c.price(it.coll, _c.sent_buffer(
+                    it.coll, b, len(grp)), grp, tr.profile), bytes=b,
+                    label=f"{it.phase} {it.name}",
+                    args={"mesh_dim": mesh.dim_names[it.mesh_dim],
+                          "buffer_bytes": int(it.nbytes), "tag": it.tag},
+                    overlap=it.async_) for grp, b in it.sent]
     if it.ranks:                 # a round trip's event, as recorded (mesh_trips.py)
         return [tr.record_collective(it.ranks, it.coll, it.dur, bytes=it.wire,
                                      label=f"{it.phase} {it.name}",

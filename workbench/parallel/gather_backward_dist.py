@@ -104,7 +104,7 @@ class _Use(torch.autograd.Function):
 
 
 def _redistribute(way, g, record=True):
-    from .reshard import execute, plan_reshard_cached    # (reshard imports dispatch)
+    from .reshard import execute, plan_reshard_cached, step_records  # (imports dispatch)
     tr = current_trace()
     plan = plan_reshard_cached(TensorSpec(way.shape, way.mesh, way.grad, way.dtype,
                                           _trusted=True), way.back,
@@ -114,9 +114,12 @@ def _redistribute(way, g, record=True):
         for s in plan.steps:
             if s.bytes:
                 d = s.mesh_dim
-                C.record_collective(s.kind, way.mesh, d, s.buffer_bytes,
-                                    f"{way.label} {s.src[d]}->{s.dst[d]} on {names[d]}",
-                                    groups=[_B.group(way.mesh, d)[1]])
+                # this process's group (uneven: its busiest rank's bytes, the simulator's)
+                for kw in step_records(s, way.shape, way.dtype, way.mesh,
+                                       [_B.group(way.mesh, d)[1]]):
+                    C.record_collective(s.kind, way.mesh, d, s.buffer_bytes,
+                                        f"{way.label} {s.src[d]}->{s.dst[d]} on {names[d]}",
+                                        **kw)
     with suspend(), torch.no_grad():       # recorded above, once
         t = DistTensor(g.contiguous(), way.mesh, way.grad, way.shape, way.dtype)
         return execute(plan, t)._local
@@ -232,7 +235,10 @@ def mark(out: DistTensor, t: DistTensor, src) -> DistTensor:
     The mark carries the simulator's way (:func:`.reshard_backward.way_key`), what the
     dispatcher's chooser prices its readers by.  Other uses (the one copy used as it is,
     or resharded further by the op off the gathered dims) keep the ordinary path, the
-    all-gather's own backward."""
+    all-gather's own backward.  An uneven source is marked too, as the simulator marks
+    its cells (uneven18: x (8, 10) S(1) on 4 gloo processes, gathered and read by a
+    column-parallel matmul, went back by an all-reduce of 960 B where the simulator
+    reduce-scatters, 576 B; sliced to S(0), the chooser gathered the other operand)."""
     loc = out._local
     if type(loc) is not torch.Tensor or not loc.requires_grad or not torch.is_grad_enabled() \
             or not _B.is_distributed(out.mesh) or t is None or t is out or \
@@ -241,7 +247,6 @@ def mark(out: DistTensor, t: DistTensor, src) -> DistTensor:
     tl = t._local
     if type(tl) is not torch.Tensor or not tl.requires_grad or \
             tuple(src) != tuple(t.placements) or \
-            not layout.is_even(t.shape, t.mesh, t.placements) or \
             not any(a.is_shard() and b.is_replicate() for a, b in zip(src, out.placements)):
         return out
     # its way back by the simulator's rule (reshard_backward.way_key; the dims held once:
@@ -267,11 +272,12 @@ def use_marked(x: DistTensor, plan, expand, mesh, even: bool, label: str):
     dim than the source's, nothing where it is the source's), the reader's layout noted on
     the way (:func:`.reshard_backward.way_use`, the chooser's price of it).  Before
     (tdway17) a slice kept its own backward here, an all-gather of the gradient, where the
-    simulator and DTensor send the all-to-all or nothing.  None where that is not the case
-    (the caller runs the ordinary path)."""
+    simulator and DTensor send the all-to-all or nothing.  Uneven pieces too (``even``,
+    the op's layouts, is not needed: the padded collectives run the way back; uneven18).
+    None where that is not the case (the caller runs the ordinary path)."""
     t, tl, ver, src, way = x._local.__dict__[KEY]
     steps = plan is not None and bool(plan.steps)
-    if not even or not torch.is_grad_enabled() or \
+    if not torch.is_grad_enabled() or \
             t._local is not tl or tl._version != ver or \
             not (x.mesh is mesh or x.mesh == mesh):
         return None

@@ -22,6 +22,7 @@ data moves by send/recv.
 from __future__ import annotations
 
 import heapq
+import math
 from functools import lru_cache
 from dataclasses import dataclass, replace as _replace
 
@@ -31,6 +32,7 @@ from torch.overrides import handle_torch_function, has_torch_function
 from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
 from ..sim_mesh import cost as _cost
+from ..sim_mesh import grid as _grid
 from ..sim_mesh.mesh import Mesh
 from ..sim_mesh.profiles import DEFAULT_PROFILE, get_profile
 from ..sim_mesh.trace import current_trace
@@ -177,6 +179,37 @@ def step_sent(kind, shape, dtype, mesh, ps, nxt, i) -> int | None:
             return None
         return layout.gather_sent(tuple(shape), mesh, tuple(pieces), i, _elem(dtype))
     return None
+
+
+def step_records(s, shape, dtype, mesh, groups=None) -> list:
+    """The keyword arguments (``groups``, ``sent``) to record plan step ``s`` of a tensor
+    ``shape`` / ``dtype`` with (``collectives.record_collective``), one dict per group
+    where its pieces are uneven: each group's own busiest rank, (p-1) times its largest
+    piece for an all-gather / reduce-scatter (``grid.gather_sent``), its busiest sender's
+    shard less the piece it keeps for an all-to-all (``grid.all_to_all_sent``), as the
+    simulator records the cells of an executed step (``collectives.all_gather``); ``[{}]``
+    (every group at the buffer's ring formula) where even.  ``groups``: those to record
+    (torch.distributed: this process's), default the mesh dim's.  What a gradient's way
+    back records on both executors (``reshard_backward._Way.steps``,
+    ``gather_backward_dist._redistribute``); before (uneven18) its (p-1)/p of the largest
+    buffer: (8, 10) f64 P -> S(1) on 4 ranks 480 B where a rank sends 576 B."""
+    d = s.mesh_dim
+    if step_sent(s.kind, shape, dtype, mesh, s.src, s.dst, d) is None:
+        return [{} if groups is None else {"groups": list(groups)}]
+    e = _elem(dtype)
+    out = []
+    for g in (mesh.groups(d) if groups is None else groups):
+        if len(g) < 2:
+            continue
+        if s.kind == "all_to_all":
+            shapes = [layout.local_shape(shape, mesh, s.src, r) for r in g]
+            sent = _grid.all_to_all_sent(shapes, s.dst[d].dim, len(g), e)
+        else:
+            pieces = s.src if s.kind == "all_gather" else s.dst
+            sent = _grid.gather_sent([math.prod(layout.local_shape(shape, mesh, pieces, r))
+                                      for r in g], e)
+        out.append({"groups": [g], "sent": sent})
+    return out
 
 
 @lru_cache(maxsize=65536)

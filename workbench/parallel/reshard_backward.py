@@ -141,15 +141,17 @@ class _Way:
         tr = current_trace()
         if tr is None or not self.uses:
             return []
-        from .reshard import plan_reshard_cached
+        from .reshard import plan_reshard_cached, step_records
         out = []
         for grad in _merged(self.uses):
             plan = plan_reshard_cached(TensorSpec(self.shape, self.mesh, grad, self.dtype,
                                                   _trusted=True), self.back, tr.profile.name)
             names = self.mesh.dim_names
+            # (uneven pieces: each group's busiest rank, as an executed step's cells)
             out += [(s.kind, self.mesh, s.mesh_dim, s.buffer_bytes,
                      f"{self.label} {s.src[s.mesh_dim]}->{s.dst[s.mesh_dim]} on "
-                     f"{names[s.mesh_dim]}") for s in plan.steps if s.bytes]
+                     f"{names[s.mesh_dim]}", kw) for s in plan.steps if s.bytes
+                    for kw in step_records(s, self.shape, self.dtype, self.mesh)]
         return out
 
 
@@ -333,9 +335,10 @@ def execute_marked(plan, t: DistTensor) -> DistTensor:
         # dispatcher's reader (gather_backward_dist.use_marked; before, tdway17, the
         # slice's own backward: an all-gather where the simulator sends the all-to-all)
         from . import gather_backward_dist, layout
-        if gather_backward_dist.KEY in d and layout.is_even(t.shape, t.mesh, plan.src) and \
-                layout.is_even(t.shape, t.mesh, plan.dst):
-            loc = gather_backward_dist.use_marked(t, plan, (), t.mesh, True, "reshard")
+        if gather_backward_dist.KEY in d:
+            loc = gather_backward_dist.use_marked(
+                t, plan, (), t.mesh, layout.is_even(t.shape, t.mesh, plan.src) and
+                layout.is_even(t.shape, t.mesh, plan.dst), "reshard")
             if loc is not None:
                 return DistTensor(loc, t.mesh, tuple(plan.dst), t.shape, t.dtype, t.names)
     moved = _note_use(t, plan, ()) if KEY in d else None

@@ -37,10 +37,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..sim_mesh.cost import KINDS as _KINDS, compute_time, price, wire_bytes
+from ..sim_mesh.grid import gather_sent as _gather_sent
 from .layer_cost import layer_times as _layer_times
 
 __all__ = ["LayerCost", "layer_cost", "head_cost", "layer_flops", "model_and_hardware_flops",
-           "group_price", "crossing_price", "LAYER_TIME_SOURCE", "LLAMA_LAYER_TIME_SOURCE"]
+           "group_price", "crossing_price", "padded_flat", "LAYER_TIME_SOURCE",
+           "LLAMA_LAYER_TIME_SOURCE"]
 
 LAYER_TIME_SOURCE = "layer_cost.layer_times (op by op; checked against Korthikanti Table 4)"
 LLAMA_LAYER_TIME_SOURCE = ("layer_cost.layer_times with llama_layer's ops (op by op; held to the "
@@ -51,6 +53,35 @@ LLAMA_LAYER_TIME_SOURCE = ("layer_cost.layer_times with llama_layer's ops (op by
 def group_price(kind: str, nbytes: float, ranks: tuple, profile) -> float:
     """``price`` of a collective over ``ranks`` (cached: the planner asks it often)."""
     return price(kind, nbytes, list(ranks), profile)
+
+
+def padded_flat(numel: int, p: int, elem: int, multiple: int | None = None) -> tuple[int, int]:
+    """(elements, bytes the busiest rank sends) of the all-gather or reduce-scatter a
+    framework runs on a flat buffer of ``numel`` elements over ``p`` ranks: the buffer
+    padded to a multiple of ``multiple`` (default ``p``) and cut into p equal pieces, each
+    rank sending p-1 of them (``sim_mesh.grid.gather_sent``, the rule the simulator and
+    torch.distributed record): the planner's twin of that rule, from sizes.  DeepSpeed
+    pads so (v0.3.13, 12a53b4383, ``deepspeed/runtime/zero/partition_parameters.py``
+    ``:466-471`` ``_aligned_size`` / ``_padding_size``: a parameter to a multiple of the
+    world size; ``:596-634`` ``_allgather_param``: ``torch.zeros(aligned_param_size)``
+    gathered as ``world_size`` partitions of ``ds_tensor.numel()``; ``:733-755``
+    ``_reduce_scatter_gradient``: ``world_size`` inputs of that size, the last
+    zero-padded), as this library's flat ZeRO chunks (``strategies.flat_shards.
+    flat_padded``).  A parameter of 10 elements over 4 ranks: 12 elements, 3 x 3 x 2 =
+    18 B of 16-bit values, where (p-1)/p of the 20 B buffer, floored, is 15 B."""
+    if isinstance(numel, bool) or not isinstance(numel, (int, float)) or numel < 0 or \
+            not float(numel).is_integer():
+        raise ValueError(f"padded_flat: numel={numel!r} must be a whole number >= 0 "
+                         "(elements)")
+    numel = int(numel)
+    if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+        raise ValueError(f"padded_flat: p={p!r} must be the number of ranks, an int >= 1")
+    m = p if multiple is None else multiple
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1 or m % p:
+        raise ValueError(f"padded_flat: multiple={multiple!r} must be a positive multiple of "
+                         f"p={p} (the padded buffer is cut into p equal pieces)")
+    padded = -(-numel // m) * m
+    return padded, _gather_sent([padded // p] * p, elem)
 
 
 def crossing_price(nbytes, pairs, profile) -> float:

@@ -208,7 +208,7 @@ trace (:mod:`.zero3_2021_trace`) and the backward's memory (:mod:`.zero3_2021_me
 """
 from __future__ import annotations
 
-from ..sim_mesh.cost import finish_beside, overlap_rate, wire_bytes
+from ..sim_mesh.cost import finish_beside, overlap_rate
 from . import costs as C
 from .zero3_2021_release import (COUNTER_STEP, FRAMEWORK, MAX_LIVE_NUMEL,  # noqa: F401
                                  MAX_REUSE_NUMEL, PERSISTENCE_NUMEL, PREFETCH_NUMEL,
@@ -267,23 +267,25 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
 
     def gather(pid):
         nonlocal t, nccl, gathers, sent, live
-        fill = 2 * size[pid] / mem_bw                 # torch.zeros of the whole parameter
+        # the parameter padded to a multiple of p: the zeros, the p partitions gathered
+        # and copied, what a rank sends (C.padded_flat: DeepSpeed's _aligned_size)
+        buf, out = C.padded_flat(size[pid], p, 2)
+        fill = 2 * buf / mem_bw                       # torch.zeros of the whole parameter
         t = max(t, gpu, nccl) + fill + SYNC_S         # then torch.cuda.synchronize()
-        price = ag_price(size[pid])
-        t, start, nccl = list_collective("all_gather", size[pid], p, price, t, t, nccl,
-                                         mem_bw)
+        price = ag_price(buf)
+        t, start, nccl = list_collective("all_gather", buf, p, price, t, t, nccl, mem_bw)
         work["fill"] += fill
         work["sync"] += SYNC_S
         work["ag_loop"] += p * AG_LOOP_S
         work["record_copy"] += p * RECORD_COPY_S
-        work["chunk_copy"] += 2 * 2 * size[pid] / mem_bw
+        work["chunk_copy"] += 2 * 2 * buf / mem_bw
         work["nccl"] += price
         work["nccl_ag"] += price
         busy.append((start, nccl))
         inflight[pid] = nccl
         live += size[pid]
         gathers += 1
-        sent += wire_bytes("all_gather", 2 * size[pid], p)
+        sent += out
 
     def reduce(numels, ready):
         """reduce_ipg_grads: one list reduce-scatter per parameter of the bucket, after
@@ -295,17 +297,19 @@ def simulate(trace, p: int, ag_price, rs_price, mem_bw: float, rate: float = 1.0
         work["predivide"] += div
         ready = max(ready, t + div)
         for numel in numels:
-            price = rs_price(numel)
-            t, start, nccl = list_collective("reduce_scatter", numel, p, price, t, ready,
+            # p inputs of the padded partition (the last zero-padded: C.padded_flat)
+            buf, out = C.padded_flat(numel, p, 2)
+            price = rs_price(buf)
+            t, start, nccl = list_collective("reduce_scatter", buf, p, price, t, ready,
                                              nccl, mem_bw)
             work["rs_loop"] += p * RS_LOOP_S
             work["record_copy"] += p * RECORD_COPY_S
-            work["chunk_copy"] += 2 * 2 * numel / mem_bw
+            work["chunk_copy"] += 2 * 2 * buf / mem_bw
             work["nccl"] += price
             work["nccl_rs"] += price
             busy.append((start, nccl))
             rs_count += 1
-            sent += wire_bytes("reduce_scatter", 2 * numel, p)
+            sent += out
         rs_end = nccl
 
     held = {pid for e in trace if e.module == "root" for pid, _ in e.params}

@@ -5,7 +5,7 @@ reduction's pre-division (:func:`predivide_seconds`), ``_post_step``'s gather
 (:func:`step_host_seconds`).  "Module docstring" below: :mod:`.zero3_2021`'s."""
 from __future__ import annotations
 
-from ..sim_mesh.cost import wire_bytes
+from .costs import padded_flat
 from .zero3_2021_release import PERSISTENCE_NUMEL, REDUCE_BUCKET_NUMEL
 
 
@@ -122,4 +122,4 @@ def post_step_gather(trace, p: int, ag_price) -> tuple[float, float]:
     chunks = sum(-(-n // -(-n // p)) for n in sizes.values())
     copies = p * RECORD_COPY_S + chunks * REASSEMBLE_S   # issued as NCCL runs, after it
     seconds = SYNC_S + p * NARROW_S + max(copies, ag_price(part * p))
-    return seconds, wire_bytes("all_gather", 2 * part * p, p)
+    return seconds, padded_flat(part * p, p, 2)[1]     # p partitions of part, padded

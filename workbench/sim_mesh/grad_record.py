@@ -41,6 +41,15 @@ def muted(mesh, axis) -> bool:
     return False
 
 
+def _record(steps) -> None:
+    """Each step ``(kind, mesh, axis, buffer bytes, label)``, or with a 6th element, the
+    keyword arguments of :func:`.collectives.record_collective` (``groups``, ``sent``: one
+    group's busiest rank where the pieces are uneven), recorded in order."""
+    from .collectives import record_collective
+    for st in steps:
+        record_collective(*st[:5], **(st[5] if len(st) > 5 else {}))
+
+
 class _BackwardSteps(torch.autograd.Function):
     """Identity whose backward records several collectives, in order (``steps``, or what
     ``steps()`` returns when the gradient passes)."""
@@ -60,10 +69,8 @@ class _BackwardSteps(torch.autograd.Function):
         if recorded_by_b(ctx):
             return None, g               # a split backward's W walking B's graph again
         mark_recorded(ctx)               # (per micro-batch: a way's node is shared)
-        from .collectives import record_collective
         steps = ctx.steps() if callable(ctx.steps) else ctx.steps
-        for kind, mesh, axis, nbytes, label in steps:
-            record_collective(kind, mesh, axis, nbytes, label)
+        _record(steps)
         return None, g
 
 
@@ -83,16 +90,15 @@ class _BackwardStepsCells(torch.autograd.Function):
             return (None,) * (1 + len(gs))
         if not recorded_by_b(ctx):
             mark_recorded(ctx)
-            from .collectives import record_collective
             steps = ctx.steps() if callable(ctx.steps) else ctx.steps
-            for kind, mesh, axis, nbytes, label in steps:
-                record_collective(kind, mesh, axis, nbytes, label)
+            _record(steps)
         return (None,) + gs
 
 
 def on_backward_steps(x, steps):
     """``x`` (a stacked tensor, or the ``Cells`` of uneven shards) through an identity
-    whose backward records ``steps``, each ``(kind, mesh, axis, buffer bytes, label)``, or
+    whose backward records ``steps``, each ``(kind, mesh, axis, buffer bytes, label)`` (and
+    ``record_collective``'s keywords where uneven: :func:`_record`), or
     the steps a callable ``steps`` returns then (what the gradient's users asked for
     meanwhile); ``x`` itself where no gradient passes."""
     if not steps or not torch.is_grad_enabled():

@@ -66,7 +66,8 @@ def overlap(prog, sched, chunks: int = 4):
     # 3. split with the matmul that makes the data
     for uid in [it.uid for it in cur.items if it.kind == "comm" and not it.grad
                 and not it.async_ and it.coll in ("all_reduce", "reduce_scatter")
-                and not it.ranks]:       # (a round trip's recorded event: not split)
+                and not it.ranks and not it.sent]:   # (a round trip's recorded event,
+        #                                          uneven pieces: not split)
         trial = cur.copy()
         items = trial.items
         k = next(i for i, it in enumerate(items) if it.uid == uid)

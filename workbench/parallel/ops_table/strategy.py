@@ -536,7 +536,6 @@ def backward_price(specs, plans, grads, profile: str):
     plan's other dims as above, the way's reductions of a Partial gradient not priced
     (as above).  Priced as a plain input, a slice of it cost an all-gather in backward
     and the chooser gathered the other operand instead (tests/test_reshardbwd.py)."""
-    from ...sim_mesh import cost as _cost
     from .. import layout
     prof = get_profile(profile)
     t, b = 0.0, 0
@@ -559,10 +558,43 @@ def backward_price(specs, plans, grads, profile: str):
             if not nb:
                 nb = math.prod(layout.max_local_shape(spec.shape, spec.mesh, s_.src)) * \
                     spec.dtype.itemsize
-            groups = spec.mesh.groups(s_.mesh_dim)
-            t += max(_cost.price(kind, nb, grp, prof) for grp in groups)
-            b += _cost.wire_bytes(kind, nb, len(groups[0]))
+            t_, b_ = step_price(s_, spec, prof, back=True, nbytes=nb)
+            t += t_
+            b += b_
     return t, b
+
+
+def back_step(s_):
+    """Plan step ``s_``'s backward collective (``BACKWARD_OF``) as a step: from the
+    step's target pieces back to its source's (a local slice's or a reduce-scatter's
+    pieces all-gathered, an all-to-all reversed)."""
+    from dataclasses import replace
+    return replace(s_, kind=BACKWARD_OF[s_.kind], src=s_.dst, dst=s_.src)
+
+
+def step_price(s_, spec, prof, back: bool = False, nbytes=None) -> tuple[float, int]:
+    """(seconds of the slowest group, bytes of the busiest rank) of plan step ``s_`` of a
+    tensor laid out ``spec`` (its shape, mesh, dtype), or with ``back`` of its backward
+    collective (``BACKWARD_OF``: from the step's target pieces back to its source's), on
+    the buffer ``nbytes`` (default the step's): where the pieces are uneven, each group's
+    busiest rank priced as the buffer it sends (``reshard.step_records``, the bytes the
+    run records on either executor; ``cost.sent_buffer``), else the ring formula on the
+    buffer.  The chooser's and ``wb.compile``'s one price of a backward step (was the
+    ring formula everywhere: x (8, 10) f64 S(1) on 4 ranks gathered, read by a
+    column-parallel matmul, its way back priced 480 B where a rank sends 576 B)."""
+    from ...sim_mesh import cost as _cost
+    from ..reshard import step_records
+    st = back_step(s_) if back else s_
+    kind = st.kind
+    nb = s_.buffer_bytes if nbytes is None else nbytes
+    recs = step_records(st, tuple(spec.shape), spec.dtype, spec.mesh)
+    if recs and "sent" in recs[0]:
+        return (max(_cost.price(kind, _cost.sent_buffer(kind, kw["sent"], len(g)), g, prof)
+                    for kw in recs for g in kw["groups"]),
+                max(kw["sent"] for kw in recs))
+    groups = spec.mesh.groups(s_.mesh_dim)
+    return (max(_cost.price(kind, nb, grp, prof) for grp in groups),
+            _cost.wire_bytes(kind, nb, len(groups[0])))
 
 
 _NOT_PRICED_BACK = frozenset({"all_reduce", "reduce_scatter"})   # a Partial's reductions
@@ -573,13 +605,12 @@ def _way_price(spec, plan, way, profile, prof):
     reshard's result with way ``way`` (``reshard_backward.way_key``): the steps
     :func:`way_steps` gives, priced.  ((0, 0, ()) where the input is not laid out as
     marked any more or the op uses the one copy: the ordinary path.)"""
-    from ...sim_mesh import cost as _cost
     steps, moved = way_steps(spec, plan, way, profile)
     t, b = 0.0, 0
-    for s_ in steps:
-        groups = spec.mesh.groups(s_.mesh_dim)
-        t += max(_cost.price(s_.kind, s_.buffer_bytes, grp, prof) for grp in groups)
-        b += _cost.wire_bytes(s_.kind, s_.buffer_bytes, len(groups[0]))
+    for s_ in steps:                  # (the plan's own gradient layout: its steps' spec)
+        t_, b_ = step_price(s_, spec, prof)
+        t += t_
+        b += b_
     return t, b, moved
 
 

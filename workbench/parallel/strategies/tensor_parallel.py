@@ -53,8 +53,11 @@ from ...sim_mesh.grid import Stacked, ops_for
 from ...sim_mesh.trace import current_trace, suspend
 from ..dist_tensor import DistTensor
 from ..ops_table import linear_regather as _regather
+from .. import dist_uneven as _uneven
+from ..layout import is_even as _is_even
 from ..placement import Replicate, Shard
 from ..reshard import reshard
+from ..storage import own_coord
 
 __all__ = ["megatron_f", "megatron_g", "tensor_parallel_region", "sequence_parallel_norms",
            "sequence_parallel_params"]
@@ -89,18 +92,30 @@ def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1,
         x = reshard(x, x.mesh, ps)
     mesh, loc = x.mesh, x._local
     shard = loc
-    if sp and regather and torch.is_grad_enabled() and not _B.is_distributed(mesh) \
-            and ops_for(loc) is not Stacked:
-        raise _uneven_regather(x, tp_axis, seq_dim, origin)
-    if _B.is_distributed(mesh) or ops_for(loc) is not Stacked:     # blocking
-        if sp and _B.is_distributed(mesh):      # S(seq_dim) on tp -> the whole sequence
+    dist = _B.is_distributed(mesh)
+    # uneven sequence shards: cells on the simulator, one process's own on torch.distributed
+    uneven = sp and (not _is_even(x.shape, mesh, x.placements) if dist
+                     else ops_for(loc) is not Stacked)
+    if sp and regather and torch.is_grad_enabled() and uneven:
+        raise _uneven_regather(x, tp_axis, seq_dim, origin)   # (both executors: uneven18)
+    if dist and uneven:
+        # the padded collectives with the layout's sizes, recorded as the simulator's cells
+        # (its busiest rank's bytes, grid.gather_sent; the backward reduce-scatter too):
+        # before (uneven18) _gather_dist_async's even all-gather of unequal pieces, gloo's
+        # "Received data size doesn't match expected size" abort (5 rows on 3 processes)
+        loc = C.all_gather(loc, mesh, tp_axis, seq_dim, expanded=True, label="f: all-gather",
+                           **_uneven.step_kwargs("all_gather", x.shape, x.dtype, mesh,
+                                                 x.placements, _ps_replicated(x, tp_axis),
+                                                 tp_axis, own_coord(mesh)))
+    elif dist or ops_for(loc) is not Stacked:                    # blocking
+        if sp and dist:                         # S(seq_dim) on tp -> the whole sequence
             loc = _gather_dist_async(loc, mesh, tp_axis, seq_dim, "f: all-gather")
             if regather:
                 loc = _regathered(loc, shard, mesh, tp_axis, seq_dim, blocking=True)
         elif sp:
             loc = C.all_gather(loc, mesh, tp_axis, seq_dim, expanded=True,
                                label="f: all-gather")
-        elif _B.is_distributed(mesh):
+        elif dist:
             loc = _expand_dist_async(loc, mesh, tp_axis, "f: grad all-reduce")
         else:
             loc = C.expand_replicas(loc, mesh, [tp_axis], label="f: grad all-reduce")
@@ -117,6 +132,13 @@ def megatron_f(x: DistTensor, tp_axis: int, sp: bool = False, seq_dim: int = 1,
     out = DistTensor(loc, mesh, ps, x.shape, x.dtype)
     out._ring_order = getattr(x, "_ring_order", None)     # x's values: its order (seq_order)
     return out
+
+
+def _ps_replicated(x: DistTensor, tp_axis: int) -> tuple:
+    """``x``'s placements with Replicate on ``tp_axis`` (f's output layout)."""
+    ps = list(x.placements)
+    ps[tp_axis] = Replicate()
+    return tuple(ps)
 
 
 def _uneven_regather(x, tp_axis: int, seq_dim: int, origin: str) -> ValueError:
