@@ -279,15 +279,49 @@ def test_torch_distributed_complex_partials(dist_rows):
 
 # ---- the sweep's programs ------------------------------------------------------------------
 
-def test_complex18_kinds_draw_the_new_ops():
-    """The COMPLEX18 kinds (benchmarks/random_sweep.py --focus COMPLEX18) run the new ops
-    on a complex leaf against one device."""
+def _run(seed, dtypes=None, kinds=None):
+    """``run_program(Random(seed), wide=True)`` as ``benchmarks/random_sweep.py --dtypes
+    ... --focus ...`` draws it (the wide space's first-leaf dtypes and kinds narrowed)."""
     from tests import random_programs_wide as rw
     from tests.random_programs import run_program
-    old_kinds, old_dtypes = rw.WIDE, rw.DTYPES
-    rw.WIDE, rw.DTYPES = rw.COMPLEX18, ((torch.complex128, 1),)
+    old = rw.WIDE, rw.DTYPES
+    rw.WIDE = kinds if kinds is not None else rw.WIDE
+    rw.DTYPES = tuple((d, 1) for d in dtypes) if dtypes is not None else rw.DTYPES
     try:
-        outs = [run_program(random.Random(seed), wide=True) for seed in range(2180000, 2180006)]
+        return run_program(random.Random(seed), wide=True)
     finally:
-        rw.WIDE, rw.DTYPES = old_kinds, old_dtypes
+        rw.WIDE, rw.DTYPES = old
+
+
+INTS = (torch.complex128, torch.complex64, torch.int64, torch.int32, torch.uint8, torch.bool)
+
+
+def test_batch_norm_of_one_value_per_channel_raises_torchs_value_error():
+    """Wide seed 2021354 (--dtypes complex128,complex64,int64,int32,uint8,bool):
+    F.batch_norm(t2, None, None, training=True) of an int64 (1, 1, 1): F.batch_norm checks
+    the batch size first (ValueError 'Expected more than 1 value per channel'); here the
+    kernel's dtype NotImplementedError came first.  torch.batch_norm (no size check) keeps
+    the kernel's error."""
+    import torch.nn.functional as F
+    out = _run(2021354, INTS)
+    assert out.status == "ok", out.detail
+    for x in (torch.zeros(1, 3, 1, dtype=torch.int64), torch.zeros(1, 2)):
+        t = _d(x, ["S(1)", "R"] if x.shape[1] > 2 else ["R", "S(1)"])
+        with pytest.raises(ValueError, match="more than 1 value per channel"):
+            F.batch_norm(x, None, None, training=True)
+        with pytest.raises(ValueError, match="more than 1 value per channel"):
+            F.batch_norm(t, None, None, training=True)
+    i = _d(torch.zeros(1, 3, 1, dtype=torch.int64), ["R", "R"])
+    with pytest.raises(NotImplementedError):
+        torch.batch_norm(i.full(), None, None, None, None, True, 0.1, 1e-5, False)
+    with pytest.raises(NotImplementedError):
+        torch.batch_norm(i, None, None, None, None, True, 0.1, 1e-5, False)
+
+
+def test_complex18_kinds_draw_the_new_ops():
+    """The COMPLEX18 kinds (benchmarks/random_sweep.py --focus COMPLEX18) run the new ops
+    on complex / real / integer leaves against one device."""
+    from tests import random_programs_wide as rw
+    dts = (torch.complex128, torch.complex64, torch.float64, torch.int64)
+    outs = [_run(seed, dts, rw.COMPLEX18) for seed in range(2180000, 2180006)]
     assert [o.status for o in outs] == ["ok"] * 6, [o.detail for o in outs if o.status != "ok"]
