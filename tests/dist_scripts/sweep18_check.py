@@ -96,6 +96,16 @@ def complex_partials(rank, mesh):
         _row(rank, f"complex_{name}", value=_s(full), placements=[str(p) for p in out.placements])
     whole = d.full()
     _row(rank, "complex_whole", value=_s(torch.view_as_real(whole)))
+    # a conjugate view (the lazy bit on the local) gathered, sliced and all-to-all'd: the
+    # collectives read the conjugated values, not the memory behind the bit
+    s = wb.distribute_tensor(whole.detach(), mesh, [wb.Shard(0)])
+    for name, f in {"gather": lambda t: t.conj().full(),
+                    "slice": lambda t: t.redistribute(mesh, [wb.Replicate()]).conj()
+                    .redistribute(mesh, [wb.Shard(1)]).full(),
+                    "all_to_all": lambda t: t.conj().redistribute(mesh, [wb.Shard(1)]).full(),
+                    "imag": lambda t: t.conj().imag.full()}.items():
+        out = f(s).resolve_neg().resolve_conj()
+        _row(rank, f"conj_{name}", value=_s(torch.view_as_real(out) if out.is_complex() else out))
 
 
 def main():

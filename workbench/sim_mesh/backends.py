@@ -214,8 +214,19 @@ def _all_reduce(t, pg, op="sum"):
     return all_reduce_(t.contiguous().clone(), op, pg)
 
 
+def wire(t):
+    """``t`` as the memory a collective sends: torch's lazy conjugate / negative bits
+    resolved (``z.conj()``, ``z.conj().imag`` locals: gloo reads the memory behind the bit,
+    and its complex path's view_as_real refuses a conjugate view, sweep18), contiguous."""
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous()
+
+
 def _all_gather(t, pg, n, dim):
-    t = t.contiguous()
+    t = wire(t)
     out = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
     dist.all_gather_single(out, t.reshape(-1), group=pg)   # all_gather_into_tensor: deprecated
     return torch.cat(list(out.reshape((n,) + tuple(t.shape)).unbind(0)), dim)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .backends import reduce_scatter_single_
+from .backends import reduce_scatter_single_, wire
 
 __all__ = ["all_gather", "reduce_scatter", "all_to_all", "own_piece"]
 
@@ -41,7 +41,7 @@ def own_piece(t, sizes, k, dim):
 def all_gather(t, pg, sizes, dim):
     """Every member's shard along ``dim`` (of lengths ``sizes``), side by side."""
     n, m = len(sizes), max(sizes)
-    p = _pad(t.contiguous(), dim, m).contiguous()
+    p = _pad(wire(t), dim, m).contiguous()       # (a conjugate view resolved)
     out = torch.empty(n * p.numel(), dtype=t.dtype, device=t.device)
     dist.all_gather_single(out, p.reshape(-1), group=pg)
     parts = out.reshape((n,) + tuple(p.shape)).unbind(0)
