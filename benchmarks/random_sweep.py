@@ -2,7 +2,7 @@
 library exception, grouped by kind.
 
     python benchmarks/random_sweep.py [--cases 2000] [--start 0] [--avoid slow_planning] [--wide]
-                                      [--focus NEW15,BLAS,...]
+                                      [--focus NEW15,BLAS,...] [--dtypes complex128,int64]
 
 Program ``i`` is ``tests.random_programs.run_program(random.Random(start + i))``, the
 generator of the property test (tests/test_random_programs.py), here with none of the
@@ -11,7 +11,9 @@ no binary op on 3-d meshes, whose strategy choice plans 125-343 candidates).  ``
 draws ``run_program(..., wide=True)``: tests/random_programs_wide.py's wider space (other
 dtypes, reshards, no_grad / autocast, more ops and backward forms); ``--focus`` (implies
 ``--wide``) draws the wide kinds from the named groups / kinds of that module only
-(``NEW15``, ``BLAS``, ``NN``, ... or single kinds such as ``vdot``).  Outcomes:
+(``NEW15``, ``BLAS``, ``NN``, ``COMPLEX18``, ... or single kinds such as ``vdot``);
+``--dtypes`` (implies ``--wide``) draws the first leaf's dtype from the named ones only.
+Outcomes:
 
 * wrong: the result or a gradient differs from one device, and nothing was raised (or
   torch raised for the call and the DistTensor call returned a result);
@@ -44,9 +46,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--wide", action="store_true", help="the wider space (random_programs_wide)")
     ap.add_argument("--focus", default="", help="comma-separated wide kind groups / kinds")
+    ap.add_argument("--dtypes", default="", help="comma-separated first-leaf dtypes of the "
+                    "wide space, equally likely (e.g. complex128,int64; implies --wide)")
     a = ap.parse_args(argv)
     if a.focus:
         _focus(a.focus.split(","))
+        a.wide = True
+    if a.dtypes:
+        _dtypes(a.dtypes.split(","))
         a.wide = True
     import torch
     torch.set_num_threads(a.threads)
@@ -92,6 +99,20 @@ def _focus(names):
             raise SystemExit(f"--focus {n!r}: not a kind group or kind of "
                              "tests/random_programs_wide.py (e.g. NEW15, BLAS, vdot)")
     rw.WIDE = tuple(kinds)
+
+
+def _dtypes(names):
+    """The wide space's first leaf drawn from ``names`` only (torch dtype names), each as
+    likely (``random_programs_wide.dtype`` reads ``DTYPES`` at each draw)."""
+    import torch
+    from tests import random_programs_wide as rw
+    dts = []
+    for n in names:
+        dt = getattr(torch, n, None)
+        if not isinstance(dt, torch.dtype):
+            raise SystemExit(f"--dtypes {n!r}: not a torch dtype (e.g. complex128, int64)")
+        dts.append((dt, 1))
+    rw.DTYPES = tuple(dts)
 
 
 def _stop(signum, frame):

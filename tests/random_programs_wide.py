@@ -648,6 +648,30 @@ def _new15(p, cur, k):
     return None
 
 
+def _complex18(p, cur, k):
+    rng = p.rng
+    nm, d, r = cur
+    shape, nd = tuple(r.shape), r.dim()
+    if k == "conj":
+        return f"{nm}.conj()", lambda t: t.conj()
+    if k == "real_imag":
+        part = "imag" if r.is_complex() and rng.random() < 0.5 else "real"
+        return f"{nm}.{part}", lambda t: getattr(t, part)
+    if k == "conj_physical":
+        return f"torch.conj_physical({nm})", lambda t: torch.conj_physical(t)
+    if k == "angle":
+        return f"torch.angle({nm})", lambda t: torch.angle(t)
+    if k == "resolve":
+        return f"{nm}.conj().resolve_conj() * 1", lambda t: t.conj().resolve_conj() * 1
+    if k == "cumsum_int" and nd:
+        dim = rng.randrange(-nd, nd)
+        dt = rng.choice([torch.int64, torch.int32])
+        return f"{nm}.cumsum({dim}, dtype={dt})", lambda t: t.cumsum(dim, dtype=dt)
+    if k == "adjoint" and nd >= 2:
+        return f"{nm}.mH", lambda t: t.mH
+    return None
+
+
 PROGRAM = ("redistribute", "redistribute2", "reshard_mesh", "from_local", "no_grad",
            "detach_mix", "nograd_leaf_inplace", "autocast")
 BLAS = ("addmm", "baddbmm", "addbmm", "addmv", "addr", "addcdiv", "addcmul", "mv", "dot",
@@ -663,6 +687,11 @@ NEW15 = ("convolution", "gcd_lcm", "igamma", "ldexp", "logaddexp", "nextafter", 
          "multinomial", "renorm", "unfold", "xlog1py", "zeta", "pairwise_distance", "vdot",
          "norm", "index_put", "foreach2")
 WIDE = PROGRAM + BLAS + SHAPES + STATS + LOSSES + NN + NEW15
+# sweep18: the complex views and ops (conj's lazy bit, real / imag written in place through
+# the harness's in-place kinds) and integer scans of floats; drawn only with
+# ``benchmarks/random_sweep.py --focus COMPLEX18`` (not in WIDE: the pinned wide seeds of
+# tests/test_sweep*.py keep the programs they were found with)
+COMPLEX18 = ("conj", "real_imag", "conj_physical", "angle", "resolve", "cumsum_int", "adjoint")
 # the wide space before NEW15: tests/compile_probe.py draws from it, so that the probe's
 # pinned seeds (test_compile12 / 14 / 15) keep the programs they were found with
 WIDE14 = PROGRAM + BLAS + SHAPES + STATS + LOSSES + NN
@@ -671,7 +700,7 @@ WIDE14 = PROGRAM + BLAS + SHAPES + STATS + LOSSES + NN
 def build(p, cur, k):
     """``(text, f)`` for wide kind ``k`` on ``cur``, or None (the kind does not fit)."""
     for kinds, b in ((PROGRAM, _program), (BLAS, _blas), (SHAPES, _shapes), (STATS, _stats),
-                     (LOSSES, _losses), (NN, _nn), (NEW15, _new15)):
+                     (LOSSES, _losses), (NN, _nn), (NEW15, _new15), (COMPLEX18, _complex18)):
         if k in kinds:
             return b(p, cur, k)
     return None

@@ -186,7 +186,8 @@ TWO_PROC = ["zero_grads_check.py", "wrappers_check.py", "replicas_check.py", "ha
             "-m workbench train --backend torch --preset tiny --seed 0 --steps 2 --dp 2 --zero 3",
             "-m workbench train --backend torch --preset tiny --seed 0 --steps 2 --dp 2 --zero 2",
             "pipeline_clip_eval_check.py {dir}", "optim8_check.py", "loss8_check.py",
-            "sweep17_extreme_check.py", "fsdpdata17_check.py", "fsdpdata18_check.py"]
+            "sweep17_extreme_check.py", "fsdpdata17_check.py", "fsdpdata18_check.py",
+            "sweep18_check.py"]
 # (fixlist2_check and review_revI_check end in os._exit: they keep their own launches,
 # as test_distributed_engine's wrong process count and test_dist_faults' faults do)
 # 2-process checks of a read one process makes alone, which waits init()'s timeout_s=5

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from ..sim_mesh import backends as _B
 from ..sim_mesh import collectives as C
@@ -82,7 +81,7 @@ def _dist_norm_power(g: DistTensor, p: float) -> torch.Tensor:
             C.record_collective("all_reduce", mesh, a, 4, "clip_grad norm",
                                 groups=[_B.group(mesh, a)[1]])
             x = x.clone()
-            dist.all_reduce(x, op=_B._OPS[op], group=_B.group(mesh, a)[0])
+            _B.all_reduce_(x, op, _B.group(mesh, a)[0])    # NaN kept by max (sweep18)
         return x
     # simulated ranks: one rank per distinct shard (coordinate 0 along replicated dims)
     for a in sharded:

@@ -208,6 +208,10 @@ _FACTS = {
     "is_floating_point": lambda self: self.dtype.is_floating_point,
     "is_complex": lambda self: self.dtype.is_complex,
     "is_signed": lambda self: self.dtype.is_signed,
+    # torch's lazy conjugate / negative bits (ops_table/complex.py: z.conj() sets it on
+    # every rank's local alike)
+    "is_conj": lambda self: storage.tensors(self._local)[0].is_conj(),
+    "is_neg": lambda self: storage.tensors(self._local)[0].is_neg(),
     "element_size": lambda self: torch.empty((), dtype=self.dtype).element_size(),
     "nelement": lambda self: self.numel(),
     "ndimension": lambda self: self.ndim,

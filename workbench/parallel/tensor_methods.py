@@ -118,6 +118,12 @@ def install(cls):
                                            None))
     cls.mT = property(lambda self: dispatch(T.transpose, (self, -2, -1), None))
     cls.H = property(lambda self: _adjoint(self, "H"))
+    # torch's ``z.real`` / ``z.imag``: views (ops_table/complex.py); ``z.real = v`` writes v
+    # into them, as torch's setter copies into its view
+    cls.real = property(lambda self: dispatch(torch.real, (self,), None),
+                        lambda self, v: _write_part(self, "real", v))
+    cls.imag = property(lambda self: dispatch(torch.imag, (self,), None),
+                        lambda self, v: _write_part(self, "imag", v))
     cls.mH = property(lambda self: _adjoint(self, "mH"))
 
 
@@ -130,3 +136,8 @@ def _adjoint(d, name):
     getattr(torch.empty(tuple(d.shape), dtype=d.dtype, device="meta"), name)
     out = d if d.ndim == 0 else d.transpose(-2, -1)
     return out.conj() if d.dtype.is_complex else out
+
+
+def _write_part(d, name, value):
+    """``d.real = value`` / ``d.imag = value``: torch's setter, ``copy_`` into the view."""
+    getattr(d, name).copy_(value)

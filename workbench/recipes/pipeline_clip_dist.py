@@ -39,8 +39,6 @@ from .pipeline_clip import clip_coef, model_parallel_grid
 
 __all__ = ["clip_norm_dist", "clip_value_dist", "model_parallel_mesh"]
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
 
 def model_parallel_mesh(meshes) -> Mesh:
     """The (dp, mp) mesh over every stage's ranks: row d holds the ranks at dp coordinate
@@ -129,10 +127,10 @@ def clip_norm_dist(h, optimizers, max_norm: float, p: float, error_if_nonfinite:
     if h.zero:      # ZeRO: each dp rank holds its own chunk; the parts of every rank
         record_collective("all_reduce", mp, None, 4, label="clip_grad norm over dp x tp x pp",
                           groups=[mp.ranks])
-        dist.all_reduce(x, op=_OPS[op])
+        _B.all_reduce_(x, op)           # max / min keep a NaN, as one device (sweep18)
     else:           # the dp ranks hold the same sums: the model-parallel group's
         record_collective("all_reduce", mp, 1, 4, label="clip_grad norm over tp x pp")
-        dist.all_reduce(x, op=_OPS[op], group=_B.group(mp, 1)[0])
+        _B.all_reduce_(x, op, _B.group(mp, 1)[0])
     total = x if op != "sum" else x.pow(1.0 / p)
     # in the gradients' dtype, as torch's total: stage 0's first gradient's (the
     # simulated total's), sent to every rank so that all return the same

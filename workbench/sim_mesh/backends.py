@@ -38,7 +38,7 @@ import torch.distributed as dist
 from . import peers
 
 __all__ = ["init", "MAX_TIMEOUT_S", "mesh", "is_distributed", "rank", "world_size", "shutdown",
-           "group", "broadcast_"]
+           "group", "broadcast_", "all_reduce_", "reduce_scatter_single_"]
 
 _GROUPS: dict = {}          # (mesh, axis, ranks) -> ProcessGroup
 _MESHES: set = set()
@@ -176,23 +176,57 @@ _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp
         "min": dist.ReduceOp.MIN}
 
 
-def _all_reduce(t, pg, op="sum"):
-    t = t.contiguous().clone()
+def _extreme(op, t) -> bool:
+    return op in ("max", "min") and t.is_floating_point()
+
+
+def all_reduce_(t, op: str = "sum", group=None):
+    """In place: ``dist.all_reduce(t)`` by ``op`` ("sum", "avg": summed here, "max",
+    "min") over ``group`` (None: every process).  A floating max / min propagates NaN, as
+    torch's amax / amin and the simulator (grid.reduce) do: gloo's MAX / MIN drop a NaN
+    (max(NaN, 0) gave 0 under torchrun, tests/test_sweep17.py), so the ranks' NaN
+    positions are reduced beside the values (a second all-reduce, of the same size).
+    Every caller of a MAX / MIN all-reduce of floats goes through here (sweep18)."""
     nan = None
-    if op in ("max", "min") and t.is_floating_point():
-        # gloo's MAX / MIN drop a NaN (max(NaN, 0) gave 0, measured under torchrun,
-        # tests/test_sweep17.py); torch's max / amax propagate it, and so does the
-        # simulator (grid.reduce): the ranks' NaN positions reduced beside the values
+    if _extreme(op, t):
         nan = t.isnan().to(t.dtype)
-        dist.all_reduce(nan, op=dist.ReduceOp.MAX, group=pg)
-    dist.all_reduce(t, op=_OPS[op], group=pg)
+        dist.all_reduce(nan, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(t, op=_OPS[op], group=group)
     if nan is not None:
-        t = torch.where(nan > 0, nan.new_full((), float("nan")), t)
+        t.masked_fill_(nan > 0, float("nan"))
     return t
 
 
+def reduce_scatter_single_(out, flat, op: str = "sum", group=None):
+    """``dist.reduce_scatter_single(out, flat)`` by ``op``, NaN propagating for a floating
+    max / min as :func:`all_reduce_` (gloo's MAX / MIN dropped it: a P(max) with a NaN part
+    reduce-scattered to S(d) lost it, tests/test_sweep18.py)."""
+    dist.reduce_scatter_single(out, flat, op=_OPS[op], group=group)
+    if _extreme(op, flat):
+        nan = torch.empty_like(out)
+        dist.reduce_scatter_single(nan, flat.isnan().to(flat.dtype), op=dist.ReduceOp.MAX,
+                                   group=group)
+        out.masked_fill_(nan > 0, float("nan"))
+    return out
+
+
+def _all_reduce(t, pg, op="sum"):
+    return all_reduce_(t.contiguous().clone(), op, pg)
+
+
+def wire(t):
+    """``t`` as the memory a collective sends: torch's lazy conjugate / negative bits
+    resolved (``z.conj()``, ``z.conj().imag`` locals: gloo reads the memory behind the bit,
+    and its complex path's view_as_real refuses a conjugate view, sweep18), contiguous."""
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous()
+
+
 def _all_gather(t, pg, n, dim):
-    t = t.contiguous()
+    t = wire(t)
     out = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
     dist.all_gather_single(out, t.reshape(-1), group=pg)   # all_gather_into_tensor: deprecated
     return torch.cat(list(out.reshape((n,) + tuple(t.shape)).unbind(0)), dim)
@@ -201,7 +235,7 @@ def _all_gather(t, pg, n, dim):
 def _reduce_scatter(t, pg, n, dim, op="sum"):
     pieces = torch.stack([c.contiguous() for c in t.chunk(n, dim)])      # (n, *chunk)
     out = torch.empty(pieces[0].numel(), dtype=t.dtype, device=t.device)
-    dist.reduce_scatter_single(out, pieces.reshape(-1), op=_OPS[op], group=pg)  # not _tensor
+    reduce_scatter_single_(out, pieces.reshape(-1), op, pg)     # (_single, not _tensor)
     return out.reshape(pieces.shape[1:])
 
 

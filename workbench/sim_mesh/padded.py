@@ -20,11 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .backends import reduce_scatter_single_, wire
+
 __all__ = ["all_gather", "reduce_scatter", "all_to_all", "own_piece"]
-
-_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-        "min": dist.ReduceOp.MIN}
-
 
 def _pad(t, dim, size):
     """``t`` zero-padded at the end of ``dim`` to length ``size`` (DTensor's pad_tensor)."""
@@ -43,7 +41,7 @@ def own_piece(t, sizes, k, dim):
 def all_gather(t, pg, sizes, dim):
     """Every member's shard along ``dim`` (of lengths ``sizes``), side by side."""
     n, m = len(sizes), max(sizes)
-    p = _pad(t.contiguous(), dim, m).contiguous()
+    p = _pad(wire(t), dim, m).contiguous()       # (a conjugate view resolved)
     out = torch.empty(n * p.numel(), dtype=t.dtype, device=t.device)
     dist.all_gather_single(out, p.reshape(-1), group=pg)
     parts = out.reshape((n,) + tuple(p.shape)).unbind(0)
@@ -55,7 +53,7 @@ def reduce_scatter(t, pg, sizes, dim, op="sum"):
     m = max(sizes)
     pieces = torch.stack([_pad(c, dim, m).contiguous() for c in t.split(list(sizes), dim)])
     out = torch.empty(pieces[0].numel(), dtype=t.dtype, device=t.device)
-    dist.reduce_scatter_single(out, pieces.reshape(-1), op=_OPS[op], group=pg)
+    reduce_scatter_single_(out, pieces.reshape(-1), op, pg)     # NaN kept by max / min
     k = dist.get_group_rank(pg, dist.get_rank())
     return out.reshape(pieces.shape[1:]).narrow(dim, 0, sizes[k])
 

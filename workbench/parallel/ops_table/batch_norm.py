@@ -195,10 +195,15 @@ def _batch_norm_local(nd, ctx, x, rm=None, rv=None, w=None, b=None, *, training,
 # ---- parsing, cost, registration ----------------------------------------------------------
 
 def _parse(input, running_mean=None, running_var=None, weight=None, bias=None,
-           training=False, momentum=0.1, eps=1e-5):
+           training=False, momentum=0.1, eps=1e-5, _functional=True):
     if momentum is None:
         raise TypeError("batch_norm: momentum=None; give a number (nn.BatchNorm computes "
                         "the cumulative factor itself)")
+    if _functional and training and hasattr(input, "shape"):
+        # F.batch_norm checks the batch size before the kernel's dtype check (its
+        # ValueError for one value per channel; wide seed 2021354: an int64 (1, 1, 1)
+        # raised the dtype's NotImplementedError here); torch.batch_norm does not
+        F._verify_batch_size(torch.Size(input.shape))
     dt = getattr(input, "dtype", None)
     if dt is not None and not dt.is_floating_point:
         # torch's kernel: NotImplementedError (the meta check's eager re-run on expanded
@@ -216,7 +221,8 @@ def _parse(input, running_mean=None, running_var=None, weight=None, bias=None,
 
 def _torch_parse(input, weight, bias, running_mean, running_var, training, momentum, eps,
                  cudnn_enabled=True):
-    return _parse(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    return _parse(input, running_mean, running_var, weight, bias, training, momentum, eps,
+                  _functional=False)
 
 
 def channel_norm_cost(per_element: int):

@@ -204,7 +204,8 @@ def logsumexp(input, dim, keepdim=False):
         return out if keepdim else out.squeeze(dims)
     # a complex input: the max of its real parts (torch's logsumexp_out_impl; a complex
     # input came back float32 here, sweep11)
-    re = torch.view_as_real(input).select(-1, 0) if input.dtype.is_complex else input
+    # (input.real: view_as_real refuses a conjugate view, logsumexp(z.conj()) does not)
+    re = input.real if input.dtype.is_complex else input
     m = torch.amax(re, dims, keepdim=True).detach()
     m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=m.dtype))
     out = torch.log(torch.exp(input - m).sum(dims, keepdim=True)) + m
@@ -235,10 +236,9 @@ def vdot(input, other):
     sigma, ``vdot(u, W @ v)``: habits12, was NoRuleError on a tensor-parallel W)."""
     torch.vdot(torch.empty(tuple(input.shape), dtype=input.dtype, device="meta"),
                torch.empty(tuple(other.shape), dtype=other.dtype, device="meta"))  # its checks
-    conj = input
-    if input.dtype.is_complex:     # conj(): not in the table; from view_as_real / complex
-        re = torch.view_as_real(input)   # (a complex vdot raised NoRuleError, sweep15)
-        conj = torch.complex(re.select(-1, 0), -re.select(-1, 1))
+    # conj (complex.py, sweep18; sweep15 had built it from view_as_real, which refuses an
+    # input that is itself a conjugate view, vdot(z.conj(), w), where torch computes)
+    conj = input.conj() if input.dtype.is_complex else input
     return _dot_sum(torch.vdot, input, other, conj * other)
 
 

@@ -219,9 +219,13 @@ for _n, _fs in (("softmax", (torch.softmax, T.softmax, F.softmax)),
 
 # ---- cumsum --------------------------------------------------------------------------
 
-def cumsum_rule(x, dim, **_):
-    """cumsum(dim): dim whole (a scan crosses shards); other dims pass; linear."""
-    return combine(x.mesh.ndim, [along_dim_options(x, dim, linear=True)] * x.mesh.ndim, 1)
+def cumsum_rule(x, dim, dtype=None, **_):
+    """cumsum(dim): dim whole (a scan crosses shards); other dims pass; linear, but for
+    ``dtype=`` an integer of a float / complex: each element is truncated before the scan
+    (as sum's :func:`_truncates`), so a Partial is reduced first (was: P(sum) passed, each
+    part truncated apart, 1-3 off one device's cumsum: tests/test_sweep18.py)."""
+    linear = not _truncates(x.dtype, dtype)
+    return combine(x.mesh.ndim, [along_dim_options(x, dim, linear=linear)] * x.mesh.ndim, 1)
 
 
 def _cumsum_parse(x, dim, *, dtype=None):

@@ -130,6 +130,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...sim_mesh import backends as _B
 from .. import step_clock
 from ..dist_tensor import DistTensor
 from ..load_back import mark
@@ -315,12 +316,19 @@ class DistributedDataParallel(Reducer, ModuleWrapper):
             sync_rows(self.module.named_parameters())
         for name, p in self.module.named_parameters():
             if g.distributed:
-                hi, lo = p.detach().clone(), p.detach().clone()
-                dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=g.pg)
-                dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=g.pg)
-                same = torch.equal(hi, lo)
+                # NaN where every rank holds NaN is the same value; NaN on some ranks only
+                # is not (gloo's MAX / MIN dropped a NaN, so a copy that turned NaN on one
+                # rank passed, and equal NaN copies failed torch.equal: sweep18): the NaN
+                # positions compared apart, the values with NaN read as 0
+                nan = p.detach().isnan()
+                hi = torch.where(nan, 0, p.detach()).to(p.dtype)
+                lo = hi.clone()
+                hn, ln = nan.to(torch.uint8), nan.to(torch.uint8)
+                for t, op in ((hi, "max"), (lo, "min"), (hn, "max"), (ln, "min")):
+                    _B.all_reduce_(t, op, g.pg)
+                same = torch.equal(hi, lo) and torch.equal(hn, ln)
             else:
-                same = bool((p == p[:1]).all())
+                same = bool(((p == p[:1]) | p.isnan() & p[:1].isnan()).all())
             if not same:
                 raise RuntimeError(f"DistributedDataParallel: the replicas of {name!r} differ "
                                    "between ranks; did something update one rank's copy "

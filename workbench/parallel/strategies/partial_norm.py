@@ -8,6 +8,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from ...sim_mesh.backends import all_reduce_
+
 
 def _plain(func, args, kwargs):
     with torch._C.DisableTorchFunctionSubclass():
@@ -72,13 +74,13 @@ def _reduce(x, ord_, pg):
         x = x.detach().reshape(-1)
         if ord_ == math.inf:
             v = x.amax() if x.numel() else torch.tensor(0.0)
-            for g in _groups(pg):
-                dist.all_reduce(v, op=dist.ReduceOp.MAX, group=g)
+            for g in _groups(pg):       # NaN kept, as torch's max of the norms (sweep18)
+                all_reduce_(v, "max", g)
             return v
         if ord_ == -math.inf:
             v = x.amin() if x.numel() else torch.tensor(math.inf)
             for g in _groups(pg):
-                dist.all_reduce(v, op=dist.ReduceOp.MIN, group=g)
+                all_reduce_(v, "min", g)
             return v
         v = x.sum() if ord_ == 0 else x.pow(ord_).sum()
         for g in _groups(pg):        # the groups of each dim in turn: the whole mesh's sum
@@ -94,8 +96,7 @@ def _full(x):
         v = x.detach().clone()
         if ord_ in (math.inf, -math.inf):
             for g in _groups(pg):
-                dist.all_reduce(v, op=dist.ReduceOp.MAX if ord_ > 0 else dist.ReduceOp.MIN,
-                                group=g)
+                all_reduce_(v, "max" if ord_ > 0 else "min", g)
             return v
         if ord_ != 0:
             v = v.pow(ord_)
