@@ -118,6 +118,8 @@ SAMPLES = {      # op name -> (function, inputs): floating inputs are laid out e
                     [torch.randn(4, 3, 3, 4), torch.randn(4, 6, 2)]),
     "attach_aux_loss": (lambda y, a: wb.ops.attach_aux_loss(y, a, 0.5), [X, torch.randn(4)]),
 }
+from workbench.parallel.ops_table.pointwise import reduced_copy  # noqa: E402
+
 SAMPLES.update(TABLE_SAMPLES)      # flip, sort, prod, exp2... (tests/test_distops_more.py)
 SAMPLES.update(DATADEP_SAMPLES)    # masked_select, unique... (tests/test_distops_datadep.py)
 SAMPLES.update(CONV_SAMPLES)       # conv, pooling, batch/group norm (tests/test_distops_conv.py)
@@ -129,6 +131,7 @@ SAMPLES["searchsorted"] = (lambda s, v: torch.searchsorted(s, v),
                            [torch.sort(torch.randn(8, generator=torch.Generator()
                                                    .manual_seed(5))).values, X])
 SAMPLES["detach"] = (torch.detach, [X])                                     # fixlist4
+SAMPLES["reduced_copy"] = (reduced_copy, [X])    # a composite's reduction, captured (compile18)
 SAMPLES["nanmedian"] = (lambda x: tuple(torch.nanmedian(x, 1)), [X])        # fixlist6
 SAMPLES["nanmedian_all"] = (torch.nanmedian, [X])
 SAMPLES["kthvalue_rows"] = (lambda x: tuple(torch.kthvalue(x, 2, 1)), [X])     # sweep11b

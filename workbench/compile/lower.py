@@ -54,6 +54,8 @@ class Reshard:
     #                           and back (mesh_trips.py); ``plan``: its way there
     marks: bool = False      # a program's t.redistribute: its copy gets eager's way back
     #                          (a round trip's copy: marked by eager's own reshard calls)
+    inside: bool = False     # run by the dispatcher inside the op, as eager's call lays
+    #                          it out (made_partial_inside): the run hands the op its input
 
     def __str__(self):
         colls = ", ".join(f"{s.kind} on {s.mesh_dim_name}" if s.mesh_dim_name else s.kind
@@ -106,7 +108,8 @@ def lower(graph, assignment) -> list:
             v = graph.values[vid]
             spec = TensorSpec(v.shape, mesh, src, v.dtype, _trusted=True)
             prog.append(Reshard(vid, src, tuple(req),
-                                plan_reshard_cached(spec, tuple(req), prof), f"input of {n.name}"))
+                                plan_reshard_cached(spec, tuple(req), prof), f"input of {n.name}",
+                                inside=made_partial_inside(n, src, req)))
         prog.append(Run(n.nid, st))
         for vid, ps in zip(n.outs, st.outputs):
             cur[vid] = tuple(ps)
@@ -121,6 +124,22 @@ def lower(graph, assignment) -> list:
                                     via is None and program_pin(graph, mesh, vid, pins[vid])))
                 cur[vid] = pins[vid]
     return prog
+
+
+def made_partial_inside(n, src, req) -> bool:
+    """An input of a product (mul, div, a matmul-class op) that the op's strategy takes as a
+    partial sum (or average) where it is not one yet (a linear's replicated bias, or its
+    replicated x, made P(sum) on one rank: ``R -> P(sum)``, no collective): its reshard
+    stays in the program (printed, priced) but the run hands the op the input as it is,
+    laid out by the dispatcher inside the op, as eager's call does it.
+    Laid out before, it reached the dispatcher partial, which then read the factors for
+    inf (``dispatch._unsafe_factor``) and all-reduced it where eager's call, handed the
+    replicated value, never does (a row-parallel linear whose weight holds inf: O0 one
+    all-reduce, eager none; compile18)."""
+    if src is None or not (n.op in ("mul", "div") or TABLE[n.op].op_class == "matmul"):
+        return False
+    return any(q.is_partial() and q.reduce_op in ("sum", "avg") and not p.is_partial()
+               for p, q in zip(src, req))
 
 
 def _pick(node, strategy):
@@ -165,6 +184,11 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
     ``graph.stats_layers`` names for it (``MoE.record_stats``: its ``last_stats``)."""
     layers = iter(graph.stats_layers)
     avail = {}                       # vid -> {placements: tensor}
+    # a plain 0-d floating CPU tensor, handed to mul / div as it is: the dispatcher reads
+    # it as a number (dispatch._unsafe_scale: a nan reduces a partial sum first), as
+    # eager's call, where a replicated copy is a factor it reads only for inf (compile18)
+    numbers = {vid: x for vid, x in bindings.items() if type(x) is torch.Tensor and
+               x.dim() == 0 and x.device.type == "cpu" and x.dtype.is_floating_point}
     for vid, x in bindings.items():
         if not isinstance(x, DistTensor):     # a plain tensor: replicated, as the
             x = as_dist(x, mesh)              # dispatcher takes it (gradients flow back)
@@ -172,6 +196,8 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
     cur = {vid: next(iter(d)) for vid, d in avail.items()}
     gathered = {}                    # (vid, src, dst) -> (source tensor, its marked copy)
     for ins in prog:
+        if isinstance(ins, Reshard) and ins.inside:
+            continue        # (the op's dispatcher lays it out: made_partial_inside)
         if isinstance(ins, Reshard):
             have = avail[ins.vid]
             src = have.get(ins.src)
@@ -250,6 +276,8 @@ def execute_program(graph, prog, mesh, bindings, grad_buckets=None):
         def arg(r):
             # a value used twice by one op may be wanted in two layouts (matmul(x, x) as
             # Shard x Replicate): each use takes the next layout its value is wanted in
+            if r.vid in numbers and n.op in ("mul", "div"):
+                return numbers[r.vid]
             have = avail[r.vid]
             reqs = want.get(r.vid)
             ps = (reqs.pop(0) if len(reqs) > 1 else reqs[0]) if reqs else None

@@ -61,7 +61,11 @@ def mesh_trips(graph, mesh) -> dict:
                                "other than the program's, and the tensor is not moved "
                                "straight back to it (an op on it, another reader, a "
                                "reshard to its own or a third mesh, or returned): the graph "
-                               "holds one mesh; the program runs eagerly", where=where)
+                               "holds one mesh (its search, lowering and step place and "
+                               "price every value there); the program runs eagerly.  To "
+                               "compile the work there, compile it as a program of its own "
+                               "(wb.compile(g, t_there)) and call that from this function",
+                               where=where)
         trips[rd[0].outs[0]] = (m, ps)
     for vid in away:
         del pins[vid]

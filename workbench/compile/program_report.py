@@ -15,37 +15,83 @@ class _Reading:
         """What the step cannot know: each op that reads a partial sum (Partial sum / avg)
         beside a factor, where the dispatcher reduces the partial sum first when a factor
         holds inf, a divisor 0, or (mul / div of a floating partial sum) a factor 0 or a
-        divisor inf, decided from the values at run time (``dispatch._unsafe_factor``):
-        then the run makes one all-reduce per such input that :meth:`step` does not hold,
-        and the op runs as eager's from there (``lower.execute_program``).  [] where no op
-        does (or the program runs eagerly)."""
+        divisor inf, decided from the values at run time (``dispatch._unsafe_factor``),
+        and a plain 0-d tensor read as a number (``dispatch._unsafe_scale``: inf or nan, a
+        divisor 0, a factor 0 beside a floating partial sum): then the run makes one
+        all-reduce per such input that :meth:`step` does not hold, and the op runs as
+        eager's from there (``lower.execute_program``).  A Python number of the graph is
+        no such item: it is known when the program is compiled, and the plan reduces the
+        partial sum first where the dispatcher will (``int_partials.scaled_first``); a
+        divisor that is such a number reads nothing.  [] where no op does (or the program
+        runs eagerly)."""
         if self.eager:
             return []
+        from ..parallel.dist_tensor import DistTensor
         from ..parallel.ops_table.table import TABLE
         from .lower import Run
+        g = self.graph
+        ins_ps = getattr(self, "_placements", {})
+
+        def plain_number(vid):
+            """A plain 0-d floating tensor (the dispatcher reads it as a number)."""
+            v = g.values[vid]
+            return len(v.shape) == 0 and v.dtype.is_floating_point and \
+                not isinstance(ins_ps.get(vid), tuple) and \
+                not isinstance(g.consts.get(vid), DistTensor)
+
+        def summing(ps):
+            return any(p.is_partial() and p.reduce_op in ("sum", "avg") for p in ps)
+        # the layouts each value has had so far: an input the op takes as a partial sum that
+        # no layout of it was is made partial by the dispatcher inside the op, after its
+        # reads (lower.made_partial_inside, the program's Reshard.inside): no partial sum
+        # reaches them (a row-parallel linear's replicated bias)
+        have = {v.vid: {tuple(self.assignment.placements[v.vid])} for v in g.values
+                if v.kind != "op" and v.vid in self.assignment.placements}
         out = []
         for ins in self.program:
+            if isinstance(ins, Reshard):
+                if not ins.inside:
+                    have.setdefault(ins.vid, set()).update((tuple(ins.src), tuple(ins.dst)))
+                continue
             if not isinstance(ins, Run):
                 continue
-            n = self.graph.nodes[ins.nid]
+            n = g.nodes[ins.nid]
+            for vid, ps in zip(n.outs, ins.strategy.outputs):
+                have.setdefault(vid, set()).add(tuple(ps))
             if n.op not in ("mul", "div") and TABLE[n.op].op_class != "matmul":
                 continue
             summed = [vid for vid, req in zip(n.inputs, ins.strategy.inputs)
-                      if vid is not None and req is not None and
-                      any(p.is_partial() and p.reduce_op in ("sum", "avg") for p in req)]
+                      if vid is not None and req is not None and summing(req) and
+                      any(summing(ps) for ps in have.get(vid, {tuple(req)}))]
             if not summed:
                 continue
-            dts = [self.graph.values[v].dtype for v in summed]
+            consts = n.in_consts or (None,) * len(n.inputs)
+            numbers = [k for k, (vid, c) in enumerate(zip(n.inputs, consts))
+                       if vid is None and c is not None]
+            if n.op == "div" and 1 in numbers:
+                continue        # a number of the graph divides: decided when compiled
+            dts = [g.values[v].dtype for v in summed]
             # signed zeros: a floating partial sum of mul / div (dispatch._unsafe_factor)
             signed = n.op in ("mul", "div") and any(d.is_floating_point or d.is_complex
                                                     for d in dts)
-            when = ("a divisor holds 0" + (" or inf" if signed else "") if n.op == "div"
-                    else "a factor holds " + ("0 or inf" if signed else "inf"))
+            others = [vid for vid in n.inputs if vid is not None and vid not in summed]
+            if n.op == "mul" and numbers and not others:
+                when = "a part of the partial sum holds inf"        # x * 2.0: its parts
+                how = "dispatch._unsafe_factor"
+            else:
+                when = ("a divisor holds 0" + (" or inf" if signed else "") if n.op == "div"
+                        else "a factor holds " + ("0 or inf" if signed else "inf"))
+                how = "dispatch._unsafe_factor"
+                read = [vid for vid in others if plain_number(vid)]
+                if n.op in ("mul", "div") and read:
+                    when += (", or the 0-d tensor " + ", ".join(f"%{v}" for v in read) +
+                             " read as a number is inf or nan")
+                    how = "dispatch._unsafe_factor / _unsafe_scale"
             reads = ", ".join(f"%{v}:{fmt_placements(req)}" for v, req in
                               zip(n.inputs, ins.strategy.inputs) if v in summed)
             out.append(f"data-dependent: {n.name} ({n.op}) reads the partial sum {reads}: "
                        f"where {when} at run time the dispatcher reduces it first "
-                       "(dispatch._unsafe_factor), an all-reduce the step does not model; "
+                       f"({how}), an all-reduce the step does not model; "
                        "modeled as not reduced")
         return out
 

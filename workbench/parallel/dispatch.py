@@ -490,22 +490,31 @@ def _unsafe_scale(name, inputs) -> bool:
     a floating partial sum times 0 (each part becomes a zero of its own sign, and +0 + -0
     is +0 where one device's v * 0 is -0 for v < 0: digamma / reciprocal / atan2 of it
     then differ, sweep wide seed 2005232)."""
-    floating = None
+    floating = []
     for k, x in enumerate(inputs):
         if type(x) is torch.Tensor and x.dim() == 0 and x.device.type == "cpu" and \
                 x.dtype.is_floating_point:
             x = float(x)                # a 0-d tensor on the CPU is read (no device sync)
-        if isinstance(x, float) and not math.isfinite(x):
+        if unsafe_number(name, k, x, floating, inputs):
             return True
-        if isinstance(x, (int, float)) and x == 0:
-            if name == "div" and k == 1:
-                return True
-            if name == "mul":
-                if floating is None:
-                    floating = any(_summed(y) and (y.dtype.is_floating_point or
-                                                   y.dtype.is_complex) for y in inputs)
-                if floating:
-                    return True
+    return False
+
+
+def unsafe_number(name, k, x, floating, inputs=None) -> bool:
+    """Whether number ``x``, input ``k`` of mul / div, makes :func:`_unsafe_scale` reduce
+    the partial sum first.  ``floating``: [] (asked of ``inputs`` when needed, then kept)
+    or [bool]: a floating partial sum among the inputs (a compiled program's plan asks it
+    of the placements it chose: ``compile/int_partials.reduced_first``)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return True
+    if isinstance(x, (int, float)) and x == 0:
+        if name == "div" and k == 1:
+            return True
+        if name == "mul":
+            if not floating:
+                floating.append(any(_summed(y) and (y.dtype.is_floating_point or
+                                                    y.dtype.is_complex) for y in inputs))
+            return floating[0]
     return False
 
 

@@ -43,8 +43,8 @@ from .strategy import Strategy, combine
 from .table import TABLE, register
 
 __all__ = ["pointwise_options", "reduced_in_place", "pointwise_rule", "add_rule", "mul_rule",
-           "copy_rule", "div_rule", "nonlinear_rule", "monotone_rule", "with_deferred",
-           "pointwise_local"]
+           "copy_rule", "linear_rule", "div_rule", "nonlinear_rule", "monotone_rule",
+           "with_deferred", "pointwise_local"]
 
 T = torch.Tensor
 R = Replicate()
@@ -234,7 +234,22 @@ def pointwise_rule(partial_inputs="none", monotone=False, rounds=False):
 
 add_rule = pointwise_rule("all", rounds=True)
 mul_rule = pointwise_rule("one", rounds=True)
-copy_rule = pointwise_rule("one")        # neg, a copy, detach: exact, P(sum) passes any dtype
+linear_rule = pointwise_rule("one")      # neg: exact, P(sum) passes any dtype (not P(max/min))
+
+
+def copy_rule(*specs, **attrs):
+    """A copy (clone, contiguous, detach, positive): the values as they are, so every
+    placement passes, each Partial as it is (a copy of each part is a part of the copy:
+    P(max) / P(min) / P(avg) too), as DTensor's ``propagate_single_input_strategy`` for
+    aten.clone / contiguous / detach (pytorch v2.13.0
+    torch/distributed/tensor/_ops/_tensor_ops.py:50-101).  Before, a P(min) clone was
+    reduce-scattered in eager and all-reduced at O1, a P(min) detach kept in eager and
+    reduce-scattered compiled (compile18)."""
+    opts = pointwise_options(specs, "one", monotone=True)
+    opts = opts + [((Partial("avg"),), (Partial("avg"),), "a copy: P(avg) as it is")]
+    return combine(specs[0].mesh.ndim, [opts] * specs[0].mesh.ndim, len(specs))
+
+
 nonlinear_rule = pointwise_rule("none")
 monotone_rule = pointwise_rule("none", monotone=True)
 _div_first = pointwise_rule("first", rounds=True)
@@ -376,7 +391,7 @@ UNARY = {
     "sqrt": ((torch.sqrt, T.sqrt), 1, nonlinear_rule, POS),
     "rsqrt": ((torch.rsqrt, T.rsqrt), 1, nonlinear_rule, POS),
     "abs": ((torch.abs, T.abs, T.__abs__), 1, nonlinear_rule, X),
-    "neg": ((torch.neg, T.neg, T.__neg__), 1, copy_rule,                       # linear
+    "neg": ((torch.neg, T.neg, T.__neg__), 1, linear_rule,                     # linear
             lambda g: [(g.rn(5, 6),), (g.ints(7, 2),)]),
     "square": ((torch.square, T.square), 1, nonlinear_rule, X),
     "sin": ((torch.sin, T.sin), 1, nonlinear_rule, X),
@@ -437,6 +452,30 @@ def _as_it_is(x, **_):
 register("kept_copy", [kept_copy], parse=_parse, rule=_as_it_is, local=_local(torch.clone),
          cost=costs.view, op_class="view",
          sample=lambda g: [Sample(kept_copy, (g.rn(5, 6),))])
+
+
+# reduced_copy: a composite's own ``reshard`` of its partial value to Replicate (vector_norm's
+# power sum before the root, F.normalize's input: ops_table/vector_norm._reduced), as a
+# compiled program records it: capture's stand-ins are plain meta tensors with no
+# placements, so the reshard itself cannot run there (it was a no-op, and O0 kept the power
+# sum partial through ``where`` and all-reduced it again before sqrt: wide probe seeds 308,
+# 325, compile18).  Its one candidate reads the input with every Partial mesh dim
+# Replicate (the others as they are), so the program reshards it there, as eager's call.
+def reduced_copy(input):
+    """The values of ``input``, a new tensor (the table's callable for a captured
+    ``_reduced``; its layout is the input's with the partial mesh dims reduced)."""
+    return input.clone()
+
+
+def _partials_replicated(x, **_):
+    return combine(x.mesh.ndim, [[((q,), (q,), "partial reduced first, as eager's reshard")]
+                                 for q in (R if p.is_partial() else p for p in x.placements)],
+                   1)
+
+
+register("reduced_copy", [reduced_copy], parse=_parse, rule=_partials_replicated,
+         local=_local(torch.clone), cost=costs.view, op_class="view",
+         sample=lambda g: [Sample(reduced_copy, (g.rn(5, 6),))])
 
 
 def _detach_as_method(args, kwargs):

@@ -42,8 +42,15 @@ _LOW = (torch.float16, torch.bfloat16)
 
 
 def _reduced(s):
-    """``s`` with its Partial mesh dims reduced (one all-reduce, traced)."""
+    """``s`` with its Partial mesh dims reduced (one all-reduce, traced).  Under
+    ``wb.compile``'s capture ``s`` is a meta stand-in with no placements: recorded as a
+    ``reduced_copy`` (pointwise.py), which the program reshards as this call does."""
     ps = getattr(s, "placements", None)
+    if ps is None and isinstance(s, torch.Tensor) and s.is_meta and \
+            torch._C._is_torch_function_mode_enabled():
+        from torch.overrides import handle_torch_function
+        from .pointwise import reduced_copy
+        return handle_torch_function(reduced_copy, (s,), s)     # (the tracer records it)
     if ps is None or not any(p.is_partial() for p in ps):
         return s
     from ..placement import Replicate
