@@ -132,6 +132,20 @@ SAMPLES["searchsorted"] = (lambda s, v: torch.searchsorted(s, v),
                                                    .manual_seed(5))).values, X])
 SAMPLES["detach"] = (torch.detach, [X])                                     # fixlist4
 SAMPLES["reduced_copy"] = (reduced_copy, [X])    # a composite's reduction, captured (compile18)
+# complex ops (sweep18, ops_table/complex.py): a complex value made of two laid-out real
+# inputs (as test_distops_more's view_as_real / complex samples), a real result compared
+_Y2 = Y.flip(1)
+for _name, _fn in (
+        ("conj", lambda a, b: torch.view_as_real(torch.complex(a, b).conj().resolve_conj())),
+        ("conj_physical",
+         lambda a, b: torch.view_as_real(torch.conj_physical(torch.complex(a, b)))),
+        ("resolve_conj",
+         lambda a, b: torch.view_as_real(torch.complex(a, b).conj().resolve_conj())),
+        ("resolve_neg", lambda a, b: torch.complex(a, b).conj().imag.resolve_neg()),
+        ("real", lambda a, b: torch.complex(a, b).real * 1),
+        ("imag", lambda a, b: torch.complex(a, b).imag * 1),
+        ("angle", lambda a, b: torch.angle(torch.complex(a, b)))):
+    SAMPLES[_name] = (_fn, [X, _Y2])
 SAMPLES["nanmedian"] = (lambda x: tuple(torch.nanmedian(x, 1)), [X])        # fixlist6
 SAMPLES["nanmedian_all"] = (torch.nanmedian, [X])
 SAMPLES["kthvalue_rows"] = (lambda x: tuple(torch.kthvalue(x, 2, 1)), [X])     # sweep11b
