@@ -50,6 +50,7 @@ def cold():
     FC._TEMPLATES.clear()
     ST._DEFERRED.clear()
     getattr(ST, "_COMBINED", {}).clear()         # (combine's strategies, task speed18b)
+    getattr(ST, "_PRICES", {}).clear()           # (each input's price, task speed18b)
 
 
 def layouts(shapes):

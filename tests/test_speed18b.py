@@ -166,3 +166,26 @@ def test_shortcut_skips_only_searches_whose_plan_has_a_collective(mesh_shape):
                 searched += 1
     # most moves skip the search; some that do search are free, some are not
     assert skipped > searched > 0
+
+
+def test_input_price_memo_gives_a_fresh_prices_answer():
+    from workbench.parallel.reshard import plan_reshard_cached
+    prof = ST._profile_name()
+    spec = TensorSpec((5, 6), MESH, (S(0), P()))
+    ST._PRICES.clear()
+    a = ST.input_price(spec, (R, S(1)), prof)
+    p = plan_reshard_cached(spec, (R, S(1)), prof)
+    assert a == (p, p.total_time, p.total_bytes, ()) and p.total_bytes > 0
+    # an equal spec built again: the memo's answer; a list of placements: not memoized,
+    # the same answer
+    assert ST.input_price(TensorSpec((5, 6), MESH, (S(0), P())), (R, S(1)), prof) is a
+    assert ST.input_price(spec, [R, S(1)], prof) == a and len(ST._PRICES) == 1
+    # float64: another key, twice the bytes
+    d = ST.input_price(TensorSpec((5, 6), MESH, (S(0), P()), torch.float64), (R, S(1)), prof)
+    assert d[2] == 2 * a[2] and len(ST._PRICES) == 2
+    # a zero-pad (S -> P(sum)) carries its deferred reduce-scatter's price
+    z = ST.input_price(spec, (P(), P()), prof)
+    pz = plan_reshard_cached(spec, (P(), P()), prof)
+    pads = [s_ for s_ in pz.steps if s_.kind == "local_pad"]
+    assert pads and z[3] == tuple(ST.deferred_price(MESH, s_.mesh_dim, s_.buffer_bytes, prof)
+                                  for s_ in pads)

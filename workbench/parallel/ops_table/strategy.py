@@ -463,9 +463,8 @@ def _infer_cached(op, specs, frozen_attrs, profile, grads=()) -> Decision:
                          f"{[fmt_placements(s.placements) if s is not None else '-' for s in specs]}")
     cands = []
     ways = any(type(g) is tuple for g in grads)
-    memo: dict = {}         # (input, required placements) -> its price, for this call
     for order, st in (ranked if ranked is not None else distinct(specs, strategies)):
-        plans, t, b, dt, db = _strategy_cost(specs, st, profile, memo)
+        plans, t, b, dt, db = strategy_cost(specs, st, profile)
         bt, bb = backward_price(specs, plans, grads, profile) if grads else (0.0, 0)
         # (where a reshard's result is read (its way back priced), a tie over forward and
         # backward goes to the cheaper forward, DTensor's ranking: a slice of the gathered
@@ -514,36 +513,12 @@ def strategy_cost(specs, st: Strategy, profile: str):
     strategy ``st`` requires.  Zero-padding a shard into a partial sum moves nothing now,
     but the padded partial must be reduced later: it is ranked as the reduce-scatter it
     defers (the deferred part), so a free-looking detour does not win by accident."""
-    return _strategy_cost(specs, st, profile, None)
-
-
-def _input_price(spec, req, profile: str) -> tuple:
-    """(plan, its time, its bytes, ((time, bytes) of each zero-pad's deferred
-    reduce-scatter, ...)) of bringing one input ``spec`` to ``req``."""
-    from ..reshard import plan_reshard_cached
-    p = plan_reshard_cached(spec, req, profile)
-    pads = tuple(deferred_price(spec.mesh, s_.mesh_dim, s_.buffer_bytes, profile)
-                 for s_ in p.steps if s_.kind == "local_pad")
-    return p, p.total_time, p.total_bytes, pads
-
-
-def _strategy_cost(specs, st: Strategy, profile: str, memo):
-    """:func:`strategy_cost`; ``memo``: a dict of each (input index, required placements)'s
-    :func:`_input_price` for these specs and profile (one decision's candidates ask for the
-    same few moves again and again: linear's 49 on a 2 x 2 mesh, ~10 moves per input), or
-    None.  The sums are the same additions in the same order either way."""
     plans, t, b, dt, db = [], 0.0, 0, 0.0, 0
-    for k, (spec, req) in enumerate(zip(specs, st.inputs)):
+    for spec, req in zip(specs, st.inputs):
         if spec is None or req is None:
             plans.append(None)
             continue
-        if memo is None:
-            got = _input_price(spec, req, profile)
-        else:
-            got = memo.get((k, req))
-            if got is None:
-                got = memo[(k, req)] = _input_price(spec, req, profile)
-        p, pt, pb, pads = got
+        p, pt, pb, pads = input_price(spec, req, profile)
         plans.append(p)
         t += pt
         b += pb
@@ -556,6 +531,38 @@ def _strategy_cost(specs, st: Strategy, profile: str, memo):
         dt += t_
         db += b_
     return plans, t, b, dt, db
+
+
+_PRICES: dict = {}      # (spec, required placements, profile name) -> input_price's
+
+
+def input_price(spec, req, profile: str) -> tuple:
+    """(plan, its time, its bytes, ((time, bytes) of each zero-pad's deferred
+    reduce-scatter, ...)) of bringing one input ``spec`` to ``req``: what
+    :func:`strategy_cost` adds up, the same additions in the same order.  Memoized on
+    (spec (by value, as the planner's cache keys it), req, profile name) (bounded; the
+    built-in profiles by name do not change, as ``deferred_price`` and the planner's
+    cache assume), the answer immutable (a frozen Plan, tuples): one decision's
+    candidates ask for the same few moves again and again (linear's 49 on a 2 x 2 mesh,
+    ~48 moves), and another layout of the other inputs asks again for this one's (task
+    speed18b).  Placements given as lists, or a Profile object: not memoized."""
+    key = (spec, req, profile)
+    try:
+        hit = _PRICES.get(key) if type(profile) is str else None
+    except TypeError:           # an unhashable req
+        key = None
+        hit = None
+    if hit is None:
+        from ..reshard import plan_reshard_cached
+        p = plan_reshard_cached(spec, req, profile)
+        pads = tuple(deferred_price(spec.mesh, s_.mesh_dim, s_.buffer_bytes, profile)
+                     for s_ in p.steps if s_.kind == "local_pad")
+        hit = (p, p.total_time, p.total_bytes, pads)
+        if key is not None and type(profile) is str:
+            if len(_PRICES) > 65536:
+                _PRICES.clear()
+            _PRICES[key] = hit
+    return hit
 
 
 # The collective a forward reshard step's gradient passes through (sim_mesh/collectives.py
