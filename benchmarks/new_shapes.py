@@ -58,6 +58,8 @@ def cold():
     RS._plan_cached.cache_clear()
     RS._PLANS.clear()
     FC._TEMPLATES.clear()
+    ST._COMBINED.clear()        # combine's strategies, each input's price (task speed18b)
+    ST._PRICES.clear()
 
 
 @contextlib.contextmanager

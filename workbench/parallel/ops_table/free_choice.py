@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 
 from ...sim_mesh import cost as _cost
+from ..placement import Replicate
 from . import strategy as _st
 from .table import on_change
 
@@ -149,22 +150,29 @@ def _free(key):
         return None
     strategies = _st.call_rule(rule, specs, dict(frozen))
     _st.hand_off(op, specs, frozen, rule, strategies)   # the full decision's, if it follows
-    seen = set()
-    for st in strategies:
-        k = (st.inputs, st.outputs)
-        if k in seen or not _st._bool_ok(specs, st):
+    # (the strategies as strategy.distinct walks them, handed to the full decision once
+    # all are walked; each input's move classified once per call: task speed18b)
+    ranked, seen, moves = [], set(), {}
+    bools = _st._dtype_checked(specs)
+    for order, st in enumerate(strategies):
+        n = len(seen)
+        seen.add((st.inputs, st.outputs))
+        if len(seen) == n or bools and not _st._bool_ok(specs, st):
             continue
-        seen.add(k)
+        ranked.append((order, st))
         plans = []
         for k, (spec, req) in enumerate(zip(specs, st.inputs)):
             if spec is None or req is None:
                 plans.append(None)
                 continue
-            steps = _steps(spec, tuple(req), profile)
+            req = tuple(req)
+            steps = moves.get((k, req), False)
+            if steps is False:
+                steps = moves[(k, req)] = _steps(spec, req, profile)
             if steps is None or grads and grads[k] and \
                     any(s_.kind in _st.BACKWARD_PRICED for s_ in steps):
                 break
-            plans.append(_plan(spec, tuple(req), steps, profile))
+            plans.append(_plan(spec, req, steps, profile))
         else:
             dt, db = _deferred(mesh, st, profile)
             if dt == 0 and db == 0:
@@ -172,6 +180,7 @@ def _free(key):
             if dt < 0 or db < 0:
                 return None
             continue
+    _st.hand_off(op, specs, frozen, rule, strategies, ranked)
     return None
 
 
@@ -186,13 +195,29 @@ def _steps(spec, dst: tuple, profile: str):
         return _TEMPLATES[key]
     except KeyError:
         pass
-    from ..reshard import plan_reshard_cached
-    steps = plan_reshard_cached(spec, dst, profile).steps
-    free = steps if all(s.kind in _LOCAL_FREE for s in steps) else None
+    if _needs_collective(src, dst, spec.mesh.shape):
+        free = None
+    else:
+        from ..reshard import plan_reshard_cached
+        steps = plan_reshard_cached(spec, dst, profile).steps
+        free = steps if all(s.kind in _LOCAL_FREE for s in steps) else None
     if len(_TEMPLATES) > 16384:
         _TEMPLATES.clear()
     _TEMPLATES[key] = free
     return free
+
+
+def _needs_collective(src: tuple, dst: tuple, mesh_shape: tuple) -> bool:
+    """No path of local steps leads from ``src`` to ``dst``, by the planner's moves
+    (``reshard_search._moves``): on a mesh dim of more than one rank the free ones turn
+    Replicate into Shard (a local slice) or Partial (kept on one rank), and nothing else
+    (a relabel is on a dim of one rank only); so a dim not Replicate in ``src`` that
+    differs in ``dst`` stays a difference every local step leaves.  Then every plan has
+    a step that is not free, and :func:`_steps` is None without the planner's search:
+    the dry run of a 16-rank cp x tp x dp layout searched ~480 plans for the shortcut,
+    ~90% of its CPU, nearly all of moves it then refused (task speed18b)."""
+    return any(a != b and n > 1 and not isinstance(a, Replicate)
+               for a, b, n in zip(src, dst, mesh_shape))
 
 
 def _plan(spec, dst, steps, profile):

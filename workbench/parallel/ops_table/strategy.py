@@ -155,7 +155,31 @@ def combine(mesh_ndim: int, per_dim: Sequence[Sequence[tuple]], n_inputs: int,
 
     ``per_dim[i]`` lists options for mesh dim i, each
     ``(input placements (one per input, None for non-tensors), output placements
-    (one per output), note)``."""
+    (one per output), note)``.
+
+    The strategies depend on nothing but the arguments' values, and are frozen: they are
+    built once per distinct argument values (:data:`_COMBINED`) and each call gets a new
+    list of them (a rule may extend or filter its list).  Building them was ~40% of a
+    first call of linear on a 2 x 2 mesh (49 strategies, ~0.7 ms; task speed18b); the
+    key's hash reads every option (placements compare by value)."""
+    try:
+        key = (mesh_ndim, tuple(map(tuple, per_dim)), n_inputs, n_outputs, limit)
+        hit = _COMBINED.get(key)
+    except TypeError:           # an option holding a list: built every time
+        key = hit = None
+    if hit is None:
+        hit = tuple(_combine(mesh_ndim, per_dim, n_inputs, n_outputs, limit))
+        if key is not None:
+            if len(_COMBINED) > 4096:
+                _COMBINED.clear()
+            _COMBINED[key] = hit
+    return list(hit)
+
+
+_COMBINED: dict = {}    # combine's arguments -> its strategies (a tuple of frozen ones)
+
+
+def _combine(mesh_ndim, per_dim, n_inputs, n_outputs, limit) -> list[Strategy]:
     out = []
     sizes = [len(o) for o in per_dim]
     if math.prod(sizes) > limit:
@@ -399,9 +423,27 @@ def call_rule(rule, specs, attrs) -> list:
     return list(rule(*specs, **attrs))
 
 
-def hand_off(op, specs, frozen_attrs, rule, strategies) -> None:
+def hand_off(op, specs, frozen_attrs, rule, strategies, distinct=None) -> None:
+    """``distinct``: :func:`distinct` of ``strategies``, where the caller walked them all."""
     if all(_thaw(v) is v for _, v in frozen_attrs):
-        _HANDOFF[0] = (op, specs, frozen_attrs, rule, strategies)
+        _HANDOFF[0] = (op, specs, frozen_attrs, rule, strategies, distinct)
+
+
+def distinct(specs, strategies) -> list:
+    """(the rule's order, strategy) of each strategy the chooser ranks: the first of each
+    (inputs, outputs), where :func:`_bool_ok` allows it.  (Each key is hashed once: a
+    strategy met again is skipped, and :func:`_bool_ok` reads nothing but the specs and
+    the key's inputs, so adding the key before it is read skips the same strategies;
+    :func:`_bool_ok` runs only where it can refuse one: task speed18b.)"""
+    out, seen = [], set()
+    bools = _dtype_checked(specs)
+    for order, st in enumerate(strategies):
+        n = len(seen)
+        seen.add((st.inputs, st.outputs))
+        if len(seen) == n or bools and not _bool_ok(specs, st):
+            continue
+        out.append((order, st))
+    return out
 
 
 @lru_cache(maxsize=8192)
@@ -409,22 +451,19 @@ def _infer_cached(op, specs, frozen_attrs, profile, grads=()) -> Decision:
     rule = get_rule(op)
     attrs = {k: _thaw(v) for k, v in frozen_attrs}
     handed, _HANDOFF[0] = _HANDOFF[0], None
+    ranked = None
     if handed is not None and handed[0] == op and handed[1] is specs and \
             handed[2] is frozen_attrs and handed[3] is rule:
         strategies = handed[4]     # free_choice's call of the rule, on the same arguments
+        ranked = handed[5]         # and its walk of them, where it walked them all
     else:
         strategies = call_rule(rule, specs, attrs)
     if not strategies:
         raise ValueError(f"{op}: the rule found no valid placement for inputs "
                          f"{[fmt_placements(s.placements) if s is not None else '-' for s in specs]}")
     cands = []
-    seen = set()
     ways = any(type(g) is tuple for g in grads)
-    for order, st in enumerate(strategies):
-        key = (st.inputs, st.outputs)
-        if key in seen or not _bool_ok(specs, st):
-            continue
-        seen.add(key)
+    for order, st in (ranked if ranked is not None else distinct(specs, strategies)):
         plans, t, b, dt, db = strategy_cost(specs, st, profile)
         bt, bb = backward_price(specs, plans, grads, profile) if grads else (0.0, 0)
         # (where a reshard's result is read (its way back priced), a tie over forward and
@@ -463,32 +502,67 @@ def _bool_ok(specs, st) -> bool:
     return True
 
 
+def _dtype_checked(specs) -> bool:
+    """Whether :func:`_bool_ok` can refuse a strategy for these specs: some input is not
+    a real floating-point tensor (for those it refuses nothing)."""
+    return any(s is not None and not s.dtype.is_floating_point for s in specs)
+
+
 def strategy_cost(specs, st: Strategy, profile: str):
     """(plans, time, bytes, deferred time, deferred bytes) of bringing ``specs`` to what
     strategy ``st`` requires.  Zero-padding a shard into a partial sum moves nothing now,
     but the padded partial must be reduced later: it is ranked as the reduce-scatter it
     defers (the deferred part), so a free-looking detour does not win by accident."""
-    from ..reshard import plan_reshard_cached
     plans, t, b, dt, db = [], 0.0, 0, 0.0, 0
     for spec, req in zip(specs, st.inputs):
         if spec is None or req is None:
             plans.append(None)
             continue
-        p = plan_reshard_cached(spec, req, profile)
+        p, pt, pb, pads = input_price(spec, req, profile)
         plans.append(p)
-        t += p.total_time
-        b += p.total_bytes
-        for s_ in p.steps:
-            if s_.kind == "local_pad":
-                t_, b_ = deferred_price(spec.mesh, s_.mesh_dim, s_.buffer_bytes, profile)
-                dt += t_
-                db += b_
+        t += pt
+        b += pb
+        for t_, b_ in pads:
+            dt += t_
+            db += b_
     mesh = next(s for s in specs if s is not None).mesh
     for i, nb in getattr(st, "deferred", ()):
         t_, b_ = deferred_price(mesh, i, nb, profile)
         dt += t_
         db += b_
     return plans, t, b, dt, db
+
+
+_PRICES: dict = {}      # (spec, required placements, profile name) -> input_price's
+
+
+def input_price(spec, req, profile: str) -> tuple:
+    """(plan, its time, its bytes, ((time, bytes) of each zero-pad's deferred
+    reduce-scatter, ...)) of bringing one input ``spec`` to ``req``: what
+    :func:`strategy_cost` adds up, the same additions in the same order.  Memoized on
+    (spec (by value, as the planner's cache keys it), req, profile name) (bounded; the
+    built-in profiles by name do not change, as ``deferred_price`` and the planner's
+    cache assume), the answer immutable (a frozen Plan, tuples): one decision's
+    candidates ask for the same few moves again and again (linear's 49 on a 2 x 2 mesh,
+    ~48 moves), and another layout of the other inputs asks again for this one's (task
+    speed18b).  Placements given as lists, or a Profile object: not memoized."""
+    key = (spec, req, profile)
+    try:
+        hit = _PRICES.get(key) if type(profile) is str else None
+    except TypeError:           # an unhashable req
+        key = None
+        hit = None
+    if hit is None:
+        from ..reshard import plan_reshard_cached
+        p = plan_reshard_cached(spec, req, profile)
+        pads = tuple(deferred_price(spec.mesh, s_.mesh_dim, s_.buffer_bytes, profile)
+                     for s_ in p.steps if s_.kind == "local_pad")
+        hit = (p, p.total_time, p.total_bytes, pads)
+        if key is not None and type(profile) is str:
+            if len(_PRICES) > 65536:
+                _PRICES.clear()
+            _PRICES[key] = hit
+    return hit
 
 
 # The collective a forward reshard step's gradient passes through (sim_mesh/collectives.py
