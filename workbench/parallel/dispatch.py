@@ -421,6 +421,7 @@ def dispatch(func, args, kwargs):
             else:
                 break
         else:
+            guard = None
             if grads is not None:
                 plans, expand = prep.cand.plans, prep.expand
                 memos = prep.memos or (None,) * len(expand)
@@ -431,6 +432,10 @@ def dispatch(func, args, kwargs):
                     if loc is None:
                         loc = _rb.local_for_op(x, plans[k], mesh, True, expand[k], label)
                     locs[k] = loc
+                    _versions.moved(x._local, loc)     # (read by the kernel: inplace18)
+                    if guard is None:
+                        guard = []
+                    guard.append((x, loc))
             if moved is not None:
                 plans, expand = prep.cand.plans, prep.expand
                 memos = prep.memos or (None,) * len(expand)
@@ -442,12 +447,19 @@ def dispatch(func, args, kwargs):
                                                  memos[k])
                     if derived is not None and loc is not x._local:
                         derived.append((x._local, loc))
+                        _versions.moved(x._local, loc)
+                        if guard is None:
+                            guard = []
+                        guard.append((x, loc))
             else:
                 derived = None
             o = entry.local(prep.nd, prep.ctx, *locs, **attrs)
             if derived:
                 for src, loc in derived:               # as run_prepared: after the op,
                     _versions.derive(src, loc, o)      # whose node holds the copies' handles
+            if guard:
+                for x, loc in guard:                   # (x.detach_() later: inplace18)
+                    _versions.guard_detach(o, (func, args, kwargs), x, x._local)
             if prep.keep:
                 # run_prepared's keep: even shards, stacked, on simulated ranks
                 if type(o) is torch.Tensor and not VALIDATE[-1]:
@@ -468,7 +480,7 @@ def dispatch(func, args, kwargs):
                 if view_needs_track(func) or getattr(inputs[0], "_gstride", None) is not None:
                     track_strides(func, args, kwargs, w)      # torch's view strides (below)
             return w
-    out = run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
+    out = run_prepared(entry, prep, inputs, specs, attrs, mesh, tr, (func, args, kwargs))
     # the global strides, where the outputs' shards cannot tell them (or an input's were
     # kept: its shards may tell others): torch's, from meta tensors (strides.track)
     # a view's too: torch's strides of ``expand`` (0), a slice's step, ``diagonal``, which
@@ -860,7 +872,7 @@ class _Moved(tuple):
     __slots__ = ()
 
 
-def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
+def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False, call=None):
     dec = prep.dec
     cand = prep.cand or dec.chosen
     for x in inputs:               # positions read in ring order: refused (seq_order.py)
@@ -888,7 +900,9 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
                 locs.append(loc)
                 continue
         else:
-            locs.append(_moved_input(x, plan, axes, mesh, even, label, memo))
+            locs.append(loc := _moved_input(x, plan, axes, mesh, even, label, memo))
+            if torch.is_grad_enabled() and loc is not x._local:
+                _versions.moved(x._local, loc)     # (read by the kernel: inplace18)
             continue
         locs.append(_rb.local_for_op(t, plan, mesh, even, axes, label))
     out_shapes = prep.out_shapes
@@ -917,6 +931,9 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
         for x, loc in zip(inputs, locs):
             if type(x) is DistTensor and loc is not x._local:
                 _versions.derive(x._local, loc, out)
+                # a later x.detach_(): raised where one device's op saves x (inplace18;
+                # ``call``: dispatch's func, args, kwargs)
+                _versions.guard_detach(out, call, x, x._local)
     many = opdef.multi or opdef.n_out > 1
     outs = out if many else (out,)
     if tr is False:                # (dispatch passes the trace it read)

@@ -526,9 +526,15 @@ def _detach_(x: DistTensor) -> DistTensor:
     if x._view is not None:
         raise RuntimeError(_VIEW_DETACH)
 
+    from . import versions
+
     def det(t):
-        if t.grad_fn is not None and not t._is_view():
-            return t.detach_()
+        if t.grad_fn is not None:
+            # the copies an op read of t, and t itself where it is a view (replaced by a
+            # new tensor below): what an op saved of them raises as torch's (inplace18)
+            versions.detached(t)
+            if not t._is_view():
+                return t.detach_()
         return t.detach()
     x._local = storage.map_tensors(x._local, det)
     return x

@@ -35,7 +35,8 @@ import torch
 
 from . import storage
 
-__all__ = ["bump", "derive", "unversioned", "explained", "saved_check", "data_of"]
+__all__ = ["bump", "derive", "unversioned", "explained", "saved_check", "data_of", "detached",
+           "detach_check", "guard_detach", "moved", "source_of"]
 
 _WRITES: dict = {}      # (node name, output nr, local shape) -> "y.add_() on R[4, 4]"
 _KEEP = 256             # the most recent writes remembered for the message
@@ -156,6 +157,184 @@ def _forget(k):
 
 
 _DERIVED: dict = {}     # id(local tensor) -> (weakref to it, [weakrefs to copies' handles])
+
+
+# ---- detach_() -----------------------------------------------------------------------
+
+DETACHED_SAVED = ("Trying to use a saved tensor that has been detached in-place, i.e. with "
+                  ".detach_().This is not supported, please use out-of-place `.detach()` "
+                  "instead")     # torch/csrc/autograd/saved_variable.cpp, SavedVariable::unpack
+
+_TOKENS: dict = {}      # id(an operand watched by detach_check) -> (weakref to it, [set
+#                         by detached()])
+
+
+def _token(t):
+    k = id(t)
+    got = _TOKENS.get(k)
+    if got is None or got[0]() is not t:
+        got = _TOKENS[k] = (weakref.ref(t, lambda _: _TOKENS.pop(k, None)), [False])
+    return got[1]
+
+
+def detached(t) -> None:
+    """``t`` (a DistTensor's local tensor with history) is being detached in place
+    (``inplace._detach_``).  On one device an op that saved the tensor itself as an input
+    then raises torch's "Trying to use a saved tensor that has been detached in-place" at
+    backward (SavedVariable::unpack finds no grad_fn); one that saved a view of it, or its
+    own output (``exp``), does not.  Here an op may have saved a copy the dispatcher moved
+    (an all-reduced / gathered operand) or a view its kernel made, which keep their
+    history: backward answered where torch raises (inplace17's 12 strict xfails, e.g.
+    ``a = x.sigmoid(); z = a * x; a.detach_()`` over P(max)).  Sets ``t``'s token, which
+    the checks that :func:`detach_check` and :func:`guard_detach` made read at backward
+    (also where ``t`` is a view, which ``inplace._detach_`` replaces by a new tensor)."""
+    tok = _TOKENS.get(id(t))
+    if tok is not None and tok[0]() is t:
+        tok[1][0] = True
+
+
+def _detached_error(where: str) -> RuntimeError:
+    return RuntimeError(
+        f"{DETACHED_SAVED}\nOn DistTensors: {where} saved this tensor for backward (torch "
+        "raises the same on one device). Fix: use out-of-place x = x.detach() instead of "
+        "x.detach_()")
+
+
+def detach_check(ts):
+    """A check of ``ts`` (an op's local operands, each with history) for the op's
+    backward, for a kernel that saved a view of an operand where one device saves the
+    operand itself (``torch.matmul`` of stacked operands: expand and reshape views where
+    one device's ``mm`` saves the matrix): after ``a.detach_()`` torch raises at backward,
+    the view kept its history and answered.  Raises torch's RuntimeError where an operand
+    was detached in place since (:func:`detached`).
+    A copy the dispatcher moved (:func:`moved`) is checked by its source.  Each operand
+    is watched through a token :func:`detached` sets (the operand itself may be gone by
+    backward, where the kernel kept only a view of a copy: torch's saved variable would
+    have kept it)."""
+
+    # a copy the dispatcher moved (:func:`moved`): its source is the tensor detached
+    kept = [_token(s if s is not None and s.grad_fn is not None else t)
+            for t, s in ((t, source_of(t)) for t in ts)]
+
+    def check():
+        for tok in kept:
+            if tok[0]:
+                raise _detached_error("an op")
+    return check
+
+
+def guard_detach(outs, call, x, src_loc) -> None:
+    """The dispatcher read DistTensor input ``x`` (local ``src_loc``, with history) through
+    a copy it moved, for the op ``call`` (func, args, kwargs) whose local results are
+    ``outs``: after ``x.detach_()`` the op's backward raises torch's error where one
+    device's op saves ``x`` itself (the copy the local op saved keeps its history).
+    Whether it does is asked of torch at backward, on meta stand-ins of the call, and only
+    once ``x`` was detached in place (:func:`detached`): ``mul`` saves its operands, ``x * 2``
+    nothing of x, ``exp`` its output, ``F.linear`` a view of its weight (``w.t()``).  No
+    call known (validate.py): raised, as torch would for an input it saves."""
+    srcs = [t for t in storage.tensors(src_loc) if t.grad_fn is not None]
+    node = _node(outs) if srcs else None
+    if node is None:
+        return
+    toks = [_token(t) for t in srcs]
+    spec = None if call is None else _spec((call[1], call[2]), x)
+
+    def pre(grads):
+        for tok in toks:
+            if tok[0]:
+                if call is None or _saves_itself(call[0], spec):
+                    raise _detached_error(f"{getattr(call[0], '__name__', 'the op')}")
+                break
+        return None
+    node.register_prehook(pre)
+
+
+def _spec(a, x):
+    """``a`` (an op's args, kwargs) with each tensor as (kind, shape, dtype, requires_grad,
+    is ``x``), the rest as it is (hashable where the call's constants are)."""
+    from .dist_tensor import DistTensor
+    if isinstance(a, DistTensor):
+        return ("\0t", tuple(a.shape), a.dtype, a.requires_grad, a is x)
+    if isinstance(a, torch.Tensor):
+        return ("\0t", tuple(a.shape), a.dtype, a.requires_grad, False)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_spec(v, x) for v in a) if type(a) in (list, tuple) else a
+    if isinstance(a, dict):
+        return tuple((k, _spec(v, x)) for k, v in a.items()) + ("\0d",)
+    return a
+
+
+_SAVES: dict = {}
+
+
+def _saves_itself(func, spec) -> bool:
+    """Whether one device's ``func`` of tensors laid out as ``spec`` saves the marked
+    input itself for backward: run on meta stand-ins under a saved-tensors hook (once
+    per call shape).  Unsure (the meta run failed): True (raise, never answer)."""
+    try:
+        hit = _SAVES.get((func, spec))
+    except TypeError:           # an unhashable constant: asked each time
+        hit = None
+    if hit is not None:
+        return hit
+    mark = []
+
+    def build(a):
+        if isinstance(a, tuple) and len(a) == 5 and isinstance(a[0], str) and a[0] == "\0t":
+            t = torch.empty(a[1], dtype=a[2], device="meta")
+            if a[3] and (a[2].is_floating_point or a[2].is_complex):
+                t.requires_grad_()
+            if a[4]:
+                mark.append(t)
+            return t
+        if type(a) is tuple and a[-1:] == ("\0d",):
+            return {k: build(v) for k, v in a[:-1]}
+        if type(a) in (list, tuple):
+            return type(a)(build(v) for v in a)
+        return a
+    got = []
+    try:
+        args, kwargs = build(spec[0]), build(spec[1])
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                lambda t: got.append(t) or t, lambda t: t):
+            func(*args, **kwargs)
+        out = any(t is m for t in got for m in mark)
+    except Exception:           # noqa: BLE001 - unsure: raise as torch would if saved
+        out = True
+    try:
+        _SAVES[(func, spec)] = out
+        if len(_SAVES) > 4096:
+            _SAVES.clear()
+    except TypeError:
+        pass
+    return out
+
+
+# ---- a copy the dispatcher moved, before the op runs -----------------------------------
+
+_SOURCE: dict = {}      # id(a moved copy's local tensor) -> (weakref to it, to its source)
+
+
+def moved(src_loc, loc) -> None:
+    """``loc`` (an op's input laid out anew by the dispatcher) was read from ``src_loc``
+    (the DistTensor's local tensors): :func:`source_of` answers the kernel that runs on
+    the copy (one device's operand had the source's strides: an expand's stride 0, which a
+    gather drops)."""
+    ss, cs = storage.tensors(src_loc), storage.tensors(loc)
+    if len(ss) != len(cs):
+        return
+    for s, c in zip(ss, cs):
+        if c is not s and c.dim() == s.dim():
+            k = id(c)
+            _SOURCE[k] = (weakref.ref(c, lambda _, k=k: _SOURCE.pop(k, None)), weakref.ref(s))
+
+
+def source_of(t):
+    """The local tensor the moved copy ``t`` was read from (:func:`moved`), else None."""
+    got = _SOURCE.get(id(t))
+    if got is None or got[0]() is not t:
+        return None
+    return got[1]()
 
 
 class _Unversioned(torch.autograd.Function):
