@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import math
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -446,7 +447,8 @@ def dispatch(func, args, kwargs):
                     locs[k] = loc = _moved_input(x, plans[k], expand[k], mesh, True, label,
                                                  memos[k])
                     if derived is not None and loc is not x._local:
-                        derived.append((x._local, loc))
+                        derived.append((x._local, loc, _redo(x, plans[k], expand[k], mesh,
+                                                             True, label, memos[k])))
                         _versions.moved(x._local, loc)
                         if guard is None:
                             guard = []
@@ -455,8 +457,8 @@ def dispatch(func, args, kwargs):
                 derived = None
             o = entry.local(prep.nd, prep.ctx, *locs, **attrs)
             if derived:
-                for src, loc in derived:               # as run_prepared: after the op,
-                    _versions.derive(src, loc, o)      # whose node holds the copies' handles
+                for src, loc, redo in derived:         # as run_prepared: after the op,
+                    _versions.derive(src, loc, o, redo)    # whose node holds the handles
             if guard:
                 for x, loc in guard:                   # (x.detach_() later: inplace18)
                     _versions.guard_detach(o, (func, args, kwargs), x, x._local)
@@ -866,6 +868,21 @@ def _moved_input(t, plan, axes, mesh, even, label, memo):
     return _rb.local_for_op(t, plan, mesh, even, axes, label)
 
 
+def _redo(x, plan, axes, mesh, even, label, memo):
+    """``x``'s move for an op run again on its present values (versions.derive's ``redo``:
+    a write through ``x.data`` after the op read the copy), None where ``x`` is gone or
+    holds other local tensors since."""
+    xr, src = weakref.ref(x), x._local
+    sr = weakref.ref(src) if type(src) is torch.Tensor else None
+
+    def redo():
+        x = xr()
+        if x is None or sr is None or x._local is not sr():
+            return None
+        return _moved_input(x, plan, axes, mesh, even, label, memo)
+    return redo
+
+
 class _Moved(tuple):
     """``prep.fast``'s kind of an input its plan moves: the mesh dims it is expanded
     along after (dispatch's fast path runs :func:`_moved_input` for it)."""
@@ -883,6 +900,7 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False, call=None):
     outs_ps = cand.strategy.outputs
     even = prep.even
     locs = []
+    redos = {}
     label = prep.label or f"{opdef.name} input"
     memos = prep.memos or (None,) * len(prep.expand)
     for x, spec, plan, axes, moves, memo in zip(inputs, specs, cand.plans, prep.expand,
@@ -903,6 +921,7 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False, call=None):
             locs.append(loc := _moved_input(x, plan, axes, mesh, even, label, memo))
             if torch.is_grad_enabled() and loc is not x._local:
                 _versions.moved(x._local, loc)     # (read by the kernel: inplace18)
+                redos[len(locs) - 1] = _redo(x, plan, axes, mesh, even, label, memo)
             continue
         locs.append(_rb.local_for_op(t, plan, mesh, even, axes, label))
     out_shapes = prep.out_shapes
@@ -928,9 +947,9 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False, call=None):
     if torch.is_grad_enabled():
         # an input read through a copy (moved by its plan): a later write into the input
         # bumps the copy's version too, as torch's saved input would be (versions.py)
-        for x, loc in zip(inputs, locs):
+        for i, (x, loc) in enumerate(zip(inputs, locs)):
             if type(x) is DistTensor and loc is not x._local:
-                _versions.derive(x._local, loc, out)
+                _versions.derive(x._local, loc, out, redos.get(i))
                 # a later x.detach_(): raised where one device's op saves x (inplace18;
                 # ``call``: dispatch's func, args, kwargs)
                 _versions.guard_detach(out, call, x, x._local)

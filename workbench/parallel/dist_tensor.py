@@ -626,8 +626,15 @@ def shard_tensor(x: torch.Tensor, mesh: Mesh, placements, names: str | None = No
         # 8-sequence batch, counted 4,096 B of tokens for its 1,024; task tdclock)
         loc = loc.clone(memory_format=torch.contiguous_format)
     out = DistTensor(loc, mesh, ps, x.shape, x.dtype, names)
-    if strides.lost_dims(out):          # the shards cannot tell x's order: x tells it
-        strides.keep(out, x.stride())
+    st = x.stride()
+    if strides.lost_dims(out) or any(k == 0 and n > 1 for k, n in zip(st, x.shape)):
+        # the shards cannot tell x's order: x tells it; an expanded x (stride 0: shards
+        # are dense copies) keeps its strides as DTensor's spec does (distribute_tensor
+        # of ``arange(4.).expand(3, 4)``: stride() (0, 1), is_contiguous() False on
+        # torch 2.13, measured on a 1-rank gloo mesh, Replicate / Shard(0) / Shard(1);
+        # DTensor's TensorMeta takes tensor.stride(): torch/distributed/tensor/_api.py)
+        strides.keep(out, st, dense=not strides.lost_dims(out) or
+                     any(k == 0 and n > 1 for k, n in zip(st, x.shape)))
     return out
 
 

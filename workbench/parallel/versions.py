@@ -36,7 +36,7 @@ import torch
 from . import storage
 
 __all__ = ["bump", "derive", "unversioned", "explained", "saved_check", "data_of", "detached",
-           "detach_check", "guard_detach", "moved", "source_of"]
+           "detach_check", "guard_detach", "guard_kernel", "moved", "source_of"]
 
 _WRITES: dict = {}      # (node name, output nr, local shape) -> "y.add_() on R[4, 4]"
 _KEEP = 256             # the most recent writes remembered for the message
@@ -54,6 +54,7 @@ def bump(ts, what: str) -> None:
     from .dist_tensor import DETACHED
     seen, ts = set(), list(ts)
     for t in list(ts):
+        data = False
         for _ in range(8):
             # the copies derived from any tensor sharing t's counter: keyed by the root
             # base (a view shares its base's counter), then through detach() (shares it
@@ -61,10 +62,18 @@ def bump(ts, what: str) -> None:
             r = t._base
             if r is None:
                 r = t
+            if data:
+                # written through ``.data`` (own counter): what a kernel copied of r for a
+                # saved_check is stale now; the dispatcher's copies are read again
+                _stale(r)
             got = _DERIVED.get(id(r))
             if got is not None and got[0]() is r:
-                ts += [c for c in (h() for h in got[1]) if c is not None]
-            d = DETACHED.get(id(r)) or _DATA_OF.get(id(r))
+                cs = [c for c in (h() for h in got[1]) if c is not None]
+                ts += [c for c in cs if not (data and _refresh(c))]
+            d = DETACHED.get(id(r))
+            if d is None:
+                d = _DATA_OF.get(id(r))
+                data = data or d is not None
             t = d[1]() if d is not None and d[0]() is r else None
             if t is None:
                 break
@@ -97,7 +106,7 @@ def data_of(alias, src) -> None:
     _DATA_OF[k] = (weakref.ref(alias, lambda _: _DATA_OF.pop(k, None)), weakref.ref(src))
 
 
-def derive(src_loc, loc, outs) -> None:
+def derive(src_loc, loc, outs, redo=None) -> None:
     """``loc`` (an op's input laid out anew by the dispatcher: an all-reduced or all-to-all
     copy) is ``src_loc``'s value for that op, whose local results are ``outs``: a later
     write into the source bumps the copy too, so that what the op saved of it raises as
@@ -111,12 +120,20 @@ def derive(src_loc, loc, outs) -> None:
     the graph that may have saved the copy lives.  (A weak reference to the copy itself
     was lost where the op kept only a view of it: ``z = (x * 1.5) @ x`` over P(sum)-S(1)
     answered the old values' gradient.)  Nothing is kept where no result has a node:
-    then nothing was saved."""
+    then nothing was saved.
+
+    ``redo`` (inplace18): a function laying the source out anew (the dispatcher's move, run
+    again; None where the source changed since), for a write through the source's
+    ``.data``: torch's saved tensor then reads the new values, and so does the copy
+    (:func:`_refresh`) instead of raising."""
     node = _node(outs)
     if node is None:
         return
     hs = [_handle(t) for t in storage.tensors(loc) if not t.is_inference()]
     node.metadata.setdefault("wb_versions", []).extend(hs)
+    if redo is not None and type(loc) is torch.Tensor and len(hs) == 1:
+        k, root = id(hs[0]), loc if loc._base is None else loc._base
+        _REDO[k] = (weakref.ref(hs[0], lambda _: _REDO.pop(k, None)), weakref.ref(root), redo)
     outs = [weakref.ref(h) for h in hs]
     for s in storage.tensors(src_loc):
         b = s._base             # a view shares its base's counter: keyed by the root base
@@ -126,6 +143,56 @@ def derive(src_loc, loc, outs) -> None:
         if got is None or got[0]() is not s:
             got = _DERIVED[id(s)] = (weakref.ref(s, _forget(id(s))), [])
         got[1][:] = [r for r in got[1] if r() is not None] + outs
+
+
+_REDO: dict = {}        # id(a copy's handle) -> (weakref to it, to the copy's root, redo)
+
+
+def _refresh(h) -> bool:
+    """The dispatcher's copy behind handle ``h`` read again from its source, written into
+    its memory under a counter of its own (``.data``: what an op saved of it reads the new
+    values, as torch's saved source would, and does not raise).  False where it cannot be
+    (no ``redo``, the source changed, another layout came back): then it is bumped and
+    raises at backward, never the old values' gradient."""
+    e = _REDO.get(id(h))
+    if e is None or e[0]() is not h:
+        return False
+    root = e[1]()
+    if root is None:            # gone with its views, though a kernel's own copy of it may
+        return False            # be saved (matmul's reshape): bumped (saved_check raises)
+    try:
+        with torch.no_grad():
+            new = e[2]()
+            if new is None:
+                return False
+            nr = new if new._base is None else new._base
+            if nr.shape != root.shape or nr.stride() != root.stride() or \
+                    nr.dtype != root.dtype or nr.storage_offset() != root.storage_offset():
+                return False
+            root.data.copy_(nr)
+    except RuntimeError:        # (an overlapping root cannot be written)
+        return False
+    _stale(root)
+    return True
+
+
+_STALE: dict = {}       # id(a tensor written without a bump) -> (weakref to it, [count])
+
+
+def _stale_token(t):
+    k = id(t)
+    got = _STALE.get(k)
+    if got is None or got[0]() is not t:
+        got = _STALE[k] = (weakref.ref(t, lambda _: _STALE.pop(k, None)), [0])
+    return got[1]
+
+
+def _stale(root) -> None:
+    """``root``'s values changed without a version bump (a ``.data`` write, a refreshed
+    copy): a kernel's own copy of it that :func:`saved_check` watches is stale."""
+    got = _STALE.get(id(root))
+    if got is not None and got[0]() is root:
+        got[1][0] += 1
 
 
 def _node(outs):
@@ -249,6 +316,35 @@ def guard_detach(outs, call, x, src_loc) -> None:
     node.register_prehook(pre)
 
 
+def guard_kernel(out, func, ins) -> None:
+    """A kernel ran one device's ``func`` on local operands ``ins`` ((local tensor or None,
+    its global shape) per positional argument of ``func``) in its own way (a custom
+    Function, views: ``F.linear``'s row-parallel ``_RankLinear``, which torch's
+    ``detach_()`` check does not reach: custom Functions' saved inputs are not checked):
+    after an operand's ``detach_()`` the local result ``out``'s backward raises torch's
+    error where one device's ``func`` saves that operand itself (asked of torch on meta
+    stand-ins, once per call shape, only once an operand was detached)."""
+    held = [(i, t) for i, (t, _) in enumerate(ins) if t is not None and t.grad_fn is not None]
+    fn = getattr(out, "grad_fn", None)
+    if not held or fn is None:
+        return
+    toks = []
+    for i, t in held:
+        s = source_of(t)
+        toks.append((i, _token(s if s is not None and s.grad_fn is not None else t)))
+    spec = tuple(None if t is None else ("\0t", tuple(g), t.dtype, t.requires_grad, False)
+                 for t, g in ins)
+
+    def pre(grads):
+        for i, tok in toks:
+            if tok[0]:
+                marked = spec[:i] + (spec[i][:4] + (True,),) + spec[i + 1:]
+                if _saves_itself(func, (marked, ())):
+                    raise _detached_error(getattr(func, "__name__", "the op"))
+        return None
+    fn.register_prehook(pre)
+
+
 def _spec(a, x):
     """``a`` (an op's args, kwargs) with each tensor as (kind, shape, dtype, requires_grad,
     is ``x``), the rest as it is (hashable where the call's constants are)."""
@@ -294,7 +390,7 @@ def _saves_itself(func, spec) -> bool:
         return a
     got = []
     try:
-        args, kwargs = build(spec[0]), build(spec[1])
+        args, kwargs = build(spec[0]), build(spec[1]) if spec[1] else {}
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                 lambda t: got.append(t) or t, lambda t: t):
             func(*args, **kwargs)
@@ -387,15 +483,21 @@ def saved_check(ts):
     instructions a step before inplace15, 75.50M with the custom Function, 74.42M with a
     pre-hook, 74.15M now (+0.7%: 12 of gpt-tiny Hybrid(dp2, tp2)'s 13 products a step
     read an operand through matmul's copy); the toy TP step calls neither.)"""
-    kept = [(_handle(t), t._version, t.shape) for t in ts]
+    kept = []
+    for t in ts:
+        tok = _stale_token(t if t._base is None else t._base)   # (a .data write: _stale)
+        kept.append((_handle(t), t._version, t.shape, tok, tok[0]))
 
     def check():
-        for h, v, shape in kept:
-            if h._version != v:
+        for h, v, shape, tok, n in kept:
+            if h._version != v or tok[0] != n:
+                why = "" if h._version != v else (
+                    " (written through .data, which torch's saved tensor would read; the "
+                    "simulator's copy of it holds the old values)")
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been modified "
                     f"by an inplace operation: [{h.type()} {list(shape)}] is at version "
-                    f"{h._version}; expected version {v} instead. Hint: enable anomaly "
+                    f"{h._version}; expected version {v} instead{why}. Hint: enable anomaly "
                     "detection to find the operation that failed to compute its gradient, "
                     "with torch.autograd.set_detect_anomaly(True).")
     return check

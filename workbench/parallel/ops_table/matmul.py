@@ -584,6 +584,20 @@ def _rank_linear(x, w):
     return _C_APPLY(_UNWRAP_DEAD(x), _UNWRAP_DEAD(w))
 
 def _linear_local(nd, ctx, x, w, b=None):
+    y = _linear_local_run(nd, ctx, x, w, b)
+    if ctx is not None and (x.grad_fn is not None or w.grad_fn is not None) and \
+            torch.is_grad_enabled() and len(ctx.in_specs) >= 2:
+        # x.detach_() later: raised where one device's F.linear saves x itself (a 2-d
+        # input: mm(x, w.t())); _RankLinear's saved inputs, the column path's x[0] and
+        # align's views keep their history (inplace18: F.linear(a, x); a.detach_() over
+        # S(1)@1d answered)
+        sp = ctx.in_specs
+        versions.guard_kernel(y, F.linear, [(x, sp[0].shape), (w, sp[1].shape)] + (
+            [] if b is None or len(sp) < 3 or sp[2] is None else [(b, sp[2].shape)]))
+    return y
+
+
+def _linear_local_run(nd, ctx, x, w, b=None):
     held = linear_regather.of(x)
     if held is not None and torch.is_grad_enabled():
         # sequence parallelism's gathered input: keep its shard, gather again in backward
