@@ -6,7 +6,8 @@
    saved ``a`` itself, and passes where it saved a view of ``a`` (``v @ x`` with a 1-d
    ``v``: unsqueeze), its own output (``exp``) or nothing of ``a`` (``a + x``).  Held to
    torch over test_inplace15's nine layouts (the dispatcher's guard asks torch on meta
-   stand-ins which input one device saves: versions.guard_detach; matmul._detach_guard).
+   stand-ins which input one device saves: versions.guard_detach; matmul._detach_guard,
+   which asks ``torch.bmm`` for bmm: it saves both operands where matmul saves views).
 2. ``a.expand(..) @ x; a.mul_(2)`` where the dispatcher moved the expanded operand (the
    copy lost the expand's stride 0, which tells one device's copy): as torch (no raise).
 3. ``shard_tensor`` / ``distribute_tensor`` of an expanded tensor: ``stride()`` and
@@ -34,6 +35,13 @@ def _v(x):
     return (x * 1.5).sum(0)         # a 1-d value with history (not a view)
 
 
+def _e2(x):
+    return x.unsqueeze(0).expand(2, 4, 4)
+
+
+_C = torch.arange(16.0, dtype=torch.float64).reshape(4, 4) / 8     # no grad
+
+
 DETACH = {
     # one device saves a itself: raises at backward
     "div.detach_a": lambda x: (lambda a: _then(x / a, lambda _: a.detach_()))(_a(x)),
@@ -44,14 +52,18 @@ DETACH = {
     "mv.detach_v": lambda x: (lambda v: _then(x @ v, lambda _: v.detach_()))(_v(x)),
     "mm.detach_a_twice_read": lambda x: (lambda a: _then(a @ x + a @ x.t(),
                                                          lambda _: a.detach_()))(_a(x)),
+    "bmm.detach_a": lambda x: (lambda a: _then(torch.bmm(a, _e2(x)), lambda _: a.detach_()))(
+        _e2(x) * 1.5),
     # one device saves nothing of a, a view of it or its own output: passes
+    "bmm_const.detach_a": lambda x: (lambda a: _then(torch.bmm(a, _e2(_C)),
+                                                     lambda _: a.detach_()))(_e2(x) * 1.5),
     "add.detach_a": lambda x: (lambda a: _then(a + x, lambda _: a.detach_()))(_a(x)),
     "vm.detach_v": lambda x: (lambda v: _then(v @ x, lambda _: v.detach_()))(_v(x)),
     "scale.detach_a": lambda x: (lambda a: _then(a * 3, lambda _: a.detach_()))(x.exp()),
     "linear_weight.detach_w": lambda x: (lambda w: _then(F.linear(x, w),
                                                          lambda _: w.detach_()))(_a(x)),
 }
-RAISES = ("div.", "pow.", "mul_self.", "linear_input.", "mv.", "mm.")
+RAISES = ("div.", "pow.", "mul_self.", "linear_input.", "mv.", "mm.", "bmm.")
 
 
 @pytest.mark.parametrize("layout", range(len(LAYOUTS)), ids=IDS)

@@ -459,7 +459,7 @@ def dispatch(func, args, kwargs):
             if derived:
                 for src, loc, redo in derived:         # as run_prepared: after the op,
                     _versions.derive(src, loc, o, redo)    # whose node holds the handles
-            if guard:
+            if guard and not entry.extra.get("detach_guard"):
                 for x, loc in guard:                   # (x.detach_() later: inplace18)
                     _versions.guard_detach(o, (func, args, kwargs), x, x._local)
             if prep.keep:
@@ -951,8 +951,9 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False, call=None):
             if type(x) is DistTensor and loc is not x._local:
                 _versions.derive(x._local, loc, out, redos.get(i))
                 # a later x.detach_(): raised where one device's op saves x (inplace18;
-                # ``call``: dispatch's func, args, kwargs)
-                _versions.guard_detach(out, call, x, x._local)
+                # ``call``: dispatch's func, args, kwargs), unless the kernel asks itself
+                if not opdef.extra.get("detach_guard"):
+                    _versions.guard_detach(out, call, x, x._local)
     many = opdef.multi or opdef.n_out > 1
     outs = out if many else (out,)
     if tr is False:                # (dispatch passes the trace it read)

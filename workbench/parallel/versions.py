@@ -323,24 +323,25 @@ def guard_kernel(out, func, ins) -> None:
     ``detach_()`` check does not reach: custom Functions' saved inputs are not checked):
     after an operand's ``detach_()`` the local result ``out``'s backward raises torch's
     error where one device's ``func`` saves that operand itself (asked of torch on meta
-    stand-ins, once per call shape, only once an operand was detached)."""
+    stand-ins, once per call shape)."""
     held = [(i, t) for i, (t, _) in enumerate(ins) if t is not None and t.grad_fn is not None]
     fn = getattr(out, "grad_fn", None)
     if not held or fn is None:
         return
-    toks = []
-    for i, t in held:
-        s = source_of(t)
-        toks.append((i, _token(s if s is not None and s.grad_fn is not None else t)))
     spec = tuple(None if t is None else ("\0t", tuple(g), t.dtype, t.requires_grad, False)
                  for t, g in ins)
+    toks = []
+    for i, t in held:           # (asked now, once per call shape: most products save a
+        if _saves_itself(func, (spec[:i] + (spec[i][:4] + (True,),) + spec[i + 1:], ())):
+            s = source_of(t)    # view of a 3-d input: nothing to watch)
+            toks.append(_token(s if s is not None and s.grad_fn is not None else t))
+    if not toks:
+        return
 
     def pre(grads):
-        for i, tok in toks:
+        for tok in toks:
             if tok[0]:
-                marked = spec[:i] + (spec[i][:4] + (True,),) + spec[i + 1:]
-                if _saves_itself(func, (marked, ())):
-                    raise _detached_error(getattr(func, "__name__", "the op"))
+                raise _detached_error(getattr(func, "__name__", "the op"))
         return None
     fn.register_prehook(pre)
 

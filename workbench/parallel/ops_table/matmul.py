@@ -29,7 +29,7 @@ from . import costs, linear_regather
 from ._util import align
 from .samples import Sample
 from .strategy import combine
-from .table import add_funcs, register
+from .table import TABLE, add_funcs, register
 
 T = torch.Tensor
 R = Replicate()
@@ -211,7 +211,7 @@ def _contiguous(g):
     return None if g is None else g.contiguous()
 
 
-def _batched(a, b, nd=0, a0=None, b0=None, ga=None, gb=None, srcs=None):
+def _batched(a, b, nd=0, a0=None, b0=None, ga=None, gb=None, srcs=None, op=torch.matmul):
     """torch.matmul; two 3-d operands with one batch size go straight to bmm, which is what
     matmul runs for them, without matmul's expand and reshape nodes in the autograd graph
     (8 ranks, toy TP step: ~14 us less per product, forward and backward).  ``a0``, ``b0``:
@@ -223,7 +223,7 @@ def _batched(a, b, nd=0, a0=None, b0=None, ga=None, gb=None, srcs=None):
     if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
         if srcs is None or _itself(a, srcs[0]) and _itself(b, srcs[1]):
             return torch.bmm(a, b), None        # (an operand saved itself: torch's check)
-        return torch.bmm(a, b), _detach_guard(srcs, nd, ga, gb)
+        return torch.bmm(a, b), _detach_guard(srcs, nd, ga, gb, op)
     if not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
         return torch.matmul(a, b), None
     # matmul may lay a stacked operand out by a copy and save that copy, where one
@@ -263,7 +263,7 @@ def _batched(a, b, nd=0, a0=None, b0=None, ga=None, gb=None, srcs=None):
     if keep[0] or keep[1]:
         check = versions.saved_check([t for t, k in zip((a, b), keep) if k])
     det = None if srcs is None or srcs[0].grad_fn is None and srcs[1].grad_fn is None \
-        else _detach_guard(srcs, nd, ga, gb)
+        else _detach_guard(srcs, nd, ga, gb, op)
     if det is not None:
         check = det if check is None else (lambda c=check: (det(), c()))
     return y, check
@@ -275,7 +275,7 @@ def _itself(t, src):
     return src.grad_fn is None or t is src and versions.source_of(src) is None
 
 
-def _detach_guard(srcs, nd, ga, gb):
+def _detach_guard(srcs, nd, ga, gb, op=torch.matmul):
     """One device's mm / mv / dot saves an operand itself: after ``a.detach_()`` its
     backward raises torch's "detached in-place" error, where this kernel may have saved a
     view of the operand (align's expand, matmul's reshape), which keeps its history
@@ -284,10 +284,10 @@ def _detach_guard(srcs, nd, ga, gb):
     None."""
     a, b = srcs
     key = (a.shape, a.stride(), b.shape, b.stride(), a.requires_grad, b.requires_grad,
-           nd, ga, gb)
+           nd, ga, gb, op)
     saves = _SAVES.get(key)
     if saves is None:
-        saves = _SAVES[key] = _one_device_saves(srcs, nd, ga, gb)
+        saves = _SAVES[key] = _one_device_saves(srcs, nd, ga, gb, op)
         if len(_SAVES) > 4096:
             _SAVES.clear()
     held = [t for t, k in zip(srcs, saves) if k and t.grad_fn is not None]
@@ -297,7 +297,7 @@ def _detach_guard(srcs, nd, ga, gb):
 _SAVES: dict = {}       # _detach_guard's key -> _one_device_saves
 
 
-def _one_device_saves(srcs, nd, ga, gb):
+def _one_device_saves(srcs, nd, ga, gb, op=torch.matmul):
     """(a saved, b saved): whether one device's ``torch.matmul`` of operands of global
     shapes ``ga``, ``gb`` laid out as one rank's ``srcs`` (``nd`` lead dims) saves each
     operand itself for backward (``mm``, ``mv``, ``dot``; a view of it elsewhere: a 1-d
@@ -311,9 +311,11 @@ def _one_device_saves(srcs, nd, ga, gb):
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
                 lambda t: got.append(t) or t, lambda t: t):
-            torch.matmul(a, b)
+            op(a, b)
     except RuntimeError:        # (saved-tensor hooks disabled): as ATen's _matmul_impl
         da, db = a.dim(), b.dim()   # measured on torch 2.13: mm, mv, dot save themselves
+        if op is not torch.matmul:  # mm, bmm: both
+            return b.requires_grad, a.requires_grad
         return (b.requires_grad and (da == 1 and db != 2 or da == 2 and db <= 2),
                 a.requires_grad and db <= 2)
     return any(t is a for t in got), any(t is b for t in got)
@@ -415,7 +417,17 @@ def _copies(a, b):
     return tuple(out)
 
 
-def _matmul_local(nd, ctx, a, b):
+def _mm_local(nd, ctx, a, b):
+    return _matmul_local(nd, ctx, a, b, torch.mm)
+
+
+def _bmm_local(nd, ctx, a, b):
+    # (torch.bmm saves both operands themselves, where torch.matmul of two 3-d ones saves
+    # views: the detach_() guard asks the op run, inplace18)
+    return _matmul_local(nd, ctx, a, b, torch.bmm)
+
+
+def _matmul_local(nd, ctx, a, b, op=torch.matmul):
     """torch.matmul on stacked tensors: a 1-d operand gets a size-1 dim that is dropped
     afterwards, as torch.matmul does (so (3,1,1) @ (1,) is (3, 1), (4,) @ (2,4,3) is (2, 3))."""
     la, lb = a.dim() - nd, b.dim() - nd
@@ -427,7 +439,7 @@ def _matmul_local(nd, ctx, a, b):
         b = b.unsqueeze(-1)                       # (lead, k, 1)
     sa, sb = (None if s is None else tuple(s.shape) for s in ctx.in_specs[:2]) \
         if ctx is not None and len(ctx.in_specs) >= 2 else (None, None)
-    y, check = _batched(*align(nd, a, b), nd, a, b, sa, sb, srcs)
+    y, check = _batched(*align(nd, a, b), nd, a, b, sa, sb, srcs, op)
     y = _dense_grad(y, nd, check)
     if lb == 1:
         y = y.squeeze(-1)
@@ -449,11 +461,15 @@ register("matmul", [torch.matmul, T.matmul, T.__matmul__], parse=_matmul_parse,
                            Sample(torch.matmul, (g.rn(5), g.rn(5, 3)))])
 add_funcs("matmul", [(T.__rmatmul__, lambda a, b: _matmul_parse(b, a))])
 register("mm", [torch.mm, T.mm], parse=_mm_parse("mm", 2), rule=matmul_rule,
-         local=_matmul_local, cost=_MM_COST, op_class="matmul",
+         local=_mm_local, cost=_MM_COST, op_class="matmul",
          sample=lambda g: [Sample(torch.mm, (g.rn(5, 6), g.rn(6, 3)))])
 register("bmm", [torch.bmm, T.bmm], parse=_mm_parse("bmm", 3), rule=matmul_rule,
-         local=_matmul_local, cost=_MM_COST, op_class="matmul",
+         local=_bmm_local, cost=_MM_COST, op_class="matmul",
          sample=lambda g: [Sample(torch.bmm, (g.rn(2, 5, 3), g.rn(2, 3, 4)))])
+# the kernel asks which operand one device saves (_detach_guard): the dispatcher's own
+# detach_() guard of a moved input is not needed (versions.guard_detach)
+for _n in ("matmul", "mm", "bmm"):
+    TABLE[_n].extra["detach_guard"] = True
 
 
 # ---- linear: x @ w.T + b -------------------------------------------------------------
@@ -689,6 +705,7 @@ register("linear", [F.linear], parse=_linear_parse, rule=linear_rule, local=_lin
          cost=costs.from_ops("linear", lambda ins, outs: (ins, {})), op_class="matmul",
          sample=lambda g: [Sample(F.linear, (g.rn(3, 5, 6), g.rn(4, 6), g.rn(4))),
                            Sample(F.linear, (g.rn(5, 6), g.rn(3, 6)))])
+TABLE["linear"].extra["detach_guard"] = True      # (versions.guard_kernel, as matmul's)
 
 
 # ---- einsum --------------------------------------------------------------------------
