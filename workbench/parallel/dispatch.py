@@ -423,6 +423,7 @@ def dispatch(func, args, kwargs):
                 break
         else:
             guard = None
+            kernel_guard = entry.extra.get("detach_guard")
             if grads is not None:
                 plans, expand = prep.cand.plans, prep.expand
                 memos = prep.memos or (None,) * len(expand)
@@ -433,10 +434,12 @@ def dispatch(func, args, kwargs):
                     if loc is None:
                         loc = _rb.local_for_op(x, plans[k], mesh, True, expand[k], label)
                     locs[k] = loc
-                    _versions.moved(x._local, loc)     # (read by the kernel: inplace18)
-                    if guard is None:
-                        guard = []
-                    guard.append((x, loc))
+                    if kernel_guard:                   # (its kernel asks: inplace18)
+                        _versions.moved(x._local, loc)
+                    else:
+                        if guard is None:
+                            guard = []
+                        guard.append(x)
             if moved is not None:
                 plans, expand = prep.cand.plans, prep.expand
                 memos = prep.memos or (None,) * len(expand)
@@ -449,18 +452,20 @@ def dispatch(func, args, kwargs):
                     if derived is not None and loc is not x._local:
                         derived.append((x._local, loc, _redo(x, plans[k], expand[k], mesh,
                                                              True, label, memos[k])))
-                        _versions.moved(x._local, loc)
-                        if guard is None:
-                            guard = []
-                        guard.append((x, loc))
+                        if kernel_guard:
+                            _versions.moved(x._local, loc)
+                        else:
+                            if guard is None:
+                                guard = []
+                            guard.append(x)
             else:
                 derived = None
             o = entry.local(prep.nd, prep.ctx, *locs, **attrs)
             if derived:
                 for src, loc, redo in derived:         # as run_prepared: after the op,
                     _versions.derive(src, loc, o, redo)    # whose node holds the handles
-            if guard and not entry.extra.get("detach_guard"):
-                for x, loc in guard:                   # (x.detach_() later: inplace18)
+            if guard:
+                for x in guard:                        # (x.detach_() later: inplace18)
                     _versions.guard_detach(o, (func, args, kwargs), x, x._local)
             if prep.keep:
                 # run_prepared's keep: even shards, stacked, on simulated ranks
@@ -920,7 +925,8 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False, call=None):
         else:
             locs.append(loc := _moved_input(x, plan, axes, mesh, even, label, memo))
             if torch.is_grad_enabled() and loc is not x._local:
-                _versions.moved(x._local, loc)     # (read by the kernel: inplace18)
+                if opdef.extra.get("detach_guard"):
+                    _versions.moved(x._local, loc)     # (read by the kernel: inplace18)
                 redos[len(locs) - 1] = _redo(x, plan, axes, mesh, even, label, memo)
             continue
         locs.append(_rb.local_for_op(t, plan, mesh, even, axes, label))

@@ -530,8 +530,9 @@ def _detach_(x: DistTensor) -> DistTensor:
 
     def det(t):
         if t.grad_fn is not None:
-            # the copies an op read of t, and t itself where it is a view (replaced by a
-            # new tensor below): what an op saved of them raises as torch's (inplace18)
+            # the checks of ops that saved a copy or a view of t where one device saves t
+            # (versions.detach_check / guard_detach) raise as torch's (inplace18); t a
+            # view is replaced by a new tensor below, and they raise for it too
             versions.detached(t)
             if not t._is_view():
                 return t.detach_()

@@ -25,6 +25,13 @@ into ``a``, a view of it or ``a.detach()`` bumps the copies an op read of any of
 Cost (``valgrind --tool=callgrind --instr-atstart=no benchmarks/sim_instr.py gpt 3``, base
 3b0a3b89 then inplace16, measured here): 221.78M -> 221.63M instructions (73.93M -> 73.88M
 a step: within noise; derive reads one ``_base`` a source tensor).
+inplace18: ``a.detach_()`` raises torch's "saved tensor detached in-place" at the backward
+of an op that one device's torch would have saved ``a`` itself for, where this op saved a
+copy the dispatcher moved or a view its kernel made (:func:`detached` sets a token that
+:func:`detach_check`, :func:`guard_detach` and :func:`guard_kernel` read; which inputs one
+device saves is asked of torch on meta stand-ins, :func:`_saves_itself`); a write through
+``a.data`` reads such a copy again (:func:`_refresh`) instead of raising; the kernel can
+ask for a moved copy's source (:func:`source_of`: an expand's stride 0 a gather dropped).
 """
 from __future__ import annotations
 
