@@ -7,7 +7,8 @@ layouts; the same error type and words, or the same values and gradient).
    DistTensor took new detached local tensors: backward answered (42 of 54 saved-input
    programs x layouts), and a view was detached silently (36 of 36).  Now the local tensors
    are detached in place (inplace._detach_) and a view raises torch's error.  Known gap: a
-   matmul whose local kernel saved a view or copy of ``a`` (12 strict xfails below).
+   matmul whose local kernel saved a view or copy of ``a`` (12 strict xfails here; matched
+   by inplace18, tests/test_inplace18.py).
 2. ``int_x.masked_fill_(m, v)`` / ``.fill_(v)`` / ``.index_fill_(d, i, v)`` with a 0-d ``v``
    requiring grad: torch records the write (int_x.requires_grad True; its next
    differentiable op raises "Autograd not support dtype: Long"); the DistTensor wrote the
@@ -20,15 +21,17 @@ layouts; the same error type and words, or the same values and gradient).
    expand from the rank's strides).  Now one device's copy is decided on the global sizes
    (ops_table/matmul._global_like) and, where the local matmul would save a view instead,
    it multiplies a copy (matmul._batched): 15 of 45 programs x layouts raised -> 0 (9 strict
-   xfails: a moved operand, which lost the expand's stride 0, still raises).
+   xfails: a moved operand, which lost the expand's stride 0, still raised; matched by
+   inplace18: the copy's source's strides).
 4. A training loop's in-place habits (nn.init, p.data, copy_/add_(alpha)/clamp_/mul_ under
    no_grad, foreach writes) before and between steps on DDP / FSDP / ZeRO: one device's
    state (they were).  A write into a parameter between forward and backward: DDP raises
    as torch; simulated FSDP answers silently (strict xfails, not fixed).
 5. ``a.data.mul_(2)`` after an op saved ``a``: torch's ``.data`` has its own version counter
    (no raise, backward reads the new values); the DistTensor's shared a's (45 of 45
-   programs x layouts raised) -> 39 as torch, 6 still raise where the op read a moved copy
-   (habits._alias, versions.data_of).
+   programs x layouts raised) -> 39 as torch, 6 still raised where the op read a moved copy
+   (habits._alias, versions.data_of); inplace18 reads the copy again (4 of 6 now as torch;
+   2 raise where matmul saved its own copy of the moved operand).
 """
 import pytest
 import torch
@@ -85,21 +88,14 @@ DETACH = {
 RAISES_LATE = ("mul.", "sigmoid.", "matmul")
 RAISES_NOW = ("row.", "reshape.", "t.")
 # matmul's local kernel saved a view (an operand aligned by expand) or a copy (the
-# dispatcher's move, matmul's own broadcast copy) of a: detaching a's local tensors does
-# not reach it, and backward answers where torch raises (not matched)
-DETACH_GAPS = {("matmul.detach_a", i) for i in ("S(1)@1d", "S(0)-R@2d", "R-R@2d",
-                                                 "P(sum)-S(1)@2d", "S(0)-S(1)@2d")} | \
-    {("matmul_r.detach_a", i) for i in ("S(0)@1d", "P(sum)@1d", "S(0)-R@2d", "R-R@2d",
-                                         "P(sum)-S(1)@2d", "S(0)-S(1)@2d")} | \
-    {("sigmoid.mul.detach_", "P(max)@1d")}
+# dispatcher's move, matmul's own broadcast copy) of a: detaching a's local tensors did
+# not reach it, and backward answered where torch raises (12 strict xfails here); matched
+# by inplace18 (versions.detached bumps the copies, matmul._detach_guard checks a)
 
 
 @pytest.mark.parametrize("layout", range(len(LAYOUTS)), ids=IDS)
 @pytest.mark.parametrize("name", sorted(DETACH))
-def test_detach_inplace_is_torchs(name, layout, request):
-    if (name, IDS[layout]) in DETACH_GAPS:
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="matmul saved a view / copy of the operand: backward answers"))
+def test_detach_inplace_is_torchs(name, layout):
     err = _same_as_torch(DETACH[name], layout)
     if name.startswith(RAISES_LATE):
         assert err is not None and SAVED_IN in str(err)
@@ -200,18 +196,13 @@ EXPAND = {
                                                      lambda _: a.mul_(2)))(_a(x)),
 }
 # a moved operand (the contraction dim split: gathered by the dispatcher) lost the expand's
-# stride 0, which tells one device's copy: the check still raises (not matched)
-EXPAND_GAPS = {(n, i) for n in ("expand@x.write_a", "expand@x.nograd_write_a",
-                                "expand@x.write_row")
-               for i in ("S(1)@1d", "P(sum)-S(1)@2d", "S(0)-S(1)@2d")}
+# stride 0, which tells one device's copy: the check raised (9 strict xfails here); matched
+# by inplace18 (matmul._batched reads the strides of the copy's source: versions.source_of)
 
 
 @pytest.mark.parametrize("layout", range(len(LAYOUTS)), ids=IDS)
 @pytest.mark.parametrize("name", sorted(EXPAND))
-def test_write_after_a_product_of_an_expanded_operand_is_torchs(name, layout, request):
-    if (name, IDS[layout]) in EXPAND_GAPS:
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="a moved operand lost the expand's stride 0: false raise"))
+def test_write_after_a_product_of_an_expanded_operand_is_torchs(name, layout):
     err = _same_as_torch(EXPAND[name], layout)
     assert (err is None) == name.startswith(("expand@", "x@expand")), err
 
@@ -354,10 +345,12 @@ DATA = {
         _a(x)),
 }
 # the op read a copy the dispatcher moved (a gathered / reduced operand): torch reads the
-# new values through the saved tensor; the copy holds the old ones, so backward raises
-# here rather than answer the old values' gradient (a false raise, not matched)
-DATA_GAPS = {("matmul.data_mul_", i) for i in ("S(1)@1d", "P(sum)-S(1)@2d", "S(0)-S(1)@2d")} | \
-    {("leaf.data_mul_", i) for i in ("P(sum)@1d", "P(max)@1d", "P(sum)-S(1)@2d")}
+# new values through the saved tensor; the copy held the old ones, so backward raised here
+# rather than answer the old values' gradient (6 false raises).  inplace18: the copy is
+# read again from the source at the write (versions._refresh); where matmul saved its own
+# copy of the moved operand (its reshape of the expanded copy) that copy is stale, and
+# backward still raises (not matched)
+DATA_GAPS = {("matmul.data_mul_", i) for i in ("P(sum)-S(1)@2d", "S(0)-S(1)@2d")}
 
 
 @pytest.mark.parametrize("layout", range(len(LAYOUTS)), ids=IDS)

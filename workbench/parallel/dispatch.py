@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import math
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -421,6 +422,8 @@ def dispatch(func, args, kwargs):
             else:
                 break
         else:
+            guard = None
+            kernel_guard = entry.extra.get("detach_guard")
             if grads is not None:
                 plans, expand = prep.cand.plans, prep.expand
                 memos = prep.memos or (None,) * len(expand)
@@ -431,6 +434,12 @@ def dispatch(func, args, kwargs):
                     if loc is None:
                         loc = _rb.local_for_op(x, plans[k], mesh, True, expand[k], label)
                     locs[k] = loc
+                    if kernel_guard:                   # (its kernel asks: inplace18)
+                        _versions.moved(x._local, loc)
+                    else:
+                        if guard is None:
+                            guard = []
+                        guard.append(x)
             if moved is not None:
                 plans, expand = prep.cand.plans, prep.expand
                 memos = prep.memos or (None,) * len(expand)
@@ -441,13 +450,23 @@ def dispatch(func, args, kwargs):
                     locs[k] = loc = _moved_input(x, plans[k], expand[k], mesh, True, label,
                                                  memos[k])
                     if derived is not None and loc is not x._local:
-                        derived.append((x._local, loc))
+                        derived.append((x._local, loc, _redo(x, plans[k], expand[k], mesh,
+                                                             True, label, memos[k])))
+                        if kernel_guard:
+                            _versions.moved(x._local, loc)
+                        else:
+                            if guard is None:
+                                guard = []
+                            guard.append(x)
             else:
                 derived = None
             o = entry.local(prep.nd, prep.ctx, *locs, **attrs)
             if derived:
-                for src, loc in derived:               # as run_prepared: after the op,
-                    _versions.derive(src, loc, o)      # whose node holds the copies' handles
+                for src, loc, redo in derived:         # as run_prepared: after the op,
+                    _versions.derive(src, loc, o, redo)    # whose node holds the handles
+            if guard:
+                for x in guard:                        # (x.detach_() later: inplace18)
+                    _versions.guard_detach(o, (func, args, kwargs), x, x._local)
             if prep.keep:
                 # run_prepared's keep: even shards, stacked, on simulated ranks
                 if type(o) is torch.Tensor and not VALIDATE[-1]:
@@ -468,7 +487,7 @@ def dispatch(func, args, kwargs):
                 if view_needs_track(func) or getattr(inputs[0], "_gstride", None) is not None:
                     track_strides(func, args, kwargs, w)      # torch's view strides (below)
             return w
-    out = run_prepared(entry, prep, inputs, specs, attrs, mesh, tr)
+    out = run_prepared(entry, prep, inputs, specs, attrs, mesh, tr, (func, args, kwargs))
     # the global strides, where the outputs' shards cannot tell them (or an input's were
     # kept: its shards may tell others): torch's, from meta tensors (strides.track)
     # a view's too: torch's strides of ``expand`` (0), a slice's step, ``diagonal``, which
@@ -863,13 +882,28 @@ def _moved_input(t, plan, axes, mesh, even, label, memo):
     return _rb.local_for_op(t, plan, mesh, even, axes, label)
 
 
+def _redo(x, plan, axes, mesh, even, label, memo):
+    """``x``'s move for an op run again on its present values (versions.derive's ``redo``:
+    a write through ``x.data`` after the op read the copy), None where ``x`` is gone or
+    holds other local tensors since."""
+    xr, src = weakref.ref(x), x._local
+    sr = weakref.ref(src) if type(src) is torch.Tensor else None
+
+    def redo():
+        x = xr()
+        if x is None or sr is None or x._local is not sr():
+            return None
+        return _moved_input(x, plan, axes, mesh, even, label, memo)
+    return redo
+
+
 class _Moved(tuple):
     """``prep.fast``'s kind of an input its plan moves: the mesh dims it is expanded
     along after (dispatch's fast path runs :func:`_moved_input` for it)."""
     __slots__ = ()
 
 
-def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
+def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False, call=None):
     dec = prep.dec
     cand = prep.cand or dec.chosen
     for x in inputs:               # positions read in ring order: refused (seq_order.py)
@@ -880,6 +914,7 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
     outs_ps = cand.strategy.outputs
     even = prep.even
     locs = []
+    redos = {}
     label = prep.label or f"{opdef.name} input"
     memos = prep.memos or (None,) * len(prep.expand)
     for x, spec, plan, axes, moves, memo in zip(inputs, specs, cand.plans, prep.expand,
@@ -897,7 +932,11 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
                 locs.append(loc)
                 continue
         else:
-            locs.append(_moved_input(x, plan, axes, mesh, even, label, memo))
+            locs.append(loc := _moved_input(x, plan, axes, mesh, even, label, memo))
+            if torch.is_grad_enabled() and loc is not x._local:
+                if opdef.extra.get("detach_guard"):
+                    _versions.moved(x._local, loc)     # (read by the kernel: inplace18)
+                redos[len(locs) - 1] = _redo(x, plan, axes, mesh, even, label, memo)
             continue
         locs.append(_rb.local_for_op(t, plan, mesh, even, axes, label))
     out_shapes = prep.out_shapes
@@ -923,9 +962,13 @@ def run_prepared(opdef, prep, inputs, specs, attrs, mesh, tr=False):
     if torch.is_grad_enabled():
         # an input read through a copy (moved by its plan): a later write into the input
         # bumps the copy's version too, as torch's saved input would be (versions.py)
-        for x, loc in zip(inputs, locs):
+        for i, (x, loc) in enumerate(zip(inputs, locs)):
             if type(x) is DistTensor and loc is not x._local:
-                _versions.derive(x._local, loc, out)
+                _versions.derive(x._local, loc, out, redos.get(i))
+                # a later x.detach_(): raised where one device's op saves x (inplace18;
+                # ``call``: dispatch's func, args, kwargs), unless the kernel asks itself
+                if not opdef.extra.get("detach_guard"):
+                    _versions.guard_detach(out, call, x, x._local)
     many = opdef.multi or opdef.n_out > 1
     outs = out if many else (out,)
     if tr is False:                # (dispatch passes the trace it read)

@@ -626,8 +626,18 @@ def shard_tensor(x: torch.Tensor, mesh: Mesh, placements, names: str | None = No
         # 8-sequence batch, counted 4,096 B of tokens for its 1,024; task tdclock)
         loc = loc.clone(memory_format=torch.contiguous_format)
     out = DistTensor(loc, mesh, ps, x.shape, x.dtype, names)
-    if strides.lost_dims(out):          # the shards cannot tell x's order: x tells it
-        strides.keep(out, x.stride())
+    st = x.stride()
+    expanded = any(k == 0 and n > 1 for k, n in zip(st, x.shape))
+    if expanded or strides.lost_dims(out):
+        # the shards cannot tell x's order: x tells it.  An expanded x keeps its strides
+        # exactly, as DTensor's spec does, its local tensors being dense copies
+        # (distribute_tensor on torch 2.13, a 1-rank gloo mesh, measured:
+        # ``arange(4.).expand(3, 4)`` stride() (0, 1), is_contiguous() False; DTensor's
+        # TensorMeta takes tensor.stride(): torch/distributed/tensor/_api.py
+        # distribute_tensor).  Before inplace18: (4, 1) and True.  (DTensor keeps a step
+        # slice's or a narrowed x's gaps too, (8, 2) for ``base[:, ::2]``: not matched,
+        # their dense strides kept, as d.view(-1) then answers here)
+        strides.keep(out, st, dense=expanded)
     return out
 
 

@@ -526,9 +526,16 @@ def _detach_(x: DistTensor) -> DistTensor:
     if x._view is not None:
         raise RuntimeError(_VIEW_DETACH)
 
+    from . import versions
+
     def det(t):
-        if t.grad_fn is not None and not t._is_view():
-            return t.detach_()
+        if t.grad_fn is not None:
+            # the checks of ops that saved a copy or a view of t where one device saves t
+            # (versions.detach_check / guard_detach) raise as torch's (inplace18); t a
+            # view is replaced by a new tensor below, and they raise for it too
+            versions.detached(t)
+            if not t._is_view():
+                return t.detach_()
         return t.detach()
     x._local = storage.map_tensors(x._local, det)
     return x

@@ -25,6 +25,13 @@ into ``a``, a view of it or ``a.detach()`` bumps the copies an op read of any of
 Cost (``valgrind --tool=callgrind --instr-atstart=no benchmarks/sim_instr.py gpt 3``, base
 3b0a3b89 then inplace16, measured here): 221.78M -> 221.63M instructions (73.93M -> 73.88M
 a step: within noise; derive reads one ``_base`` a source tensor).
+inplace18: ``a.detach_()`` raises torch's "saved tensor detached in-place" at the backward
+of an op that one device's torch would have saved ``a`` itself for, where this op saved a
+copy the dispatcher moved or a view its kernel made (:func:`detached` sets a token that
+:func:`detach_check`, :func:`guard_detach` and :func:`guard_kernel` read; which inputs one
+device saves is asked of torch on meta stand-ins, :func:`_saves_itself`); a write through
+``a.data`` reads such a copy again (:func:`_refresh`) instead of raising; the kernel can
+ask for a moved copy's source (:func:`source_of`: an expand's stride 0 a gather dropped).
 """
 from __future__ import annotations
 
@@ -37,7 +44,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import storage
 
 __all__ = ["bump", "derive", "unversioned", "explained", "saved_check", "data_of",
-           "param_written", "plain_forward", "OWN_FIX"]
+           "param_written", "plain_forward", "OWN_FIX", "detached", "detach_check",
+           "guard_detach", "guard_kernel", "moved", "source_of"]
 
 # The hint of an error that names its fix itself (FSDP's version check of a gathered
 # weight, strategies/fsdp_units.check_version): :class:`explained` adds nothing to it
@@ -62,6 +70,7 @@ def bump(ts, what: str) -> None:
     _SEQ[1] = _SEQ[0]       # a DistTensor write: older parameter writes are not the error's
     seen, ts = set(), list(ts)
     for t in list(ts):
+        data = False
         for _ in range(8):
             # the copies derived from any tensor sharing t's counter: keyed by the root
             # base (a view shares its base's counter), then through detach() (shares it
@@ -69,10 +78,18 @@ def bump(ts, what: str) -> None:
             r = t._base
             if r is None:
                 r = t
+            if data:
+                # written through ``.data`` (own counter): what a kernel copied of r for a
+                # saved_check is stale now; the dispatcher's copies are read again
+                _stale(r)
             got = _DERIVED.get(id(r))
             if got is not None and got[0]() is r:
-                ts += [c for c in (h() for h in got[1]) if c is not None]
-            d = DETACHED.get(id(r)) or _DATA_OF.get(id(r))
+                cs = [c for c in (h() for h in got[1]) if c is not None]
+                ts += [c for c in cs if not (data and _refresh(c))]
+            d = DETACHED.get(id(r))
+            if d is None:
+                d = _DATA_OF.get(id(r))
+                data = data or d is not None
             t = d[1]() if d is not None and d[0]() is r else None
             if t is None:
                 break
@@ -153,7 +170,7 @@ def data_of(alias, src) -> None:
     _DATA_OF[k] = (weakref.ref(alias, lambda _: _DATA_OF.pop(k, None)), weakref.ref(src))
 
 
-def derive(src_loc, loc, outs) -> None:
+def derive(src_loc, loc, outs, redo=None) -> None:
     """``loc`` (an op's input laid out anew by the dispatcher: an all-reduced or all-to-all
     copy) is ``src_loc``'s value for that op, whose local results are ``outs``: a later
     write into the source bumps the copy too, so that what the op saved of it raises as
@@ -167,12 +184,20 @@ def derive(src_loc, loc, outs) -> None:
     the graph that may have saved the copy lives.  (A weak reference to the copy itself
     was lost where the op kept only a view of it: ``z = (x * 1.5) @ x`` over P(sum)-S(1)
     answered the old values' gradient.)  Nothing is kept where no result has a node:
-    then nothing was saved."""
+    then nothing was saved.
+
+    ``redo`` (inplace18): a function laying the source out anew (the dispatcher's move, run
+    again; None where the source changed since), for a write through the source's
+    ``.data``: torch's saved tensor then reads the new values, and so does the copy
+    (:func:`_refresh`) instead of raising."""
     node = _node(outs)
     if node is None:
         return
     hs = [_handle(t) for t in storage.tensors(loc) if not t.is_inference()]
     node.metadata.setdefault("wb_versions", []).extend(hs)
+    if redo is not None and type(loc) is torch.Tensor and len(hs) == 1:
+        k, root = id(hs[0]), loc if loc._base is None else loc._base
+        _REDO[k] = (weakref.ref(hs[0], lambda _: _REDO.pop(k, None)), weakref.ref(root), redo)
     outs = [weakref.ref(h) for h in hs]
     for s in storage.tensors(src_loc):
         b = s._base             # a view shares its base's counter: keyed by the root base
@@ -182,6 +207,56 @@ def derive(src_loc, loc, outs) -> None:
         if got is None or got[0]() is not s:
             got = _DERIVED[id(s)] = (weakref.ref(s, _forget(id(s))), [])
         got[1][:] = [r for r in got[1] if r() is not None] + outs
+
+
+_REDO: dict = {}        # id(a copy's handle) -> (weakref to it, to the copy's root, redo)
+
+
+def _refresh(h) -> bool:
+    """The dispatcher's copy behind handle ``h`` read again from its source, written into
+    its memory under a counter of its own (``.data``: what an op saved of it reads the new
+    values, as torch's saved source would, and does not raise).  False where it cannot be
+    (no ``redo``, the source changed, another layout came back): then it is bumped and
+    raises at backward, never the old values' gradient."""
+    e = _REDO.get(id(h))
+    if e is None or e[0]() is not h:
+        return False
+    root = e[1]()
+    if root is None:            # gone with its views, though a kernel's own copy of it may
+        return False            # be saved (matmul's reshape): bumped (saved_check raises)
+    try:
+        with torch.no_grad():
+            new = e[2]()
+            if new is None:
+                return False
+            nr = new if new._base is None else new._base
+            if nr.shape != root.shape or nr.stride() != root.stride() or \
+                    nr.dtype != root.dtype or nr.storage_offset() != root.storage_offset():
+                return False
+            root.data.copy_(nr)
+    except RuntimeError:        # (an overlapping root cannot be written)
+        return False
+    _stale(root)
+    return True
+
+
+_STALE: dict = {}       # id(a tensor written without a bump) -> (weakref to it, [count])
+
+
+def _stale_token(t):
+    k = id(t)
+    got = _STALE.get(k)
+    if got is None or got[0]() is not t:
+        got = _STALE[k] = (weakref.ref(t, lambda _: _STALE.pop(k, None)), [0])
+    return got[1]
+
+
+def _stale(root) -> None:
+    """``root``'s values changed without a version bump (a ``.data`` write, a refreshed
+    copy): a kernel's own copy of it that :func:`saved_check` watches is stale."""
+    got = _STALE.get(id(root))
+    if got is not None and got[0]() is root:
+        got[1][0] += 1
 
 
 def _node(outs):
@@ -213,6 +288,214 @@ def _forget(k):
 
 
 _DERIVED: dict = {}     # id(local tensor) -> (weakref to it, [weakrefs to copies' handles])
+
+
+# ---- detach_() -----------------------------------------------------------------------
+
+DETACHED_SAVED = ("Trying to use a saved tensor that has been detached in-place, i.e. with "
+                  ".detach_().This is not supported, please use out-of-place `.detach()` "
+                  "instead")     # torch/csrc/autograd/saved_variable.cpp, SavedVariable::unpack
+
+_TOKENS: dict = {}      # id(an operand watched by detach_check) -> (weakref to it, [set
+#                         by detached()])
+
+
+def _token(t):
+    k = id(t)
+    got = _TOKENS.get(k)
+    if got is None or got[0]() is not t:
+        got = _TOKENS[k] = (weakref.ref(t, lambda _: _TOKENS.pop(k, None)), [False])
+    return got[1]
+
+
+def detached(t) -> None:
+    """``t`` (a DistTensor's local tensor with history) is being detached in place
+    (``inplace._detach_``).  On one device an op that saved the tensor itself as an input
+    then raises torch's "Trying to use a saved tensor that has been detached in-place" at
+    backward (SavedVariable::unpack finds no grad_fn); one that saved a view of it, or its
+    own output (``exp``), does not.  Here an op may have saved a copy the dispatcher moved
+    (an all-reduced / gathered operand) or a view its kernel made, which keep their
+    history: backward answered where torch raises (inplace17's 12 strict xfails, e.g.
+    ``a = x.sigmoid(); z = a * x; a.detach_()`` over P(max)).  Sets ``t``'s token, which
+    the checks that :func:`detach_check` and :func:`guard_detach` made read at backward
+    (also where ``t`` is a view, which ``inplace._detach_`` replaces by a new tensor)."""
+    tok = _TOKENS.get(id(t))
+    if tok is not None and tok[0]() is t:
+        tok[1][0] = True
+
+
+def _detached_error(where: str) -> RuntimeError:
+    return RuntimeError(
+        f"{DETACHED_SAVED}\nOn DistTensors: {where} saved this tensor for backward (torch "
+        "raises the same on one device). Fix: use out-of-place x = x.detach() instead of "
+        "x.detach_()")
+
+
+def detach_check(ts):
+    """A check of ``ts`` (an op's local operands, each with history) for the op's
+    backward, for a kernel that saved a view of an operand where one device saves the
+    operand itself (``torch.matmul`` of stacked operands: expand and reshape views where
+    one device's ``mm`` saves the matrix): after ``a.detach_()`` torch raises at backward,
+    the view kept its history and answered.  Raises torch's RuntimeError where an operand
+    was detached in place since (:func:`detached`).
+    A copy the dispatcher moved (:func:`moved`) is checked by its source.  Each operand
+    is watched through a token :func:`detached` sets (the operand itself may be gone by
+    backward, where the kernel kept only a view of a copy: torch's saved variable would
+    have kept it)."""
+
+    # a copy the dispatcher moved (:func:`moved`): its source is the tensor detached
+    kept = [_token(s if s is not None and s.grad_fn is not None else t)
+            for t, s in ((t, source_of(t)) for t in ts)]
+
+    def check():
+        for tok in kept:
+            if tok[0]:
+                raise _detached_error("an op")
+    return check
+
+
+def guard_detach(outs, call, x, src_loc) -> None:
+    """The dispatcher read DistTensor input ``x`` (local ``src_loc``, with history) through
+    a copy it moved, for the op ``call`` (func, args, kwargs) whose local results are
+    ``outs``: after ``x.detach_()`` the op's backward raises torch's error where one
+    device's op saves ``x`` itself (the copy the local op saved keeps its history).
+    Whether it does is asked of torch at backward, on meta stand-ins of the call, and only
+    once ``x`` was detached in place (:func:`detached`): ``mul`` saves its operands, ``x * 2``
+    nothing of x, ``exp`` its output, ``F.linear`` a view of its weight (``w.t()``).  No
+    call known (validate.py): raised, as torch would for an input it saves."""
+    srcs = [t for t in storage.tensors(src_loc) if t.grad_fn is not None]
+    node = _node(outs) if srcs else None
+    if node is None:
+        return
+    toks = [_token(t) for t in srcs]
+    spec = None if call is None else _spec((call[1], call[2]), x)
+
+    def pre(grads):
+        for tok in toks:
+            if tok[0]:
+                if call is None or _saves_itself(call[0], spec):
+                    raise _detached_error(f"{getattr(call[0], '__name__', 'the op')}")
+                break
+        return None
+    node.register_prehook(pre)
+
+
+def guard_kernel(out, func, ins) -> None:
+    """A kernel ran one device's ``func`` on local operands ``ins`` ((local tensor or None,
+    its global shape) per positional argument of ``func``) in its own way (a custom
+    Function, views: ``F.linear``'s row-parallel ``_RankLinear``, which torch's
+    ``detach_()`` check does not reach: custom Functions' saved inputs are not checked):
+    after an operand's ``detach_()`` the local result ``out``'s backward raises torch's
+    error where one device's ``func`` saves that operand itself (asked of torch on meta
+    stand-ins, once per call shape)."""
+    held = [(i, t) for i, (t, _) in enumerate(ins) if t is not None and t.grad_fn is not None]
+    fn = getattr(out, "grad_fn", None)
+    if not held or fn is None:
+        return
+    spec = tuple(None if t is None else ("\0t", tuple(g), t.dtype, t.requires_grad, False)
+                 for t, g in ins)
+    toks = []
+    for i, t in held:           # (asked now, once per call shape: most products save a
+        if _saves_itself(func, (spec[:i] + (spec[i][:4] + (True,),) + spec[i + 1:], ())):
+            s = source_of(t)    # view of a 3-d input: nothing to watch)
+            toks.append(_token(s if s is not None and s.grad_fn is not None else t))
+    if not toks:
+        return
+
+    def pre(grads):
+        for tok in toks:
+            if tok[0]:
+                raise _detached_error(getattr(func, "__name__", "the op"))
+        return None
+    fn.register_prehook(pre)
+
+
+def _spec(a, x):
+    """``a`` (an op's args, kwargs) with each tensor as (kind, shape, dtype, requires_grad,
+    is ``x``), the rest as it is (hashable where the call's constants are)."""
+    from .dist_tensor import DistTensor
+    if isinstance(a, DistTensor):
+        return ("\0t", tuple(a.shape), a.dtype, a.requires_grad, a is x)
+    if isinstance(a, torch.Tensor):
+        return ("\0t", tuple(a.shape), a.dtype, a.requires_grad, False)
+    if isinstance(a, (list, tuple)):
+        return type(a)(_spec(v, x) for v in a) if type(a) in (list, tuple) else a
+    if isinstance(a, dict):
+        return tuple((k, _spec(v, x)) for k, v in a.items()) + ("\0d",)
+    return a
+
+
+_SAVES: dict = {}
+
+
+def _saves_itself(func, spec) -> bool:
+    """Whether one device's ``func`` of tensors laid out as ``spec`` saves the marked
+    input itself for backward: run on meta stand-ins under a saved-tensors hook (once
+    per call shape).  Unsure (the meta run failed): True (raise, never answer)."""
+    try:
+        hit = _SAVES.get((func, spec))
+    except TypeError:           # an unhashable constant: asked each time
+        hit = None
+    if hit is not None:
+        return hit
+    mark = []
+
+    def build(a):
+        if isinstance(a, tuple) and len(a) == 5 and isinstance(a[0], str) and a[0] == "\0t":
+            t = torch.empty(a[1], dtype=a[2], device="meta")
+            if a[3] and (a[2].is_floating_point or a[2].is_complex):
+                t.requires_grad_()
+            if a[4]:
+                mark.append(t)
+            return t
+        if type(a) is tuple and a[-1:] == ("\0d",):
+            return {k: build(v) for k, v in a[:-1]}
+        if type(a) in (list, tuple):
+            return type(a)(build(v) for v in a)
+        return a
+    got = []
+    try:
+        args, kwargs = build(spec[0]), build(spec[1]) if spec[1] else {}
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                lambda t: got.append(t) or t, lambda t: t):
+            func(*args, **kwargs)
+        out = any(t is m for t in got for m in mark)
+    except Exception:           # noqa: BLE001 - unsure: raise as torch would if saved
+        out = True
+    try:
+        _SAVES[(func, spec)] = out
+        if len(_SAVES) > 4096:
+            _SAVES.clear()
+    except TypeError:
+        pass
+    return out
+
+
+# ---- a copy the dispatcher moved, before the op runs -----------------------------------
+
+_SOURCE: dict = {}      # id(a moved copy's local tensor) -> (weakref to it, to its source)
+
+
+def moved(src_loc, loc) -> None:
+    """``loc`` (an op's input laid out anew by the dispatcher) was read from ``src_loc``
+    (the DistTensor's local tensors): :func:`source_of` answers the kernel that runs on
+    the copy (one device's operand had the source's strides: an expand's stride 0, which a
+    gather drops)."""
+    ss, cs = storage.tensors(src_loc), storage.tensors(loc)
+    if len(ss) != len(cs):
+        return
+    for s, c in zip(ss, cs):
+        if c is not s and c.dim() == s.dim():
+            k = id(c)
+            _SOURCE[k] = (weakref.ref(c, lambda _, k=k: _SOURCE.pop(k, None)), weakref.ref(s))
+
+
+def source_of(t):
+    """The local tensor the moved copy ``t`` was read from (:func:`moved`), else None."""
+    got = _SOURCE.get(id(t))
+    if got is None or got[0]() is not t:
+        return None
+    return got[1]()
 
 
 class _Unversioned(torch.autograd.Function):
@@ -265,15 +548,21 @@ def saved_check(ts):
     instructions a step before inplace15, 75.50M with the custom Function, 74.42M with a
     pre-hook, 74.15M now (+0.7%: 12 of gpt-tiny Hybrid(dp2, tp2)'s 13 products a step
     read an operand through matmul's copy); the toy TP step calls neither.)"""
-    kept = [(_handle(t), t._version, t.shape) for t in ts]
+    kept = []
+    for t in ts:
+        tok = _stale_token(t if t._base is None else t._base)   # (a .data write: _stale)
+        kept.append((_handle(t), t._version, t.shape, tok, tok[0]))
 
     def check():
-        for h, v, shape in kept:
-            if h._version != v:
+        for h, v, shape, tok, n in kept:
+            if h._version != v or tok[0] != n:
+                why = "" if h._version != v else (
+                    " (written through .data, which torch's saved tensor would read; the "
+                    "simulator's copy of it holds the old values)")
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been modified "
                     f"by an inplace operation: [{h.type()} {list(shape)}] is at version "
-                    f"{h._version}; expected version {v} instead. Hint: enable anomaly "
+                    f"{h._version}; expected version {v} instead{why}. Hint: enable anomaly "
                     "detection to find the operation that failed to compute its gradient, "
                     "with torch.autograd.set_detect_anomaly(True).")
     return check

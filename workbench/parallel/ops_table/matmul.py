@@ -29,7 +29,7 @@ from . import costs, linear_regather
 from ._util import align
 from .samples import Sample
 from .strategy import combine
-from .table import add_funcs, register
+from .table import TABLE, add_funcs, register
 
 T = torch.Tensor
 R = Replicate()
@@ -211,15 +211,19 @@ def _contiguous(g):
     return None if g is None else g.contiguous()
 
 
-def _batched(a, b, nd=0, a0=None, b0=None, ga=None, gb=None):
+def _batched(a, b, nd=0, a0=None, b0=None, ga=None, gb=None, srcs=None, op=torch.matmul):
     """torch.matmul; two 3-d operands with one batch size go straight to bmm, which is what
     matmul runs for them, without matmul's expand and reshape nodes in the autograd graph
     (8 ranks, toy TP step: ~14 us less per product, forward and backward).  ``a0``, ``b0``:
     the operands before ``align`` (``nd`` lead dims), whose one rank's matrices one device
-    multiplies; ``ga``, ``gb``: their global shapes (None: unknown).  Returns the product
-    and a check for its backward (None: nothing kept), which :func:`_dense_grad` runs."""
+    multiplies; ``ga``, ``gb``: their global shapes (None: unknown); ``srcs``: torch.matmul's
+    own operands (before a 1-d one's unsqueeze), where ``ga``, ``gb`` are theirs.  Returns
+    the product and a check for its backward (None: nothing kept), which
+    :func:`_dense_grad` runs."""
     if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
-        return torch.bmm(a, b), None
+        if srcs is None or _itself(a, srcs[0]) and _itself(b, srcs[1]):
+            return torch.bmm(a, b), None        # (an operand saved itself: torch's check)
+        return torch.bmm(a, b), _detach_guard(srcs, nd, ga, gb, op)
     if not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)):
         return torch.matmul(a, b), None
     # matmul may lay a stacked operand out by a copy and save that copy, where one
@@ -235,12 +239,18 @@ def _batched(a, b, nd=0, a0=None, b0=None, ga=None, gb=None):
     # reads the operands before align; no product of gpt-tiny takes a copy)
     a0 = a if a0 is None else a0
     b0 = b if b0 is None else b0
+    # (inplace18) a moved operand (the dispatcher's copy: a gather) lost the expand's
+    # stride 0 that decides one device's copy: its source's strides are read instead
+    sa0, sb0 = versions.source_of(a0), versions.source_of(b0)
+    oa0 = a0 if sa0 is None or sa0.shape[:nd] != a0.shape[:nd] else sa0
+    ob0 = b0 if sb0 is None or sb0.shape[:nd] != b0.shape[:nd] else sb0
     key = (a.shape, a.stride(), b.shape, b.stride(), a.requires_grad, b.requires_grad,
-           a0.shape, a0.stride(), b0.shape, b0.stride(), nd, ga, gb)
+           a0.shape, a0.stride(), b0.shape, b0.stride(), nd, ga, gb, oa0.stride(),
+           ob0.stride())
     keep = _KEEP.get(key)
     if keep is None:
         ca, cb = _copies(a, b)
-        oa, ob = _one_device_copies(a0, b0, nd, ga, gb) if a0.dim() - nd > 2 or \
+        oa, ob = _one_device_copies(oa0, ob0, nd, ga, gb) if a0.dim() - nd > 2 or \
             b0.dim() - nd > 2 else (False, False)
         keep = _KEEP[key] = (ca and not oa and b.requires_grad,
                              cb and not ob and a.requires_grad,
@@ -249,9 +259,66 @@ def _batched(a, b, nd=0, a0=None, b0=None, ga=None, gb=None):
         if len(_KEEP) > 4096:
             _KEEP.clear()
     y = torch.matmul(a.clone() if keep[2] else a, b.clone() if keep[3] else b)
+    check = None
     if keep[0] or keep[1]:
-        return y, versions.saved_check([t for t, k in zip((a, b), keep) if k])
-    return y, None
+        check = versions.saved_check([t for t, k in zip((a, b), keep) if k])
+    det = None if srcs is None or srcs[0].grad_fn is None and srcs[1].grad_fn is None \
+        else _detach_guard(srcs, nd, ga, gb, op)
+    if det is not None:
+        check = det if check is None else (lambda c=check: (det(), c()))
+    return y, check
+
+
+def _itself(t, src):
+    """``t`` (an operand bmm saves) is the DistTensor's own local tensor ``src``, or
+    ``src`` has no history: torch's own saved-variable check meets a ``detach_()``."""
+    return src.grad_fn is None or t is src and versions.source_of(src) is None
+
+
+def _detach_guard(srcs, nd, ga, gb, op=torch.matmul):
+    """One device's mm / mv / dot saves an operand itself: after ``a.detach_()`` its
+    backward raises torch's "detached in-place" error, where this kernel may have saved a
+    view of the operand (align's expand, matmul's reshape), which keeps its history
+    (inplace17's strict xfails over R-R@2d, S(0)-R@2d, S(1)@1d: backward answered).  The
+    check of the operands one device saves that have history (versions.detach_check), or
+    None."""
+    a, b = srcs
+    key = (a.shape, a.stride(), b.shape, b.stride(), a.requires_grad, b.requires_grad,
+           nd, ga, gb, op)
+    saves = _SAVES.get(key)
+    if saves is None:
+        saves = _SAVES[key] = _one_device_saves(srcs, nd, ga, gb, op)
+        if len(_SAVES) > 4096:
+            _SAVES.clear()
+    held = [t for t, k in zip(srcs, saves) if k and t.grad_fn is not None]
+    return versions.detach_check(held) if held else None
+
+
+_SAVES: dict = {}       # _detach_guard's key -> _one_device_saves
+
+
+def _one_device_saves(srcs, nd, ga, gb, op=torch.matmul):
+    """(a saved, b saved): whether one device's ``torch.matmul`` of operands of global
+    shapes ``ga``, ``gb`` laid out as one rank's ``srcs`` (``nd`` lead dims) saves each
+    operand itself for backward (``mm``, ``mv``, ``dot``; a view of it elsewhere: a 1-d
+    left operand's unsqueeze, a folded or expanded stacked one): asked of torch on meta
+    stand-ins by a saved-tensors hook (once per layout: :data:`_KEEP`)."""
+    a, b = (t[(0,) * nd] if nd else t for t in srcs)
+    a, b = _global_like(a, ga), _global_like(b, gb)
+    a, b = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            .requires_grad_(t.requires_grad) for t in (a, b))
+    got = []
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
+                lambda t: got.append(t) or t, lambda t: t):
+            op(a, b)
+    except RuntimeError:        # (saved-tensor hooks disabled): as ATen's _matmul_impl
+        da, db = a.dim(), b.dim()   # measured on torch 2.13: mm, mv, dot save themselves
+        if op is not torch.matmul:  # mm, bmm: both
+            return b.requires_grad, a.requires_grad
+        return (b.requires_grad and (da == 1 and db != 2 or da == 2 and db <= 2),
+                a.requires_grad and db <= 2)
+    return any(t is a for t in got), any(t is b for t in got)
 
 
 # (operands' sizes, strides, requires_grad, operands before align, nd, global shapes) ->
@@ -350,17 +417,29 @@ def _copies(a, b):
     return tuple(out)
 
 
-def _matmul_local(nd, ctx, a, b):
+def _mm_local(nd, ctx, a, b):
+    return _matmul_local(nd, ctx, a, b, torch.mm)
+
+
+def _bmm_local(nd, ctx, a, b):
+    # (torch.bmm saves both operands themselves, where torch.matmul of two 3-d ones saves
+    # views: the detach_() guard asks the op run, inplace18)
+    return _matmul_local(nd, ctx, a, b, torch.bmm)
+
+
+def _matmul_local(nd, ctx, a, b, op=torch.matmul):
     """torch.matmul on stacked tensors: a 1-d operand gets a size-1 dim that is dropped
     afterwards, as torch.matmul does (so (3,1,1) @ (1,) is (3, 1), (4,) @ (2,4,3) is (2, 3))."""
     la, lb = a.dim() - nd, b.dim() - nd
+    srcs = (a, b) if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad) \
+        else None
     if la == 1:
         a = a.unsqueeze(nd)                       # (lead, 1, k)
     if lb == 1:
         b = b.unsqueeze(-1)                       # (lead, k, 1)
     sa, sb = (None if s is None else tuple(s.shape) for s in ctx.in_specs[:2]) \
         if ctx is not None and len(ctx.in_specs) >= 2 else (None, None)
-    y, check = _batched(*align(nd, a, b), nd, a, b, sa, sb)
+    y, check = _batched(*align(nd, a, b), nd, a, b, sa, sb, srcs, op)
     y = _dense_grad(y, nd, check)
     if lb == 1:
         y = y.squeeze(-1)
@@ -382,11 +461,15 @@ register("matmul", [torch.matmul, T.matmul, T.__matmul__], parse=_matmul_parse,
                            Sample(torch.matmul, (g.rn(5), g.rn(5, 3)))])
 add_funcs("matmul", [(T.__rmatmul__, lambda a, b: _matmul_parse(b, a))])
 register("mm", [torch.mm, T.mm], parse=_mm_parse("mm", 2), rule=matmul_rule,
-         local=_matmul_local, cost=_MM_COST, op_class="matmul",
+         local=_mm_local, cost=_MM_COST, op_class="matmul",
          sample=lambda g: [Sample(torch.mm, (g.rn(5, 6), g.rn(6, 3)))])
 register("bmm", [torch.bmm, T.bmm], parse=_mm_parse("bmm", 3), rule=matmul_rule,
-         local=_matmul_local, cost=_MM_COST, op_class="matmul",
+         local=_bmm_local, cost=_MM_COST, op_class="matmul",
          sample=lambda g: [Sample(torch.bmm, (g.rn(2, 5, 3), g.rn(2, 3, 4)))])
+# the kernel asks which operand one device saves (_detach_guard): the dispatcher's own
+# detach_() guard of a moved input is not needed (versions.guard_detach)
+for _n in ("matmul", "mm", "bmm"):
+    TABLE[_n].extra["detach_guard"] = True
 
 
 # ---- linear: x @ w.T + b -------------------------------------------------------------
@@ -517,6 +600,20 @@ def _rank_linear(x, w):
     return _C_APPLY(_UNWRAP_DEAD(x), _UNWRAP_DEAD(w))
 
 def _linear_local(nd, ctx, x, w, b=None):
+    y = _linear_local_run(nd, ctx, x, w, b)
+    if ctx is not None and (x.grad_fn is not None or w.grad_fn is not None) and \
+            torch.is_grad_enabled() and len(ctx.in_specs) >= 2:
+        # x.detach_() later: raised where one device's F.linear saves x itself (a 2-d
+        # input: mm(x, w.t())); _RankLinear's saved inputs, the column path's x[0] and
+        # align's views keep their history (inplace18: F.linear(a, x); a.detach_() over
+        # S(1)@1d answered)
+        sp = ctx.in_specs
+        versions.guard_kernel(y, F.linear, [(x, sp[0].shape), (w, sp[1].shape)] + (
+            [] if b is None or len(sp) < 3 or sp[2] is None else [(b, sp[2].shape)]))
+    return y
+
+
+def _linear_local_run(nd, ctx, x, w, b=None):
     held = linear_regather.of(x)
     if held is not None and torch.is_grad_enabled():
         # sequence parallelism's gathered input: keep its shard, gather again in backward
@@ -608,6 +705,7 @@ register("linear", [F.linear], parse=_linear_parse, rule=linear_rule, local=_lin
          cost=costs.from_ops("linear", lambda ins, outs: (ins, {})), op_class="matmul",
          sample=lambda g: [Sample(F.linear, (g.rn(3, 5, 6), g.rn(4, 6), g.rn(4))),
                            Sample(F.linear, (g.rn(5, 6), g.rn(3, 6)))])
+TABLE["linear"].extra["detach_guard"] = True      # (versions.guard_kernel, as matmul's)
 
 
 # ---- einsum --------------------------------------------------------------------------
