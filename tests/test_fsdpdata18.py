@@ -254,19 +254,6 @@ def test_plain_tensor_write_in_the_module_gets_torchs_fix(wrap):
     assert "On DistTensors" not in msg and "clone() before writing" in msg, msg
 
 
-def test_disttensor_write_keeps_its_hint():
-    """A write into a saved DistTensor value keeps the DistTensor hint (once)."""
-    mesh = wb.Mesh.grid((2,), ["tp"])
-    w = wb.shard_tensor(torch.randn(4, 4), mesh, [wb.Replicate()]).requires_grad_()
-    y = w * 1.0
-    z = (y * y).sum()
-    with torch.no_grad():
-        y.add_(1.0)
-    with pytest.raises(RuntimeError) as e:
-        z.backward()
-    assert str(e.value).count("On DistTensors") == 1
-
-
 @pytest.mark.parametrize("target", ["lin2.weight", "w"])
 def test_disttensor_data_assignment_keeps_the_gradient(target):
     """``d.data = wb.shard_tensor(t, ...)`` between forward and backward on a module over

@@ -12,6 +12,18 @@ import workbench as wb
 from tests.test_fsdpdata17 import _mlp, _xy
 
 
+def chunk_diff(f, ref, n, k) -> float:
+    """The largest difference of rank ``k``'s gradient chunks (flat, padded to ``n``
+    equal chunks, as FSDP holds them) of wrapper ``f`` from one device's ``ref``."""
+    diff = 0.0
+    for (_, p), w in zip(f.named_parameters(), ref.parameters()):
+        flat = w.grad.reshape(-1)
+        flat = torch.cat([flat, flat.new_zeros(-flat.numel() % n)]).view(n, -1)[k]
+        g = p.grad.detach().as_subclass(torch.Tensor).reshape(-1)
+        diff = max(diff, (g - flat).abs().max().item())
+    return diff
+
+
 def main():
     wb.distributed.init(timeout_s=60)
     n, k = dist.get_world_size(), dist.get_rank()
@@ -32,12 +44,7 @@ def main():
             if case == "all" or k == 0:
                 m[2].weight.data.mul_(2)
             loss.backward()
-        diff = 0.0
-        for (name, p), w in zip(f.named_parameters(), ref.parameters()):
-            flat = w.grad.reshape(-1)
-            flat = torch.cat([flat, flat.new_zeros(-flat.numel() % n)]).view(n, -1)[k]
-            g = p.grad.detach().as_subclass(torch.Tensor).reshape(-1)
-            diff = max(diff, (g - flat).abs().max().item())
+        diff = chunk_diff(f, ref, n, k)
         regather = sum(e.label == "fsdp re-gather root" for e in tr.collectives())
         print(json.dumps({"rank": k, "case": case, "diff": diff, "regather": regather}),
               flush=True)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import workbench as wb
+from tests.dist_scripts.fsdpdata17_check import chunk_diff
 from tests.test_fsdpdata18 import _mix, _new, _xy
 
 
@@ -54,12 +55,7 @@ def main():
                 f.zero_grad()
             _written(m, case)
             loss.backward()
-        diff = 0.0
-        for (name, p), w in zip(f.named_parameters(), ref.parameters()):
-            flat = w.grad.reshape(-1)
-            flat = torch.cat([flat, flat.new_zeros(-flat.numel() % n)]).view(n, -1)[k]
-            g = p.grad.detach().as_subclass(torch.Tensor).reshape(-1)
-            diff = max(diff, (g - flat).abs().max().item())
+        diff = chunk_diff(f, ref, n, k)
         checks = [e for e in tr.collectives() if e.label == "fsdp kept-check root"]
         inner = f._wb_fully_shard.wrapper if case.startswith("fully_shard") else f
         kept = sum(len(c.kept.get(k, {})) for c in inner._calls.values())
