@@ -39,6 +39,7 @@ import re
 import weakref
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import storage
@@ -455,9 +456,12 @@ def _saves_itself(func, spec) -> bool:
         return a
     got = []
     try:
-        args, kwargs = build(spec[0]), build(spec[1]) if spec[1] else {}
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
-                lambda t: got.append(t) or t, lambda t: t):
+        # (outside the caller's dispatch modes: a dry run's meta_run provenance mode
+        # counted the probe's tensors as the program's activations)
+        with _disable_current_modes(), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: got.append(t) or t,
+                                                         lambda t: t):
+            args, kwargs = build(spec[0]), build(spec[1]) if spec[1] else {}
             func(*args, **kwargs)
         out = any(t is m for t in got for m in mark)
     except Exception:           # noqa: BLE001 - unsure: raise as torch would if saved

@@ -22,6 +22,7 @@ import string
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import versions
 from ..placement import Partial, Replicate, Shard
@@ -305,12 +306,13 @@ def _one_device_saves(srcs, nd, ga, gb, op=torch.matmul):
     stand-ins by a saved-tensors hook (once per layout: :data:`_KEEP`)."""
     a, b = (t[(0,) * nd] if nd else t for t in srcs)
     a, b = _global_like(a, ga), _global_like(b, gb)
-    a, b = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-            .requires_grad_(t.requires_grad) for t in (a, b))
     got = []
-    try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(
-                lambda t: got.append(t) or t, lambda t: t):
+    try:        # (outside the caller's dispatch modes, as versions._saves_itself)
+        with _disable_current_modes(), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: got.append(t) or t,
+                                                         lambda t: t):
+            a, b = (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                    .requires_grad_(t.requires_grad) for t in (a, b))
             op(a, b)
     except RuntimeError:        # (saved-tensor hooks disabled): as ATen's _matmul_impl
         da, db = a.dim(), b.dim()   # measured on torch 2.13: mm, mv, dot save themselves
