@@ -46,7 +46,7 @@ from . import storage
 
 __all__ = ["bump", "derive", "unversioned", "explained", "saved_check", "data_of",
            "param_written", "plain_forward", "OWN_FIX", "detached", "detach_check",
-           "guard_detach", "guard_kernel", "moved", "source_of"]
+           "guard_detach", "guard_kernel", "check_detached", "moved", "source_of"]
 
 # The hint of an error that names its fix itself (FSDP's version check of a gathered
 # weight, strategies/fsdp_units.check_version): :class:`explained` adds nothing to it
@@ -389,18 +389,33 @@ def guard_kernel(out, func, ins) -> None:
     after an operand's ``detach_()`` the local result ``out``'s backward raises torch's
     error where one device's ``func`` saves that operand itself (asked of torch on meta
     stand-ins, once per call shape)."""
-    held = [(i, t) for i, (t, _) in enumerate(ins) if t is not None and t.grad_fn is not None]
     fn = getattr(out, "grad_fn", None)
-    if not held or fn is None:
+    if fn is None:
         return
-    spec = tuple(None if t is None else ("\0t", tuple(g), t.dtype, t.requires_grad, False)
-                 for t, g in ins)
+    # (perf18) the call shape read once into one key, whose answer (the operands with
+    # history one device's func saves itself) is kept: per call a key and one lookup,
+    # where each call built torch's spec and asked _SAVES once per operand with history
+    key = [func]
+    for t, g in ins:
+        key.append(None if t is None else (tuple(g), t.dtype, t.requires_grad,
+                                           t.grad_fn is not None))
+    key = tuple(key)
+    idx = _GUARDS.get(key)
+    if idx is None:
+        idx = _GUARDS[key] = _guarded(func, ins)
+        if len(_GUARDS) > 4096:
+            _GUARDS.clear()
+    if not idx:
+        return
     toks = []
-    for i, t in held:           # (asked now, once per call shape: most products save a
-        if _saves_itself(func, (spec[:i] + (spec[i][:4] + (True,),) + spec[i + 1:], ())):
-            s = source_of(t)    # view of a 3-d input: nothing to watch)
-            toks.append(_token(s if s is not None and s.grad_fn is not None else t))
-    if not toks:
+    for i in idx:
+        t = ins[i][0]
+        s = source_of(t)
+        toks.append(_token(s if s is not None and s.grad_fn is not None else t))
+    if getattr(fn, "wb_detach_tokens", False) is None:
+        # a kernel's own Function whose backward checks them (check_detached: no
+        # hook registered, torch's Python _register_hook and a RemovableHandle a call)
+        fn.wb_detach_tokens = (toks, func)
         return
 
     def pre(grads):
@@ -409,6 +424,30 @@ def guard_kernel(out, func, ins) -> None:
                 raise _detached_error(getattr(func, "__name__", "the op"))
         return None
     fn.register_prehook(pre)
+
+
+def check_detached(ctx) -> None:
+    """In the backward of a kernel's own Function whose forward set
+    ``ctx.wb_detach_tokens = None``: raises torch's error where :func:`guard_kernel`
+    watched an operand (its hook's check, run here instead)."""
+    got = ctx.wb_detach_tokens
+    if got is not None:
+        for tok in got[0]:
+            if tok[0]:
+                raise _detached_error(getattr(got[1], "__name__", "the op"))
+
+
+_GUARDS: dict = {}      # guard_kernel's call shape -> _guarded's answer
+
+
+def _guarded(func, ins) -> tuple:
+    """The positions of ``ins`` (guard_kernel's) with history that one device's ``func``
+    saves itself (asked of torch on meta stand-ins: a view of a 3-d input is not)."""
+    spec = tuple(None if t is None else ("\0t", tuple(g), t.dtype, t.requires_grad, False)
+                 for t, g in ins)
+    return tuple(i for i, (t, _) in enumerate(ins) if t is not None and t.grad_fn is not None
+                 and _saves_itself(func, (spec[:i] + (spec[i][:4] + (True,),) +
+                                          spec[i + 1:], ())))
 
 
 def _spec(a, x):

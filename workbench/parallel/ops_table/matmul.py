@@ -521,10 +521,12 @@ class _RankLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
+        ctx.wb_detach_tokens = None     # versions.guard_kernel's, checked in backward
         return torch.bmm(x, w.transpose(1, 2))
 
     @staticmethod
     def backward(ctx, g):
+        versions.check_detached(ctx)
         x, w = ctx.saved_tensors
         gx = gw = None
         if g.stride(0) == 0:
