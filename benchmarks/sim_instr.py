@@ -53,6 +53,11 @@ batched path sums per rank then across tp: bits change, not done (it needs a bac
 its own that keeps those sums).  sim_overhead.py --only step --timer
 cpu --rounds 5, base then perf15, twice (load 18-37): toy 2.34x -> 2.22x, 2.44x -> 2.22x
 (still above the 2.0x target at this load).
+perf18 (inplace18's detach_() guards: versions.guard_kernel one answer per call shape, the
+row-parallel linear's check in its own backward instead of a prehook; base = d6b4f7b7,
+measured here): toy step (wb 100) 1,672.3K -> 1,660.6K -> 1,648.3K (before inplace18:
+1,621.9K); gpt 10: 75.19M -> 74.88M (inplace18's own cost there, matmul._batched's
+source lookups and the dispatcher's moved() registrations, left as it was).
 """
 from __future__ import annotations
 
