@@ -70,12 +70,19 @@ def run(mesh, level, x_pl, others):
         y = f(x, *os_)
         n = len(tr.events)
         (y * wb.shard_tensor(g, mesh, list(y.placements))).sum().backward()
-
-    def comm(evs):
-        return [[e.name, int(e.args["buffer_bytes"])] for e in evs
-                if e.stream == "comm" and rank in e.ranks]
     xr, ref = _reference(others)
     (ref * g).sum().backward()
+    return result(tr, n, rank, y, ref, x, xr)
+
+
+def result(tr, n, rank, y, ref, x, xr, sent=False) -> dict:
+    """One program's row: ``y``'s placements, the collectives of trace ``tr`` on ``rank``
+    before event ``n`` (forward) and after (backward), [kind, buffer bytes] each (and the
+    bytes sent, ``sent``), and ``y`` / ``x.grad``'s largest differences from plain
+    PyTorch's ``ref`` / ``xr.grad``."""
+    def comm(evs):
+        return [[e.name, int(e.args["buffer_bytes"])] + ([int(e.bytes)] if sent else [])
+                for e in evs if e.stream == "comm" and rank in e.ranks]
     return {"placements": [repr(p) for p in y.placements],
             "fwd": comm(tr.events[:n]), "bwd": comm(tr.events[n:]),
             "diff_out": float((y.full().detach() - ref.detach()).abs().max()),

@@ -7,18 +7,11 @@ plain PyTorch.  tests/test_uneven18.py runs the same programs on simulated ranks
 once, here: ``mesh`` is a simulated Mesh or a distributed one) and holds the two equal."""
 import json
 
-import torch
-
 import workbench as wb
+from tdway17_check import PROFILE, _v, result   # (tests/dist_scripts: the script's folder)
 from workbench.parallel import storage
 
 R, S = wb.Replicate, wb.Shard
-PROFILE = "a100"
-
-
-def _v(shape, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(-4, 5, shape, generator=g).double()    # small integers: exact sums
 
 
 def _mul(y, o):
@@ -71,18 +64,10 @@ def run(mesh, name):
         n = len(tr.events)
         g = _v(tuple(y.shape), 9)
         (y * wb.shard_tensor(g, mesh, list(y.placements))).sum().backward()
-
-    def comm(evs):
-        return [[e.name, int(e.args["buffer_bytes"]), int(e.bytes)] for e in evs
-                if e.stream == "comm" and rank in e.ranks]
     xr = _v(xs, 0).requires_grad_()
     ref = body(xr, *[_v(shape, k + 1) for k, (shape, _) in enumerate(others)])
     (ref * g).sum().backward()
-    return {"placements": [repr(p) for p in y.placements],
-            "fwd": comm(tr.events[:n]), "bwd": comm(tr.events[n:]),
-            "diff_out": float((y.full().detach() - ref.detach()).abs().max()),
-            "diff_grad": float((x.grad.full() - xr.grad).abs().max()),
-            "grad_placements": [repr(p) for p in x.grad.placements]}
+    return result(tr, n, rank, y, ref, x, xr, sent=True)
 
 
 def run_sp(mesh):
